@@ -1,0 +1,62 @@
+"""Build targets: ``cuda`` (with an sm_XX arch) and ``llvm`` (the host CPU), from ``configs/targets``.
+
+``resolve`` validates and returns a plain description; ``to_tvm`` makes the TVM Target (compiler
+side, imported lazily so this module also loads where only the TVM runtime is installed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any
+
+from .errors import FuselightError
+from .paths import config_dir
+
+SUPPORTED_KINDS = ("cuda", "llvm")
+_ARCH = re.compile(r"^sm_(\d{2,3})a?$")
+# Tensor-core paths (mma.sync with fp16/bf16) need sm_80 or newer.
+MIN_CUDA_ARCH = 80
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSpec:
+    kind: str
+    arch: str | None
+    options: dict[str, Any]
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.arch}" if self.arch else self.kind
+
+
+def resolve(kind: str, arch: str | None = None) -> TargetSpec:
+    """Validate ``kind``/``arch``; options come from ``configs/targets``."""
+    if kind not in SUPPORTED_KINDS:
+        raise FuselightError(f"unsupported target {kind!r}: expected one of {', '.join(SUPPORTED_KINDS)}")
+    if kind == "llvm":
+        if arch:
+            raise FuselightError(f"--arch {arch!r} applies to cuda targets only")
+        return TargetSpec("llvm", None, json.loads((config_dir() / "targets" / "llvm.json").read_text()))
+    arch = arch or "sm_90"
+    m = _ARCH.match(arch)
+    if not m:
+        raise FuselightError(f"unsupported arch {arch!r}: expected sm_XX such as sm_90")
+    if int(m.group(1)) < MIN_CUDA_ARCH:
+        raise FuselightError(f"unsupported arch {arch!r}: fuselight needs sm_{MIN_CUDA_ARCH} or newer")
+    options = json.loads((config_dir() / "targets" / "cuda-sm_90.json").read_text())
+    options["arch"] = arch
+    return TargetSpec("cuda", arch, options)
+
+
+def to_tvm(spec: TargetSpec):  # -> tvm.target.Target
+    import tvm
+
+    if spec.kind == "llvm":
+        return tvm.target.Target({"kind": "llvm", "host": {"kind": "llvm"}})
+    return tvm.target.Target(dict(spec.options, host={"kind": "llvm"}))
