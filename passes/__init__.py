@@ -1,0 +1,1 @@
+"""fuselight graph passes (Relax), each a ``tvm.transform.Pass``."""

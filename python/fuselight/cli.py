@@ -1,0 +1,144 @@
+"""The ``fuselight`` command line: compile, demo, bench, report.
+
+Bad input (unknown preset, bad config field, unsupported target, arch or dtype, a library built for
+another GPU) prints ``error: ...`` in one line and exits with code 2. Compiler-side modules are
+imported inside the commands that need them: ``bench run`` and ``bench e2e`` run on a GPU host that
+has only the TVM runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .errors import FuselightError
+
+
+def _model_config(spec: str, dtype: str | None):
+    from . import config
+
+    cfg = config.load(spec)
+    return cfg.with_dtype(dtype) if dtype else cfg
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from . import compile as fc
+    from .target import resolve
+
+    cfg = _model_config(args.model, args.dtype)
+    spec = resolve(args.target, args.arch)
+    built = fc.build(cfg, spec, args.pipeline)
+    out = fc.export(built, Path(args.output), aot_cuda=not args.no_aot)
+    s = built.stats
+    print(
+        f"{out}: {cfg.name} {cfg.dtype} {spec.name} pipeline={args.pipeline} kernels={s.kernels} "
+        f"launches/decode-step={s.launches_per_decode_step} ({built.compile_seconds:.1f} s)"
+    )
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    run_demo(_model_config(args.model, args.dtype), prompt_len=args.prompt_len, decode_steps=args.decode_steps, seed=args.seed)
+    return 0
+
+
+def cmd_bench_build(args: argparse.Namespace) -> int:
+    from .bench.kernels import build_suite
+
+    manifest = build_suite(Path(args.out), target_arch=args.arch, cases=args.cases)
+    print(f"kernel suite built: {manifest}")
+    return 0
+
+
+def cmd_bench_run(args: argparse.Namespace) -> int:
+    from .bench.kernels import run_suite
+
+    run_suite(Path(args.manifest), Path(args.output), cases=args.cases)
+    return 0
+
+
+def cmd_bench_e2e(args: argparse.Namespace) -> int:
+    from .bench.e2e import run_e2e
+
+    libs = {}
+    for item in args.lib:
+        impl, sep, path = item.partition("=")
+        if not sep:
+            raise FuselightError(f"--lib {item!r}: expected IMPL=PATH, e.g. baseline=llama-baseline.so")
+        libs[impl] = Path(path)
+    run_e2e(libs, args.model, Path(args.output), torch=not args.no_torch)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import make_report
+
+    out = make_report(Path(args.results), Path(args.out_dir) if args.out_dir else Path(args.results).parent)
+    print(f"report written: {out}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fuselight", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compile", help="compile a LLaMA model into a library")
+    c.add_argument("--model", required=True, help="preset name (configs/models) or a config.json path")
+    c.add_argument("--target", required=True, help="cuda or llvm")
+    c.add_argument("--arch", default=None, help="CUDA arch, e.g. sm_90 (cuda only; default sm_90)")
+    c.add_argument("--pipeline", default="fuselight", help="baseline or fuselight")
+    c.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: the config's)")
+    c.add_argument("-o", "--output", required=True, help="library path, e.g. llama.so")
+    c.add_argument("--no-aot", action="store_true", help="keep CUDA as source (compiled when loaded)")
+    c.set_defaults(func=cmd_compile)
+
+    d = sub.add_parser("demo", help="tiny LLaMA through both pipelines on the CPU, compared")
+    d.add_argument("--model", default="tiny-llama")
+    d.add_argument("--dtype", default=None)
+    d.add_argument("--prompt-len", type=int, default=13)
+    d.add_argument("--decode-steps", type=int, default=8)
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="benchmarks: build (build host), run / e2e (GPU host)")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    bb = bsub.add_parser("build", help="compile the kernel suite for the GPU")
+    bb.add_argument("out", help="output directory")
+    bb.add_argument("--arch", default="sm_90")
+    bb.add_argument("--cases", nargs="*", default=None)
+    bb.set_defaults(func=cmd_bench_build)
+    br = bsub.add_parser("run", help="run the kernel suite (GPU host)")
+    br.add_argument("manifest", help="manifest.json written by 'bench build'")
+    br.add_argument("-o", "--output", required=True, help="results JSON")
+    br.add_argument("--cases", nargs="*", default=None)
+    br.set_defaults(func=cmd_bench_run)
+    be = bsub.add_parser("e2e", help="end-to-end LLaMA suite (GPU host)")
+    be.add_argument("--model", default="llama-3-8b")
+    be.add_argument("--lib", action="append", default=[], help="IMPL=PATH, e.g. baseline=build/llama-baseline.so")
+    be.add_argument("--no-torch", action="store_true", help="skip the transformers comparison")
+    be.add_argument("-o", "--output", required=True, help="results JSON")
+    be.set_defaults(func=cmd_bench_e2e)
+
+    r = sub.add_parser("report", help="Markdown table and plots from a results JSON")
+    r.add_argument("results")
+    r.add_argument("-o", "--out-dir", default=None)
+    r.set_defaults(func=cmd_report)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except FuselightError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

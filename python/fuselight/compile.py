@@ -1,0 +1,150 @@
+"""Compile our LLaMA model with a named pipeline into a library and its metadata sidecar.
+
+The sidecar ``LIB.json`` records what the runtime must know before loading (target, arch, model
+config, pipeline, baseline source, versions) and, for CUDA, the ahead-of-time cubins in
+``LIB.cuda/`` keyed by the hash of each CUDA source, so the GPU host needs no compiler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import ModelConfig
+from .errors import FuselightError
+from .target import TargetSpec
+
+PIPELINES = ("baseline", "fuselight")
+# TVM's paged KV cache launches these kernels for one decode attention call of one layer:
+# q/k rotary split, K/V append into pages, the decode attention kernel.
+KV_CACHE_KERNELS_PER_DECODE_ATTENTION = 3
+_ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStats:
+    """Static counts from the module as the pipeline leaves it (before code generation)."""
+
+    kernels: int  # PrimFuncs the module carries
+    launches_per_decode_step: int  # PrimFunc calls in `decode` + the paged KV cache's kernels
+    decode_kernels: tuple[str, ...]  # PrimFuncs `decode` calls, in call order (repeats kept)
+
+
+@dataclasses.dataclass
+class Built:
+    config: ModelConfig
+    target: TargetSpec
+    pipeline: str
+    executable: Any  # tvm.relax.VMExecutable
+    stats: KernelStats
+    compile_seconds: float
+    param_names: list[str]
+
+
+def _pipeline_pass(name: str, tvm_target: Any):
+    from . import pipeline as pl
+
+    return pl.baseline_pipeline(tvm_target) if name == "baseline" else pl.fuselight_pipeline(tvm_target)
+
+
+def kernel_stats(mod: Any) -> KernelStats:
+    """Count PrimFuncs and the kernel launches one call of ``decode`` makes."""
+    from tvm import relax, tirx
+
+    prims = {gv: f for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
+    calls: list[str] = []
+    attention_calls = 0
+
+    # After CallTIRRewrite a kernel call is a Call whose op is the PrimFunc's GlobalVar, and the
+    # KV cache's attention is a Call of an ExternFunc.
+    def visit(expr: Any) -> None:
+        nonlocal attention_calls
+        if not isinstance(expr, relax.Call):
+            return
+        if isinstance(expr.op, relax.GlobalVar) and expr.op in prims:
+            calls.append(expr.op.name_hint)
+        elif isinstance(expr.op, relax.ExternFunc) and expr.op.global_symbol == _ATTENTION_BUILTIN:
+            attention_calls += 1
+
+    decode = next((f for gv, f in mod.functions.items() if gv.name_hint == "decode"), None)
+    if decode is None:
+        raise FuselightError("module has no 'decode' function")
+    relax.analysis.post_order_visit(decode, visit)
+    return KernelStats(
+        kernels=len(prims),
+        launches_per_decode_step=len(calls) + KV_CACHE_KERNELS_PER_DECODE_ATTENTION * attention_calls,
+        decode_kernels=tuple(calls),
+    )
+
+
+def build(config: ModelConfig, target: TargetSpec, pipeline: str) -> Built:
+    """Export our model for ``target``, run ``pipeline`` over it, and compile."""
+    if pipeline not in PIPELINES:
+        raise FuselightError(f"unknown pipeline {pipeline!r}: expected one of {', '.join(PIPELINES)}")
+    import tvm
+
+    from .model.llama import export_module
+    from .target import to_tvm
+
+    tvm_target = to_tvm(target)
+    start = time.perf_counter()
+    mod, params = export_module(config, tvm_target)
+    seq = _pipeline_pass(pipeline, tvm_target)
+    with tvm_target:
+        lowered = seq(mod)
+    stats = kernel_stats(lowered)
+    executable = tvm.compile(lowered, target=tvm_target, relax_pipeline=None)
+    return Built(
+        config=config,
+        target=target,
+        pipeline=pipeline,
+        executable=executable,
+        stats=stats,
+        compile_seconds=time.perf_counter() - start,
+        param_names=[name for name, _, _ in params],
+    )
+
+
+def metadata(built: Built) -> dict[str, Any]:
+    import tvm
+
+    from .pipeline import baseline_source
+
+    return {
+        "format": 1,
+        "target": built.target.kind,
+        "arch": built.target.arch,
+        "pipeline": built.pipeline,
+        "baseline_source": baseline_source(),
+        "model": dataclasses.asdict(built.config),
+        "param_names": built.param_names,
+        "stats": dataclasses.asdict(built.stats),
+        "tvm_version": tvm.__version__,
+        "compile_seconds": round(built.compile_seconds, 2),
+        "cuda_sources": {},
+    }
+
+
+def export(built: Built, path: Path, *, aot_cuda: bool = True) -> Path:
+    """Write ``path`` (the library), ``path.json`` (metadata) and, for CUDA, ``path.cuda/`` cubins."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = metadata(built)
+    if built.target.is_gpu and aot_cuda:
+        from .runtime import aot_compile_cuda
+
+        meta["cuda_sources"] = aot_compile_cuda(built.executable, aot_dir(path), built.target.arch)
+    built.executable.export_library(str(path))
+    metadata_path(path).write_text(json.dumps(meta, indent=1, default=str))
+    return path
+
+
+def metadata_path(library: Path) -> Path:
+    return Path(str(library) + ".json")
+
+
+def aot_dir(library: Path) -> Path:
+    return Path(str(library) + ".cuda")

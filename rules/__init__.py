@@ -1,0 +1,1 @@
+"""fuselight schedule rules (DLight style)."""

@@ -1,0 +1,92 @@
+"""Bad input reaches the user as one line naming the problem, exit code 2, no traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fuselight.cli import main
+
+
+def _fails(capsys, argv, *needles):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def test_unknown_preset(capsys):
+    _fails(capsys, ["compile", "--model", "llama-99b", "--target", "llvm", "-o", "x.so"], "llama-99b", "tiny-llama")
+
+
+def test_malformed_config_json(capsys, tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{ not json")
+    _fails(capsys, ["compile", "--model", str(bad), "--target", "llvm", "-o", "x.so"], "not valid JSON")
+
+
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("hidden_act", "gelu", "hidden_act"),
+        ("model_type", "mistral", "model_type"),
+        ("num_key_value_heads", 3, "num_key_value_heads"),
+        ("hidden_size", "4096", "hidden_size"),
+        ("vocab_size", -5, "vocab_size"),
+        ("torch_dtype", "int8", "torch_dtype"),
+        ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling"),
+    ],
+)
+def test_unsupported_config_field(capsys, tmp_path, field, value, needle):
+    from fuselight.paths import config_dir
+
+    raw = json.loads((config_dir() / "models" / "tiny-llama.json").read_text())
+    raw[field] = value
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    _fails(capsys, ["compile", "--model", str(path), "--target", "llvm", "-o", "x.so"], needle)
+
+
+def test_missing_config_field(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    _fails(capsys, ["compile", "--model", str(path), "--target", "llvm", "-o", "x.so"], "missing field")
+
+
+@pytest.mark.parametrize(
+    "target,arch,needle",
+    [("rocm", None, "unsupported target 'rocm'"), ("cuda", "sm_70", "sm_70"), ("cuda", "hopper", "hopper"), ("llvm", "sm_90", "cuda targets only")],
+)
+def test_bad_target_or_arch(capsys, target, arch, needle):
+    argv = ["compile", "--model", "tiny-llama", "--target", target, "-o", "x.so"]
+    if arch:
+        argv += ["--arch", arch]
+    _fails(capsys, argv, needle)
+
+
+def test_unsupported_dtype(capsys):
+    _fails(capsys, ["compile", "--model", "tiny-llama", "--target", "llvm", "--dtype", "int4", "-o", "x.so"], "int4")
+
+
+def test_bad_pipeline(capsys, tmp_path):
+    _fails(capsys, ["compile", "--model", "tiny-llama", "--target", "llvm", "--pipeline", "fast", "-o", str(tmp_path / "x.so")], "fast")
+
+
+def test_subprocess_exit_code_and_no_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "fuselight", "compile", "--model", "nope", "--target", "llvm", "-o", "x.so"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("error: unknown model preset 'nope'")
+
+
+def test_import_fuselight_imports_no_tvm():
+    code = "import sys, fuselight, fuselight.config, fuselight.target, fuselight.cli; print(any(m == 'tvm' or m.startswith('tvm.') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"
