@@ -1,0 +1,132 @@
+"""Run a compiled LLaMA step by step: one sequence, prefill then decode, over the TIR paged KV cache.
+
+Runtime only (``tvm.runtime`` + NumPy), so it works where the TVM compiler is not installed. The
+VM functions are those ``fuselight.model.llama.export_module`` documents.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tvm
+
+from .config import ModelConfig
+from .errors import FuselightError
+from .model.weights import param_names_and_shapes
+
+_SEQ_ID = 0
+# One sequence at a time; no sliding window.
+_MAX_BATCH_SIZE = 1
+_SLIDING_WINDOW = 0
+
+
+class Engine:
+    """Drives ``embed``/``prefill``/``decode`` of a compiled model for one sequence (id 0)."""
+
+    def __init__(
+        self,
+        vm: Any,
+        params: list,
+        config: ModelConfig,
+        device: Any,
+        *,
+        max_total_seq_len: int = 4096,
+        prefill_chunk_size: int = 2048,
+        page_size: int = 16,
+    ) -> None:
+        """``vm``: a ``tvm.runtime.vm.VirtualMachine``; ``params``: tensors on ``device`` in
+        ``param_names_and_shapes(config)`` order."""
+        expected = param_names_and_shapes(config)
+        if len(params) != len(expected):
+            raise FuselightError(f"model {config.name!r} takes {len(expected)} parameters, got {len(params)}")
+        for (name, shape), p in zip(expected, params, strict=True):
+            if tuple(p.shape) != shape:
+                raise FuselightError(f"parameter {name!r} has shape {tuple(p.shape)}, expected {shape}")
+            if str(p.dtype) != config.dtype:
+                raise FuselightError(f"parameter {name!r} has dtype {p.dtype}, expected {config.dtype}")
+        sizes = {
+            "max_total_seq_len": max_total_seq_len,
+            "prefill_chunk_size": prefill_chunk_size,
+            "page_size": page_size,
+        }
+        for key, value in sizes.items():
+            if value <= 0:
+                raise FuselightError(f"{key} must be positive, got {value}")
+        self.config = config
+        self.device = device
+        self.max_total_seq_len = max_total_seq_len
+        self.prefill_chunk_size = prefill_chunk_size
+        # Packed once: the VM functions take all weights as one tuple argument.
+        self._params = tvm.runtime.convert(list(params))
+        self._embed = vm["embed"]
+        self._prefill = vm["prefill"]
+        self._decode = vm["decode"]
+        self._add_sequence = tvm.get_global_func("vm.builtin.kv_state_add_sequence")
+        self._begin_forward = tvm.get_global_func("vm.builtin.kv_state_begin_forward")
+        self._end_forward = tvm.get_global_func("vm.builtin.kv_state_end_forward")
+        self._clear = tvm.get_global_func("vm.builtin.kv_state_clear")
+        self._reshape = tvm.get_global_func("vm.builtin.reshape")
+        shape = tvm.runtime.ShapeTuple
+        self._kv_cache = vm["create_tir_paged_kv_cache"](
+            shape([_MAX_BATCH_SIZE]),
+            shape([max_total_seq_len]),
+            shape([prefill_chunk_size]),
+            shape([page_size]),
+            shape([_SLIDING_WINDOW]),
+        )
+        self._length = 0
+        self._add_sequence(self._kv_cache, _SEQ_ID)
+
+    def reset(self) -> None:
+        """Start a fresh sequence: the KV cache is emptied."""
+        self._clear(self._kv_cache)
+        self._add_sequence(self._kv_cache, _SEQ_ID)
+        self._length = 0
+
+    def _step(self, fn: Any, token_ids: np.ndarray) -> Any:
+        n = int(token_ids.size)
+        # A fresh host array and device tensor per step: the VM may keep inputs alive.
+        ids = tvm.runtime.tensor(np.array(token_ids, dtype=np.int32), device=self.device)
+        embed = self._reshape(self._embed(ids, self._params), tvm.runtime.ShapeTuple([1, n, self.config.hidden_size]))
+        self._begin_forward(self._kv_cache, tvm.runtime.ShapeTuple([_SEQ_ID]), tvm.runtime.ShapeTuple([n]))
+        logits, self._kv_cache = fn(embed, self._kv_cache, self._params)
+        self._end_forward(self._kv_cache)
+        # begin_forward reuses host-side staging buffers; the next step must not overwrite them
+        # while this one's copies are in flight.
+        self.device.sync()
+        self._length += n
+        return logits
+
+    def _check_room(self, n: int) -> None:
+        if self._length + n > self.max_total_seq_len:
+            raise FuselightError(
+                f"sequence of {self._length + n} tokens exceeds max_total_seq_len {self.max_total_seq_len}"
+            )
+
+    def _check_ids(self, ids: np.ndarray) -> None:
+        bad = (ids < 0) | (ids >= self.config.vocab_size)
+        if bad.any():
+            raise FuselightError(f"token id {int(ids[bad][0])} outside vocabulary [0, {self.config.vocab_size})")
+
+    def prefill(self, token_ids: np.ndarray) -> Any:
+        """Append ``token_ids`` (int [n]) in chunks of ``prefill_chunk_size``; float32 logits
+        ``[1, 1, vocab]`` of the last position, on the device."""
+        ids = np.asarray(token_ids).reshape(-1)
+        if ids.size == 0:
+            raise FuselightError("prefill needs at least one token")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise FuselightError(f"token ids must be integers, got {ids.dtype}")
+        self._check_ids(ids)
+        self._check_room(ids.size)
+        logits = None
+        for start in range(0, ids.size, self.prefill_chunk_size):
+            logits = self._step(self._prefill, ids[start : start + self.prefill_chunk_size])
+        return logits
+
+    def decode(self, token_id: int) -> Any:
+        """Append one token; float32 logits ``[1, 1, vocab]`` on the device."""
+        ids = np.array([int(token_id)])
+        self._check_ids(ids)
+        self._check_room(1)
+        return self._step(self._decode, ids)

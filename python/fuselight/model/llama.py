@@ -1,0 +1,203 @@
+"""The LLaMA family (Llama 2 and 3) as a Relax ``nn`` module, laid out the way MLC-LLM compiles it.
+
+Fused ``qkv_proj`` and ``gate_up_proj`` linears without bias, matmuls in the model dtype, RMSNorm,
+attention through a TIR paged KV cache that applies RoPE itself (normal mode, rotate-half layout, the
+same as Hugging Face checkpoints), logits in float32. Batch 1, sequence length symbolic.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+
+from ..config import ModelConfig
+from .weights import hf_rope_scaling
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        self.num_q_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=False)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
+        b, s, _ = x.shape
+        qkv = op.reshape(self.qkv_proj(x), (b, s, self.num_q_heads + 2 * self.num_kv_heads, self.head_dim))
+        out = kv_cache.attention_with_fused_qkv(layer_id, qkv, self.num_q_heads, sm_scale=self.head_dim**-0.5)
+        return self.o_proj(op.reshape(out, (b, s, self.num_q_heads * self.head_dim)))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(op.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    # Attributes in ``ModelConfig.weight_shapes()`` order: the exporter lists parameters in
+    # attribute order, and that is the order of the compiled functions' packed params.
+    def __init__(self, config: ModelConfig) -> None:
+        eps = config.rms_norm_eps
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, -1, eps, bias=False)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, -1, eps, bias=False)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv_cache, layer_id)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.norm = nn.RMSNorm(config.hidden_size, -1, config.rms_norm_eps, bias=False)
+
+    def forward(self, x: Tensor, kv_cache: PagedKVCache) -> Tensor:
+        for layer_id, layer in enumerate(self.layers):
+            x = layer(x, kv_cache, layer_id)
+        return self.norm(x)
+
+
+def _last_position(x: Tensor) -> Tensor:
+    """``x[:, -1:, :]`` for a symbolic sequence length."""
+
+    def compute(t: te.Tensor) -> te.Tensor:
+        b, s, h = t.shape
+        return te.compute((b, 1, h), lambda i, _, k: t[i, s - 1, k], name="last_position")
+
+    return op.tensor_expr_op(compute, name_hint="last_position", args=[x])
+
+
+class LlamaForCausalLM(nn.Module):
+    """LLaMA with ``embed``/``prefill``/``decode`` entry points over a TIR paged KV cache."""
+
+    def __init__(self, config: ModelConfig, target: tvm.target.Target) -> None:
+        self.model = LlamaModel(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.config = config
+        self.target = target
+        self.to(config.dtype)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        if self.config.tie_word_embeddings:
+            weight = op.permute_dims(self.model.embed_tokens.weight)
+            return op.matmul(hidden, weight, out_dtype="float32")
+        logits = self.lm_head(hidden)
+        return logits if logits.dtype == "float32" else logits.astype("float32")
+
+    def prefill(self, input_embed: Tensor, paged_kv_cache: PagedKVCache) -> tuple[Tensor, PagedKVCache]:
+        hidden = _last_position(self.model(input_embed, paged_kv_cache))
+        return self._logits(hidden), paged_kv_cache
+
+    def decode(self, input_embed: Tensor, paged_kv_cache: PagedKVCache) -> tuple[Tensor, PagedKVCache]:
+        return self._logits(self.model(input_embed, paged_kv_cache)), paged_kv_cache
+
+    def create_tir_paged_kv_cache(
+        self,
+        max_batch_size: tirx.Var,
+        max_total_seq_len: tirx.Var,
+        prefill_chunk_size: tirx.Var,
+        page_size: tirx.Var,
+        support_sliding_window: tirx.Var,
+    ) -> PagedKVCache:
+        c = self.config
+        return TIRPagedKVCache(
+            attn_kind="mha",
+            max_batch_size=max_batch_size,
+            max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size,
+            page_size=page_size,
+            support_sliding_window=support_sliding_window,
+            layer_partition=relax.ShapeExpr([0, c.num_hidden_layers]),
+            num_hidden_layers=c.num_hidden_layers,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            qk_head_dim=c.head_dim,
+            v_head_dim=c.head_dim,
+            mla_original_qk_head_dim=0,
+            mla_original_v_head_dim=0,
+            rope_mode=RopeMode.NORMAL,
+            rope_scale=1,
+            rope_theta=c.rope_theta,
+            # TVM reads llama3 scaling in Hugging Face's form; an empty dict means plain RoPE.
+            rope_scaling=hf_rope_scaling(c) or {},
+            # No longrope extension factors: the runtime reads integer 0 as "none".
+            rope_ext_factors=relax.prim_value(0),
+            rotary_dim=c.head_dim,
+            enable_disaggregation=False,
+            dtype=c.dtype,
+            target=self.target,
+        )
+
+    def module_spec(self) -> nn.spec.ModuleSpec:
+        """The exported functions' inputs: batch 1, ``seq_len`` symbolic, params packed."""
+        c = self.config
+        packed = {"param_mode": "packed", "effect_mode": "none"}
+        cache = nn.spec.Object(object_type=PagedKVCache)
+        return nn.spec.ModuleSpec.from_raw(
+            {
+                "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), "$": packed},
+                "prefill": {
+                    "input_embed": nn.spec.Tensor([1, "seq_len", c.hidden_size], c.dtype),
+                    "paged_kv_cache": cache,
+                    "$": packed,
+                },
+                "decode": {
+                    "input_embed": nn.spec.Tensor([1, 1, c.hidden_size], c.dtype),
+                    "paged_kv_cache": cache,
+                    "$": packed,
+                },
+                "create_tir_paged_kv_cache": {
+                    "max_batch_size": int,
+                    "max_total_seq_len": int,
+                    "prefill_chunk_size": int,
+                    "page_size": int,
+                    "support_sliding_window": int,
+                    "$": {"param_mode": "none", "effect_mode": "none"},
+                },
+            },
+            self,
+        )
+
+
+def export_module(
+    config: ModelConfig, target: tvm.target.Target
+) -> tuple[tvm.IRModule, list[tuple[str, tuple[int, ...], str]]]:
+    """The model as a Relax IRModule plus its parameters as ``(name, shape, dtype)``.
+
+    Functions (batch 1, ``seq_len`` symbolic); ``params`` is ONE packed argument, the tuple of
+    all weights in the returned order (``ModelConfig.weight_shapes()`` order), as MLC-LLM's
+    ``param_mode: packed``:
+
+    - ``embed(input_ids: int32[seq_len], params) -> [seq_len, hidden]``
+    - ``prefill(input_embed: [1, seq_len, hidden], paged_kv_cache, params)
+      -> (float32 logits [1, 1, vocab] of the last position, paged_kv_cache)``
+    - ``decode(input_embed: [1, 1, hidden], paged_kv_cache, params) -> (float32 [1, 1, vocab], paged_kv_cache)``
+    - ``create_tir_paged_kv_cache(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+      support_sliding_window)`` (shape-tuple ints) ``-> paged_kv_cache``
+
+    ``target`` picks the cache's attention kernels (CPU ones for ``llvm``).
+    """
+    model = LlamaForCausalLM(config, target)
+    mod, named_params = model.export_tvm(spec=model.module_spec(), allow_extern=False)
+    params = [(name, tuple(int(d) for d in p.shape), str(p.dtype)) for name, p in named_params]
+    # The weight loaders feed tensors in weight_shapes() order; a drift here would mis-assign weights.
+    expected = list(config.weight_shapes().items())
+    if [(n, s) for n, s, _ in params] != expected:
+        raise AssertionError("exported parameter list differs from ModelConfig.weight_shapes()")
+    return mod, params

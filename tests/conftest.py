@@ -1,0 +1,63 @@
+"""Shared test helpers: our model compiled for the CPU, once per config per session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from fuselight.config import ModelConfig
+
+
+def compile_for_cpu(config: ModelConfig) -> tuple[Any, Any]:
+    """Our model compiled for ``llvm`` with TVM's default CPU pipeline: ``(vm, device)``."""
+    import tvm
+    from fuselight.model.llama import export_module
+    from fuselight.target import resolve, to_tvm
+    from tvm import relax
+
+    target = to_tvm(resolve("llvm"))
+    mod, _ = export_module(config, target)
+    executable = tvm.compile(mod, target=target, relax_pipeline=relax.get_default_pipeline(target))
+    device = tvm.cpu()
+    return relax.VirtualMachine(executable, device), device
+
+
+@pytest.fixture(scope="session")
+def cpu_model() -> Callable[[ModelConfig], tuple[Any, Any]]:
+    """``cpu_model(config) -> (vm, device)``, compiling each distinct config once per session."""
+    cache: dict[ModelConfig, tuple[Any, Any]] = {}
+
+    def get(config: ModelConfig) -> tuple[Any, Any]:
+        if config not in cache:
+            cache[config] = compile_for_cpu(config)
+        return cache[config]
+
+    return get
+
+
+def relative_error(out: Any, ref: Any) -> float:
+    """``||out - ref|| / ||ref||`` in float64."""
+    import numpy as np
+
+    out, ref = np.asarray(out, dtype=np.float64).reshape(-1), np.asarray(ref, dtype=np.float64).reshape(-1)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def compare_with_reference(
+    vm: Any, device: Any, config: ModelConfig, weights: dict, prompt: Any, decode_ids: list[int], **engine_args: Any
+) -> list[float]:
+    """Prefill ``prompt`` then decode ``decode_ids`` on our compiled model and on the float64
+    reference; the relative error of each step's last-position logits."""
+    import tvm
+    from fuselight.engine import Engine
+    from fuselight.model.weights import hf_config, to_hf_state
+    from reference_llama import ReferenceLlama
+
+    params = [tvm.runtime.tensor(w, device=device) for w in weights.values()]
+    engine = Engine(vm, params, config, device, **engine_args)
+    reference = ReferenceLlama(hf_config(config), to_hf_state(config, weights))
+    errors = [relative_error(engine.prefill(prompt).numpy(), reference.prefill(prompt))]
+    for token in decode_ids:
+        errors.append(relative_error(engine.decode(token).numpy(), reference.decode(token)))
+    return errors

@@ -1,0 +1,132 @@
+"""Our LLaMA compiled for the CPU against the float64 NumPy reference: prefill + decode logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from conftest import compare_with_reference, relative_error
+from fuselight import FuselightError, config
+from fuselight.engine import Engine
+from fuselight.model.weights import hf_config, param_names_and_shapes, random_weights, to_hf_state
+from reference_llama import ReferenceLlama
+
+TOLERANCE = 1e-4
+DECODE_STEPS = 8
+# Small enough that the 37-token prompt goes through three chunks.
+PREFILL_CHUNK = 16
+
+
+def _variant(name: str) -> config.ModelConfig:
+    tiny = config.load("tiny-llama")
+    if name == "llama3":
+        return tiny
+    raw = hf_config(tiny)
+    if name == "tied":
+        raw["tie_word_embeddings"] = True
+    elif name == "no_rope_scaling":
+        # Llama-2 style: plain RoPE, no GQA.
+        raw.update(rope_scaling=None, rope_theta=10000.0, num_key_value_heads=raw["num_attention_heads"])
+    return config.from_dict(raw, name=f"tiny-{name}")
+
+
+VARIANTS = ("llama3", "tied", "no_rope_scaling")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("prompt_len", [13, 37])
+def test_prefill_decode_match_reference(cpu_model, variant, prompt_len):
+    cfg = _variant(variant)
+    vm, device = cpu_model(cfg)
+    seed = 1000 * VARIANTS.index(variant) + prompt_len
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, cfg.vocab_size, prompt_len)
+    decode_ids = [int(t) for t in rng.integers(0, cfg.vocab_size, DECODE_STEPS)]
+    errors = compare_with_reference(
+        vm,
+        device,
+        cfg,
+        random_weights(cfg, seed=seed),
+        prompt,
+        decode_ids,
+        max_total_seq_len=64,
+        prefill_chunk_size=PREFILL_CHUNK,
+    )
+    assert len(errors) == 1 + DECODE_STEPS
+    assert max(errors) < TOLERANCE, errors
+
+
+def test_rope_scaling_changes_the_reference():
+    # Guards the llama3 variant above: at these positions the scaling must matter far beyond
+    # TOLERANCE, or a model that ignored it would pass.
+    cfg = _variant("llama3")
+    weights = to_hf_state(cfg, random_weights(cfg, seed=3))
+    plain = dict(hf_config(cfg), rope_scaling=None)
+    prompt = np.random.default_rng(3).integers(0, cfg.vocab_size, 37)
+    scaled = ReferenceLlama(hf_config(cfg), weights).prefill(prompt)
+    assert relative_error(ReferenceLlama(plain, weights).prefill(prompt), scaled) > 100 * TOLERANCE
+
+
+def test_reset_starts_a_fresh_sequence(cpu_model):
+    cfg = _variant("llama3")
+    vm, device = cpu_model(cfg)
+    params = [tvm.runtime.tensor(w, device=device) for w in random_weights(cfg, seed=5).values()]
+    engine = Engine(vm, params, cfg, device, max_total_seq_len=64, prefill_chunk_size=PREFILL_CHUNK)
+    prompt = np.random.default_rng(5).integers(0, cfg.vocab_size, 21)
+    first = engine.prefill(prompt).numpy()
+    second_turn = engine.prefill(prompt).numpy()
+    engine.reset()
+    again = engine.prefill(prompt).numpy()
+    np.testing.assert_allclose(again, first, rtol=1e-6, atol=1e-6)
+    # Without the reset the same tokens see a longer context.
+    assert relative_error(second_turn, first) > 100 * TOLERANCE
+
+
+def test_engine_rejects_bad_input(cpu_model):
+    cfg = _variant("llama3")
+    vm, device = cpu_model(cfg)
+    weights = random_weights(cfg, seed=7)
+    params = [tvm.runtime.tensor(w, device=device) for w in weights.values()]
+    with pytest.raises(FuselightError, match="takes 15 parameters, got 14"):
+        Engine(vm, params[:-1], cfg, device)
+    swapped = [params[0], params[2], params[1], *params[3:]]
+    with pytest.raises(FuselightError, match="model.layers.0.input_layernorm.weight"):
+        Engine(vm, swapped, cfg, device)
+    halves = [tvm.runtime.tensor(w.astype("float16"), device=device) for w in weights.values()]
+    with pytest.raises(FuselightError, match="'model.embed_tokens.weight' has dtype float16, expected float32"):
+        Engine(vm, halves, cfg, device)
+    engine = Engine(vm, params, cfg, device, max_total_seq_len=20)
+    with pytest.raises(FuselightError, match="exceeds max_total_seq_len 20"):
+        engine.prefill(np.arange(21))
+    with pytest.raises(FuselightError, match="outside vocabulary"):
+        engine.prefill(np.array([cfg.vocab_size]))
+    with pytest.raises(FuselightError, match="at least one token"):
+        engine.prefill(np.array([], dtype=np.int32))
+    engine.prefill(np.arange(20))
+    with pytest.raises(FuselightError, match="exceeds max_total_seq_len 20"):
+        engine.decode(1)
+
+
+def test_export_keeps_seq_len_symbolic_and_param_order():
+    from fuselight.model.llama import export_module
+    from fuselight.target import resolve, to_tvm
+    from tvm import relax, tirx
+
+    cfg = _variant("llama3")
+    mod, params = export_module(cfg, to_tvm(resolve("llvm")))
+    assert [(n, s) for n, s, _ in params] == param_names_and_shapes(cfg)
+    assert {d for _, _, d in params} == {"float32"}
+    functions = {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
+    assert set(functions) == {"embed", "prefill", "decode", "create_tir_paged_kv_cache"}
+
+    def shape(func: str, arg: int) -> list:
+        return list(functions[func].params[arg].ty.shape.values)
+
+    (embed_len,) = shape("embed", 0)
+    _, prefill_len, hidden = shape("prefill", 0)
+    for dim in (embed_len, prefill_len):
+        assert isinstance(dim, tirx.Var) and dim.name == "seq_len"
+    assert int(hidden) == cfg.hidden_size
+    assert [int(d) for d in shape("decode", 0)] == [1, 1, cfg.hidden_size]
+    logits = functions["prefill"].ret_ty.fields[0]
+    assert [int(d) for d in logits.shape.values] == [1, 1, cfg.vocab_size] and logits.dtype == "float32"
