@@ -1,0 +1,406 @@
+"""End-to-end suite: a LLaMA model at batch 1, prefill tokens/s and decode ms/token.
+
+Implementations: libraries compiled by ``fuselight compile`` with the baseline and the fuselight
+pipeline (driven by ``fuselight.engine.Engine``), and Hugging Face transformers' eager
+``LlamaForCausalLM`` (SDPA limited to the flash and memory-efficient backends, as configured).
+All run the same seeded random weights, drawn once on the device: the TVM engines get the fused
+tensors and transformers gets views of them under its own names, so the weights exist once.
+Prefill is timed as one whole call; decode as the median of single steps after a prompt of the
+given context. Prefill logits are checked against a float64 forward pass of the same weights.
+Runtime-only TVM; PyTorch and transformers are imported when the suite runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..config import ModelConfig, load
+from ..errors import FuselightError
+from ..runtime import init_tvm, load_library, read_metadata, release_memory
+from . import bench_config
+from .kernels_run import sdpa_backends
+from .results import COMPILED_IMPLS, git_commit, make_record, write_results
+from .timing import device_name, synchronizer, time_host
+
+SUITE = "e2e"
+# Model fields a library's metadata must agree on with the benchmarked config.
+_MODEL_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "vocab_size",
+    "head_dim",
+    "tie_word_embeddings",
+    "dtype",
+)
+
+
+def random_weights(config: ModelConfig, device: Any, seed: int) -> dict[str, Any]:
+    """Seeded random weights as torch tensors on ``device``, one allocation each, in parameter order.
+
+    Same distributions as ``fuselight.model.weights.random_weights`` (drawn by PyTorch, so not the
+    same numbers): norms 1 + noise, projections at std ``init_std``.
+    """
+    import torch
+
+    from ..model.weights import init_std, param_names_and_shapes
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = getattr(torch, config.dtype)
+    weights = {}
+    for name, shape in param_names_and_shapes(config):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        t.normal_(0.0, init_std(name, config), generator=gen)
+        if name.endswith("norm.weight"):
+            t += 1.0
+        weights[name] = t
+    return weights
+
+
+def hf_model(config: ModelConfig, weights: dict[str, Any], device: Any) -> Any:
+    """transformers' ``LlamaForCausalLM`` whose parameters are views of ``weights`` (no copies)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..model.weights import hf_config, to_hf_state
+
+    hf_cfg = LlamaConfig(**hf_config(config), attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_cfg)
+    model.load_state_dict(to_hf_state(config, weights), strict=not config.tie_word_embeddings, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    # Non-persistent buffers (the rotary table) are not in the state dict: build them on the device.
+    with torch.device(device):
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_cfg)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if left:
+        raise FuselightError(f"transformers model tensor {left[0]!r} was not given a value")
+    return model.eval()
+
+
+def _llama3_inv_freq(torch: Any, config: ModelConfig, device: Any) -> Any:
+    """RoPE inverse frequencies in float64, with Llama-3 scaling as transformers applies it."""
+    d = config.head_dim
+    inv = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)
+    s = config.rope_scaling
+    if s is None:
+        return inv
+    wavelen = 2 * math.pi / inv
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def reference_logits(config: ModelConfig, weights: dict[str, Any], ids: np.ndarray) -> Any:
+    """Float64 logits of the last position after ``ids``, weights upcast one layer at a time."""
+    import torch
+
+    dev = weights["model.embed_tokens.weight"].device
+    n, heads, kv_heads, hd = len(ids), config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    eps = config.rms_norm_eps
+
+    def w(name: str) -> Any:
+        # Upcast on use: float64 copies of one layer at a time.
+        return weights[name].double()
+
+    def norm(x: Any, weight: Any) -> Any:
+        return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + eps) * weight
+
+    def rope(x: Any) -> Any:  # x [n, heads, hd], rotate-half layout
+        angles = torch.arange(n, dtype=torch.float64, device=dev)[:, None] * _llama3_inv_freq(torch, config, dev)[None]
+        cos, sin = (torch.cat([f, f], dim=-1)[:, None, :] for f in (angles.cos(), angles.sin()))
+        half = hd // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    index = torch.as_tensor(np.asarray(ids, dtype=np.int64), device=dev)
+    x = weights["model.embed_tokens.weight"][index].double()
+    mask = torch.ones(n, n, dtype=torch.bool, device=dev).triu(1)
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        qkv = norm(x, w(p + "input_layernorm.weight")) @ w(p + "self_attn.qkv_proj.weight").T
+        q, k, v = qkv.split([config.q_size, config.kv_size, config.kv_size], dim=-1)
+        q, k = rope(q.reshape(n, heads, hd)), rope(k.reshape(n, kv_heads, hd))
+        v = v.reshape(n, kv_heads, hd)
+        group = heads // kv_heads
+        k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
+        scores = (q.transpose(0, 1) @ k.transpose(1, 2)) * hd**-0.5
+        attn = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1) @ v  # [heads, n, hd]
+        x = x + attn.transpose(0, 1).reshape(n, config.q_size) @ w(p + "self_attn.o_proj.weight").T
+        gate, up = (norm(x, w(p + "post_attention_layernorm.weight")) @ w(p + "mlp.gate_up_proj.weight").T).chunk(
+            2, dim=-1
+        )
+        x = x + (torch.nn.functional.silu(gate) * up) @ w(p + "mlp.down_proj.weight").T
+    last = norm(x[-1:], w("model.norm.weight"))
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    return (last @ w(head).T).reshape(-1)
+
+
+def _relerr(out: Any, ref: Any) -> float:
+    out = out.reshape(-1).double()
+    return float((out - ref).norm() / ref.norm())
+
+
+def _costs(config: ModelConfig) -> tuple[int, int, int]:
+    """(weight elements in the layers, lm_head elements, bytes per element)."""
+    shapes = config.weight_shapes()
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    layers = sum(math.prod(s) for name, s in shapes.items() if name.startswith("model.layers."))
+    return layers, math.prod(shapes[head]), (4 if config.dtype == "float32" else 2)
+
+
+def prefill_cost(config: ModelConfig, tokens: int) -> tuple[int, int]:
+    """(bytes, flops) of a prefill: weights read once, logits of the last token only."""
+    layers, head, item = _costs(config)
+    attention = 2 * tokens * tokens * config.head_dim * config.num_attention_heads * config.num_hidden_layers
+    return (layers + head) * item, 2 * tokens * layers + 2 * head + attention
+
+
+def decode_cost(config: ModelConfig, context: int) -> tuple[int, int]:
+    """(bytes, flops) of one decode step at ``context``: all weights and the KV cache read."""
+    layers, head, item = _costs(config)
+    kv = 2 * context * config.kv_size * config.num_hidden_layers
+    attention = 4 * context * config.head_dim * config.num_attention_heads * config.num_hidden_layers
+    return (layers + head + kv) * item, 2 * (layers + head) + attention
+
+
+class _Runner(Protocol):
+    """One implementation: ``reset``, ``prefill(ids) -> last logits``, ``decode(id) -> logits``."""
+
+    def reset(self) -> None: ...
+
+    def prefill(self, ids: np.ndarray) -> Any: ...
+
+    def decode(self, token: int) -> Any: ...
+
+
+class _TvmRunner:
+    def __init__(self, engine: Any, torch: Any) -> None:
+        self.engine, self.torch = engine, torch
+
+    def reset(self) -> None:
+        self.engine.reset()
+
+    def prefill(self, ids: np.ndarray) -> Any:
+        return self.torch.from_dlpack(self.engine.prefill(ids)).reshape(-1)
+
+    def decode(self, token: int) -> Any:
+        return self.torch.from_dlpack(self.engine.decode(token)).reshape(-1)
+
+
+class _HfRunner:
+    def __init__(self, model: Any, torch: Any, device: Any, backends: list) -> None:
+        self.model, self.torch, self.device, self.backends = model, torch, device, backends
+        params = inspect.signature(model.forward).parameters
+        # Only the last position's logits, as the TVM engine computes them (the argument's name
+        # depends on the transformers version).
+        self.keep = next(({k: 1} for k in ("logits_to_keep", "num_logits_to_keep") if k in params), {})
+        self.past = None
+
+    def _forward(self, ids: Any) -> Any:
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel(self.backends):
+            out = self.model(ids, past_key_values=self.past, use_cache=True, **self.keep)
+        self.past = out.past_key_values
+        return out.logits[0, -1]
+
+    def reset(self) -> None:
+        self.past = None
+
+    def prefill(self, ids: np.ndarray) -> Any:
+        return self._forward(self.torch.as_tensor(np.asarray(ids, dtype=np.int64), device=self.device)[None])
+
+    def decode(self, token: int) -> Any:
+        return self._forward(self.torch.tensor([[int(token)]], dtype=self.torch.int64, device=self.device))
+
+
+def _check_library(meta: dict[str, Any], config: ModelConfig, path: Path) -> None:
+    model = meta.get("model")
+    if not isinstance(model, dict):
+        raise FuselightError(f"{path}: metadata has no 'model' (not a model library)")
+    for field in _MODEL_FIELDS:
+        if model.get(field) != getattr(config, field):
+            raise FuselightError(
+                f"{path}: library built for {field}={model.get(field)!r}, "
+                f"benchmark model {config.name!r} has {getattr(config, field)!r}"
+            )
+
+
+def _open_tvm(
+    tvm: Any, th: Any, path: Path, device: str, config: ModelConfig, weights: dict, max_len: int
+) -> tuple[_Runner, str]:
+    """An engine over ``path`` sharing ``weights``, and the library's baseline source."""
+    from ..engine import Engine
+    from ..model.weights import param_names_and_shapes
+
+    cfg = bench_config()["e2e"]
+    vm, dev, meta = load_library(path, device)
+    params = [tvm.runtime.from_dlpack(weights[name]) for name, _ in param_names_and_shapes(config)]
+    engine = Engine(
+        vm,
+        params,
+        config,
+        dev,
+        max_total_seq_len=max_len,
+        prefill_chunk_size=cfg["prefill_chunk_size"],
+        page_size=cfg["page_size"],
+    )
+    return _TvmRunner(engine, th), meta.get("baseline_source") or "unknown"
+
+
+class _Measure:
+    """Prefill and decode measurements of one implementation, as records."""
+
+    def __init__(
+        self, config: ModelConfig, runner: _Runner, ids: np.ndarray, sync: Callable[[], None], common: dict
+    ) -> None:
+        self.config, self.runner, self.ids, self.sync, self.common = config, runner, ids, sync, common
+        self.cfg = bench_config()["e2e"]
+
+    def prefill(self, n: int, ref: Any) -> dict[str, Any]:
+        """Whole-prompt prefill from an empty cache; logits checked against ``ref``."""
+        runner, ids = self.runner, self.ids[:n]
+        runner.reset()
+        # Copied out: the next call may reuse the logits buffer.
+        relerr = _relerr(runner.prefill(ids).clone(), ref)
+        self.sync()
+        stats = time_host(
+            lambda: runner.prefill(ids),
+            warmup=self.cfg["prefill_warmup"],
+            repeat=self.cfg["prefill_repeat"],
+            sync=self.sync,
+            setup=runner.reset,
+        )
+        nbytes, flops = prefill_cost(self.config, n)
+        rate = n / stats.median_us * 1e6
+        print(
+            f"  prefill {n}: {stats.median_us / 1e3:.2f} ms ({rate:.0f} tok/s), logits relerr {relerr:.1e}", flush=True
+        )
+        return make_record(
+            **self.common,
+            case=f"{self.config.name}-prefill",
+            shape={"tokens": n},
+            metric="tokens_per_s",
+            stats=stats,
+            nbytes=nbytes,
+            flops=flops,
+            relerr=relerr,
+        )
+
+    def decode(self, context: int, steps: int) -> dict[str, Any]:
+        """Median single-step decode time after a prompt of ``context`` tokens (warm-up steps untimed)."""
+        runner, warmup = self.runner, self.cfg["decode_warmup"]
+        runner.reset()
+        runner.prefill(self.ids[:context])
+        tokens = iter(int(t) for t in self.ids[context : context + warmup + steps])
+        stats = time_host(lambda: runner.decode(next(tokens)), warmup=warmup, repeat=steps, sync=self.sync)
+        nbytes, flops = decode_cost(self.config, context)
+        print(f"  decode after {context}: {stats.median_us / 1e3:.2f} ms/token", flush=True)
+        return make_record(
+            **self.common,
+            case=f"{self.config.name}-decode",
+            shape={"context": context, "steps": steps},
+            metric="ms_per_token",
+            stats=stats,
+            nbytes=nbytes,
+            flops=flops,
+            relerr=None,
+        )
+
+
+def run_e2e(
+    libs: dict[str, Path],
+    config_name: str,
+    out_json: Path,
+    *,
+    torch: bool = True,
+    device: str = "cuda",
+    prefill_tokens: list[int] | None = None,
+    decode_contexts: list[int] | None = None,
+    decode_steps: int | None = None,
+) -> list[dict[str, Any]]:
+    """Benchmark ``libs`` ({"baseline"|"fuselight": library path}) and, with ``torch``, transformers.
+
+    ``device`` "cpu" runs llvm libraries (for tests). Unset lists come from ``e2e`` in bench.json.
+    """
+    from ..report import text_table
+
+    cfg = bench_config()["e2e"]
+    for impl in libs:
+        if impl not in COMPILED_IMPLS:
+            raise FuselightError(f"--lib {impl}=...: implementation must be one of {', '.join(COMPILED_IMPLS)}")
+    if not libs and not torch:
+        raise FuselightError("nothing to benchmark: no libraries and no torch")
+    config = load(config_name)
+    prefill_tokens = prefill_tokens or cfg["prefill_tokens"]
+    decode_contexts = decode_contexts or cfg["decode_contexts"]
+    decode_steps = decode_steps or cfg["decode_steps"]
+    max_len = max(max(prefill_tokens), max(decode_contexts) + cfg["decode_warmup"] + decode_steps)
+    if max_len > config.max_position_embeddings:
+        raise FuselightError(
+            f"e2e needs {max_len} positions, model {config.name!r} has {config.max_position_embeddings}"
+        )
+    metas = [read_metadata(Path(path)) for path in libs.values()]
+    for meta, path in zip(metas, libs.values()):
+        _check_library(meta, config, Path(path))
+    # The GPU host's copy of the tree may have no git history: prefer the commit the build recorded.
+    commit = next((m["git_commit"] for m in metas if m.get("git_commit")), None) or git_commit()
+
+    tvm = init_tvm()
+    import torch as th
+
+    if device == "cuda" and not th.cuda.is_available():
+        raise FuselightError("PyTorch sees no CUDA device")
+    tdev = th.device("cuda:0" if device == "cuda" else "cpu")
+    sync = synchronizer(device)
+    seed = bench_config()["seed"]
+    ids = np.random.default_rng(seed).integers(0, config.vocab_size, size=max_len, dtype=np.int32)
+    common = {
+        "suite": SUITE,
+        "device": device_name(device),
+        "tvm_version": tvm.__version__,
+        "git_commit": commit,
+    }
+    records: list[dict[str, Any]] = []
+    with th.inference_mode():
+        print(
+            f"e2e {config.name} ({config.dtype}) on {common['device']}: drawing weights, float64 reference", flush=True
+        )
+        weights = random_weights(config, tdev, seed)
+        refs = {n: reference_logits(config, weights, ids[:n]) for n in prefill_tokens}
+        impls = list(libs) + (["torch"] if torch else [])
+        for impl in impls:
+            print(f"{impl}: loading", flush=True)
+            if impl == "torch":
+                runner: _Runner = _HfRunner(hf_model(config, weights, tdev), th, tdev, sdpa_backends(device))
+                source = None
+            else:
+                runner, source = _open_tvm(tvm, th, Path(libs[impl]), device, config, weights, max_len)
+            measure = _Measure(config, runner, ids, sync, {**common, "impl": impl, "baseline_source": source})
+            records += [measure.prefill(n, refs[n]) for n in prefill_tokens]
+            records += [measure.decode(c, decode_steps) for c in decode_contexts]
+            del runner, measure
+            release_memory()
+            if device == "cuda":
+                th.cuda.empty_cache()
+    meta = {"suite": SUITE, "model": config.name, "libraries": {k: str(v) for k, v in libs.items()}, "torch": torch}
+    write_results(Path(out_json), records, meta)
+    print(text_table(records))
+    print(f"{len(records)} measurements; results: {out_json}", flush=True)
+    return records

@@ -1,0 +1,193 @@
+"""Build side of the kernel suite: each case as a small Relax module, compiled with both pipelines.
+
+The modules state each operator the way LLaMA (as MLC-LLM compiles it) uses it: the linear layer as
+``x @ W^T`` with ``W`` [N, K] (MLC fuses the transpose into an NT matmul), ``R.nn.rms_norm``,
+softmax along rows, and attention written out plainly (QK^T * scale, causal mask, softmax in
+float32, P @ V; GQA by repeating K/V heads). The swept dimension is a symbolic variable, so one
+library serves every point. Each library gets the metadata sidecar ``runtime.load_library`` reads
+and, for CUDA, cubins compiled ahead of time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..compile import metadata_path
+from ..errors import FuselightError
+from ..target import TargetSpec, resolve, to_tvm
+from .kernels import (
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    PIPELINES,
+    Case,
+    library_name,
+    load_suite,
+)
+from .results import git_commit
+
+_FUNC = "main"
+
+
+def _gemm(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
+    x = relax.Var("x", relax.TensorType([n, case.dims["k"]], case.dtype))
+    w = relax.Var("w", relax.TensorType([case.dims["n"], case.dims["k"]], case.dtype))
+    return [x, w], lambda bb: relax.op.matmul(x, relax.op.permute_dims(w))
+
+
+def _rmsnorm(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
+    h = case.dims["hidden"]
+    x = relax.Var("x", relax.TensorType([n, h], case.dtype))
+    w = relax.Var("weight", relax.TensorType([h], case.dtype))
+    return [x, w], lambda bb: relax.op.nn.rms_norm(x, w, axes=[-1], epsilon=case.attrs["eps"])
+
+
+def _softmax(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
+    x = relax.Var("x", relax.TensorType([n, case.dims["cols"]], case.dtype))
+    return [x], lambda bb: relax.op.nn.softmax(x, axis=-1)
+
+
+def _attention(case: Case, q_len: Any, kv_len: Any, causal: bool, relax: Any) -> tuple[list, Callable]:
+    """Plain attention, ``q`` [q_len, H, D], ``k``/``v`` [kv_len, H_kv, D] -> [q_len, H, D]."""
+    import numpy as np
+
+    heads, kv_heads, dim = case.dims["q_heads"], case.dims["kv_heads"], case.dims["head_dim"]
+    q = relax.Var("q", relax.TensorType([q_len, heads, dim], case.dtype))
+    k = relax.Var("k", relax.TensorType([kv_len, kv_heads, dim], case.dtype))
+    v = relax.Var("v", relax.TensorType([kv_len, kv_heads, dim], case.dtype))
+    op = relax.op
+    group = heads // kv_heads
+
+    def body(bb: Any) -> Any:
+        kr = bb.emit(op.repeat(k, group, axis=1)) if group > 1 else k
+        vr = bb.emit(op.repeat(v, group, axis=1)) if group > 1 else v
+        qt = bb.emit(op.permute_dims(q, [1, 0, 2]))  # [H, q_len, D]
+        kt = bb.emit(op.permute_dims(kr, [1, 2, 0]))  # [H, D, kv_len]
+        vt = bb.emit(op.permute_dims(vr, [1, 0, 2]))  # [H, kv_len, D]
+        scores = bb.emit(op.multiply(op.matmul(qt, kt), relax.const(dim**-0.5, case.dtype)))
+        if causal:
+            # As Hugging Face's eager attention: the dtype's lowest value above the diagonal.
+            lowest = float(np.finfo(case.dtype).min)
+            mask = bb.emit(op.triu(op.full((q_len, kv_len), relax.const(lowest, case.dtype)), 1))
+            scores = bb.emit(op.add(scores, mask))
+        probs = bb.emit(op.astype(op.nn.softmax(op.astype(scores, "float32"), axis=-1), case.dtype))
+        return op.permute_dims(op.matmul(probs, vt), [1, 0, 2])
+
+    return [q, k, v], body
+
+
+_BUILDERS: dict[str, Callable[[Case, Any, Any], tuple[list, Callable]]] = {
+    "gemm": _gemm,
+    "rmsnorm": _rmsnorm,
+    "softmax": _softmax,
+    "attention_prefill": lambda case, n, relax: _attention(case, n, n, True, relax),
+    "attention_decode": lambda case, n, relax: _attention(case, 1, n, False, relax),
+}
+
+
+def relax_module(case: Case) -> Any:
+    """The case as an IRModule with one function ``main``; the swept dimension is symbolic."""
+    from tvm import relax, tirx
+
+    n = tirx.Var(case.spec.sweep_var, "int64")
+    params, body = _BUILDERS[case.op](case, n, relax)
+    bb = relax.BlockBuilder()
+    with bb.function(_FUNC, params):
+        with bb.dataflow():
+            out = bb.emit_output(body(bb))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def compile_case(case: Case, pipeline: str, spec: TargetSpec) -> Any:
+    """``relax_module(case)`` through ``pipeline``, compiled for ``spec``: a VM executable."""
+    import tvm
+
+    from .. import pipeline as pl
+
+    if pipeline not in PIPELINES:
+        raise FuselightError(f"unknown pipeline {pipeline!r}: expected one of {', '.join(PIPELINES)}")
+    target = to_tvm(spec)
+    # Upper bound of the swept dimension, as MLC-LLM attaches its sequence-length bounds: memory
+    # planning then allocates intermediates once, at the largest point.
+    bounds = {case.spec.sweep_var: max(case.sweep)}
+    make = pl.baseline_pipeline if pipeline == "baseline" else pl.fuselight_pipeline
+    passes = make(target, variable_bounds=bounds)
+    with target:
+        lowered = passes(relax_module(case))
+    return tvm.compile(lowered, target=target, relax_pipeline=None)
+
+
+def export_case(case: Case, pipeline: str, spec: TargetSpec, out_dir: Path) -> Path:
+    """Compile and write ``<case>-<pipeline>.so``, its ``.json`` sidecar and (CUDA) its cubins."""
+    import tvm
+
+    from .. import pipeline as pl
+    from ..compile import aot_dir
+    from ..runtime import aot_compile_cuda
+
+    path = Path(out_dir) / library_name(case, pipeline)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    executable = compile_case(case, pipeline, spec)
+    meta: dict[str, Any] = {
+        "format": 1,
+        "target": spec.kind,
+        "arch": spec.arch,
+        "pipeline": pipeline,
+        "baseline_source": pl.baseline_source(),
+        "case": case.to_dict(),
+        "tvm_version": tvm.__version__,
+        "cuda_sources": {},
+    }
+    if spec.is_gpu:
+        meta["cuda_sources"] = aot_compile_cuda(executable, aot_dir(path), spec.arch)
+    executable.export_library(str(path))
+    metadata_path(path).write_text(json.dumps(meta, indent=1) + "\n")
+    return path
+
+
+def build_suite(
+    out_dir: Path,
+    target_arch: str | None = "sm_90",
+    cases: list[str] | None = None,
+    *,
+    target: str = "cuda",
+    suite: str = "full",
+) -> Path:
+    """Build ``suite`` (or the named ``cases``) for ``target``; writes and returns ``out_dir/manifest.json``."""
+    import tvm
+
+    from .. import pipeline as pl
+
+    spec = resolve(target, target_arch if target == "cuda" else None)
+    selected = load_suite(suite, cases)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for i, case in enumerate(selected, 1):
+        libs = {}
+        for pipeline in PIPELINES:
+            start = time.perf_counter()
+            path = export_case(case, pipeline, spec, out_dir)
+            libs[pipeline] = path.name
+            size_kb = path.stat().st_size / 1024
+            print(
+                f"[{i}/{len(selected)}] {path.name}: {size_kb:.0f} KiB, {time.perf_counter() - start:.1f} s", flush=True
+            )
+        entries.append({**case.to_dict(), "libraries": libs})
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "suite": suite,
+        "target": spec.kind,
+        "arch": spec.arch,
+        "tvm_version": tvm.__version__,
+        "git_commit": git_commit(),
+        "baseline_source": pl.baseline_source(),
+        "cases": entries,
+    }
+    path = out_dir / MANIFEST_NAME
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
+    return path

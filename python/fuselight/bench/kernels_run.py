@@ -1,0 +1,320 @@
+"""Run side of the kernel suite: load each case's libraries, check them, time them against PyTorch.
+
+Runtime-only TVM and PyTorch (imported when the suite runs). For every case and sweep point:
+fresh random inputs on the device (scaled so fp16 stays finite), a float64 PyTorch reference, poisoned
+calls per library first (NaN inputs, so an output element a kernel never writes stays NaN in
+the reused output buffer and fails the check), then the checked call and the timing. PyTorch's
+own kernels (cuBLAS ``F.linear``, ``F.rms_norm``, ``softmax``, ``scaled_dot_product_attention``
+limited to the flash and memory-efficient backends) run the same inputs. A CUDA build runs on the
+GPU; an llvm build runs the same way on the CPU (for tests).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import FuselightError
+from ..runtime import DEVICE_OF_TARGET, init_tvm, load_library, release_memory
+from . import bench_config
+from .kernels import PIPELINES, SUITE, Case, read_manifest, select
+from .results import git_commit, make_record, write_results
+from .timing import device_name, synchronizer, time_fn
+
+# Float64 error sums over chunks of at most this many elements, to bound the reference's memory.
+_ERROR_CHUNK_ELEMENTS = 1 << 26
+# The VM keeps its last result alive until the next call, so its outputs alternate between two
+# pooled buffers: poisoning both takes two calls.
+_POISON_CALLS = 2
+# Input distributions: RMSNorm weights near 1 as trained ones are; softmax rows with the spread of
+# real logits (a few dominant entries). Everything else is N(0, 1), weights N(0, 1/K).
+_NORM_WEIGHT_STD = 0.1
+_LOGIT_STD = 3.0
+
+
+class _Random:
+    """Seeded normal tensors on one device, drawn in float32 and cast."""
+
+    def __init__(self, torch: Any, device: Any, seed: int) -> None:
+        self.torch = torch
+        self.device = device
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(self, shape: tuple[int, ...], dtype: str, std: float = 1.0, mean: float = 0.0) -> Any:
+        t = self.torch.randn(shape, generator=self.gen, device=self.device, dtype=self.torch.float32)
+        return (t * std + mean).to(getattr(self.torch, dtype))
+
+
+# --- per operator: inputs, float64 reference, PyTorch's implementation ---------------------------
+# Inputs are listed in the Relax function's parameter order (kernels_build); inputs that do not
+# depend on the sweep value (weights) are drawn once per case and kept in ``fixed``.
+
+
+def _gemm_inputs(case: Case, m: int, rnd: _Random, fixed: dict) -> list:
+    n, k = case.dims["n"], case.dims["k"]
+    if "w" not in fixed:
+        # std 1/sqrt(K): outputs of unit scale, far from fp16's limit
+        fixed["w"] = rnd.normal((n, k), case.dtype, std=k**-0.5)
+    return [rnd.normal((m, k), case.dtype), fixed["w"]]
+
+
+def _rmsnorm_inputs(case: Case, m: int, rnd: _Random, fixed: dict) -> list:
+    h = case.dims["hidden"]
+    if "weight" not in fixed:
+        fixed["weight"] = rnd.normal((h,), case.dtype, std=_NORM_WEIGHT_STD, mean=1.0)
+    return [rnd.normal((m, h), case.dtype), fixed["weight"]]
+
+
+def _softmax_inputs(case: Case, rows: int, rnd: _Random, fixed: dict) -> list:
+    return [rnd.normal((rows, case.dims["cols"]), case.dtype, std=_LOGIT_STD)]
+
+
+def _attention_inputs(case: Case, q_len: int, kv_len: int, rnd: _Random) -> list:
+    h, kvh, d = case.dims["q_heads"], case.dims["kv_heads"], case.dims["head_dim"]
+    return [
+        rnd.normal((q_len, h, d), case.dtype),
+        rnd.normal((kv_len, kvh, d), case.dtype),
+        rnd.normal((kv_len, kvh, d), case.dtype),
+    ]
+
+
+_INPUTS: dict[str, Callable[[Case, int, _Random, dict], list]] = {
+    "gemm": _gemm_inputs,
+    "rmsnorm": _rmsnorm_inputs,
+    "softmax": _softmax_inputs,
+    "attention_prefill": lambda case, n, rnd, fixed: _attention_inputs(case, n, n, rnd),
+    "attention_decode": lambda case, n, rnd, fixed: _attention_inputs(case, 1, n, rnd),
+}
+
+
+def _attention_reference(torch: Any, case: Case, q: Any, k: Any, v: Any, causal: bool) -> Any:
+    """Float64, one head at a time (a [seq, seq] float64 score matrix per head at most)."""
+    group = case.dims["q_heads"] // case.dims["kv_heads"]
+    scale = case.dims["head_dim"] ** -0.5
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    q_len, kv_len = q.shape[0], k.shape[0]
+    mask = None
+    if causal:
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).triu(1 + kv_len - q_len)
+    for head in range(case.dims["q_heads"]):
+        scores = (q64[:, head] @ k64[:, head // group].T) * scale
+        if mask is not None:
+            scores.masked_fill_(mask, float("-inf"))
+        out[:, head] = torch.softmax(scores, dim=-1) @ v64[:, head // group]
+    return out
+
+
+def _reference(torch: Any, case: Case, inputs: list) -> Any:
+    if case.op == "gemm":
+        x, w = inputs
+        return x.double() @ w.double().T
+    if case.op == "rmsnorm":
+        x, w = (t.double() for t in inputs)
+        return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + case.attrs["eps"]) * w
+    if case.op == "softmax":
+        return torch.softmax(inputs[0].double(), dim=-1)
+    return _attention_reference(torch, case, *inputs, causal=case.op == "attention_prefill")
+
+
+def sdpa_backends(device: str) -> list:
+    """The SDPA backends PyTorch may use on ``device`` (``sdpa_backends`` in bench.json)."""
+    from torch.nn.attention import SDPBackend
+
+    return [getattr(SDPBackend, name) for name in bench_config()["sdpa_backends"][device]]
+
+
+def _torch_attention(torch: Any, case: Case, inputs: list, device: str) -> Callable[[], Any]:
+    """SDPA on [1, H, S, D] views of the [S, H, D] inputs; output viewed back as [S, H, D]."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    backends = sdpa_backends(device)
+    causal = case.op == "attention_prefill"
+    scale = case.dims["head_dim"] ** -0.5
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in inputs)
+
+    def gqa() -> Any:
+        with sdpa_kernel(backends):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+
+    try:
+        gqa()
+        return gqa
+    except RuntimeError as err:
+        # A backend without native GQA: repeat K/V heads once, outside the timed call.
+        print(f"  torch: SDPA without enable_gqa ({str(err).splitlines()[0][:80]})", flush=True)
+    group = case.dims["q_heads"] // case.dims["kv_heads"]
+    k_rep, v_rep = (t.repeat_interleave(group, dim=1) for t in (k, v))
+
+    def repeated() -> Any:
+        with sdpa_kernel(backends):
+            out = F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=causal, scale=scale)
+        return out.squeeze(0).transpose(0, 1)
+
+    return repeated
+
+
+def _torch_rmsnorm(torch: Any, x: Any, w: Any, eps: float) -> Any:
+    import torch.nn.functional as F
+
+    if hasattr(F, "rms_norm"):
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    x32 = x.float()
+    return (x32 * torch.rsqrt((x32 * x32).mean(dim=-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def _torch_fn(torch: Any, case: Case, inputs: list, device: str) -> Callable[[], Any]:
+    import torch.nn.functional as F
+
+    if case.op == "gemm":
+        x, w = inputs
+        return lambda: F.linear(x, w)
+    if case.op == "rmsnorm":
+        x, w = inputs
+        return lambda: _torch_rmsnorm(torch, x, w, case.attrs["eps"])
+    if case.op == "softmax":
+        x = inputs[0]
+        return lambda: torch.softmax(x, dim=-1)
+    return _torch_attention(torch, case, inputs, device)
+
+
+# --- checking --------------------------------------------------------------------------------------
+
+
+def relative_error(torch: Any, out: Any, ref: Any) -> float:
+    """||out - ref|| / ||ref|| in float64 (Frobenius norm), in chunks of rows; NaN if out has NaN."""
+    if tuple(out.shape) != tuple(ref.shape):
+        raise FuselightError(f"output shape {tuple(out.shape)} differs from the reference's {tuple(ref.shape)}")
+    rows = out.reshape(out.shape[0], -1) if out.dim() else out.reshape(1, 1)
+    ref_rows = ref.reshape(rows.shape)
+    step = max(1, _ERROR_CHUNK_ELEMENTS // max(1, rows.shape[1]))
+    num = den = 0.0
+    for start in range(0, rows.shape[0], step):
+        r = ref_rows[start : start + step]
+        d = rows[start : start + step].double() - r
+        num += float((d * d).sum())
+        den += float((r * r).sum())
+    if den == 0.0:
+        raise FuselightError("reference is all zeros: the relative error is undefined")
+    return math.sqrt(num / den)
+
+
+def _tvm_fn(tvm: Any, vm: Any, inputs: list) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """(timed call, poisoned call) of the library's ``main`` on the inputs."""
+    func = vm["main"]
+    args = [tvm.runtime.from_dlpack(t) for t in inputs]
+    poison = inputs[0].clone().fill_(float("nan"))
+    poisoned_args = [tvm.runtime.from_dlpack(poison), *args[1:]]
+    return (lambda: func(*args)), (lambda: func(*poisoned_args))
+
+
+def _run_case(
+    torch: Any,
+    tvm: Any,
+    case: Case,
+    vms: dict[str, Any],
+    sources: dict[str, str],
+    rnd: _Random,
+    device: str,
+    common: dict,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every sweep point of one case: (records, descriptions of results above tolerance)."""
+    tolerance = bench_config()["relerr_tolerance"][case.dtype]
+    records, failures = [], []
+    fixed: dict = {}
+    for n in case.sweep:
+        inputs = _INPUTS[case.op](case, n, rnd, fixed)
+        ref = _reference(torch, case, inputs)
+        nbytes, flops = case.cost(n)
+        fns: dict[str, Callable[[], Any]] = {}
+        for pipeline, vm in vms.items():
+            call, poisoned = _tvm_fn(tvm, vm, inputs)
+            for _ in range(_POISON_CALLS):
+                poisoned()
+            fns[pipeline] = call
+        fns["torch"] = _torch_fn(torch, case, inputs, device)
+        line = []
+        for impl, fn in fns.items():
+            out = fn()
+            synchronizer(device)()
+            relerr = relative_error(torch, out if impl == "torch" else torch.from_dlpack(out), ref)
+            del out
+            if not relerr <= tolerance:
+                failures.append(f"{case.name} {case.spec.sweep_var}={n} {impl}: relerr {relerr:.2e} > {tolerance:g}")
+            stats = time_fn(fn, device=device)
+            records.append(
+                make_record(
+                    **common,
+                    case=case.name,
+                    shape=case.shape(n),
+                    impl=impl,
+                    metric=case.spec.metric,
+                    stats=stats,
+                    nbytes=nbytes,
+                    flops=flops,
+                    relerr=relerr,
+                    baseline_source=sources.get(impl),
+                )
+            )
+            line.append(f"{impl} {stats.median_us:.1f} us (err {relerr:.1e})")
+        print(f"  {case.spec.sweep_var}={n}: " + ", ".join(line), flush=True)
+        del inputs, ref, fns
+    return records, failures
+
+
+def run_suite(manifest: Path, out_json: Path, cases: list[str] | None = None) -> list[dict[str, Any]]:
+    """Check and time every case of ``manifest`` (or the named ``cases``); write ``out_json``."""
+    from ..report import text_table
+
+    raw, all_cases = read_manifest(manifest)
+    entries = {e["name"]: e for e in raw["cases"]}
+    selected = select(all_cases, cases)
+    target = raw.get("target")
+    if target not in DEVICE_OF_TARGET:
+        raise FuselightError(f"{manifest}: field 'target' {target!r} is not one of {', '.join(DEVICE_OF_TARGET)}")
+    device = DEVICE_OF_TARGET[target]
+    tvm = init_tvm()
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise FuselightError("PyTorch sees no CUDA device")
+    rnd = _Random(torch, torch.device("cuda:0" if device == "cuda" else "cpu"), bench_config()["seed"])
+    common = {
+        "suite": SUITE,
+        "device": device_name(device),
+        "tvm_version": tvm.__version__,
+        "git_commit": raw.get("git_commit") or git_commit(),
+    }
+    records: list[dict[str, Any]] = []
+    failures: list[str] = []
+    for i, case in enumerate(selected, 1):
+        libs = entries[case.name]["libraries"]
+        vms, sources = {}, {}
+        for pipeline in PIPELINES:
+            if pipeline in libs:
+                vms[pipeline], _, meta = load_library(Path(manifest).parent / libs[pipeline], device)
+                sources[pipeline] = meta.get("baseline_source") or raw.get("baseline_source") or "unknown"
+        print(
+            f"[{i}/{len(selected)}] {case.name} ({case.op}, {case.dtype}): {case.spec.sweep_var} in {list(case.sweep)}",
+            flush=True,
+        )
+        with torch.no_grad():
+            case_records, case_failures = _run_case(torch, tvm, case, vms, sources, rnd, device, common)
+        records += case_records
+        failures += case_failures
+        # Cases differ in size: hand both caching allocators' memory back before the next one.
+        del vms
+        release_memory()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    meta = {"suite": SUITE, "manifest": str(manifest), "target": target, "arch": raw.get("arch"), "failures": failures}
+    write_results(Path(out_json), records, meta)
+    print(text_table(records))
+    for failure in failures:
+        print(f"MISMATCH {failure}")
+    print(f"{len(records)} measurements, {len(failures)} above tolerance; results: {out_json}", flush=True)
+    return records

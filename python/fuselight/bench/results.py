@@ -1,0 +1,183 @@
+"""Benchmark results: one record per measurement, in a JSON file with run metadata, validated on read.
+
+File: ``{"format": 1, "meta": {...}, "records": [record, ...]}``. A record names the suite, case,
+shape point and implementation, and holds the timing (median/p10/p90 in microseconds), the bytes
+and flops the measurement moves and computes (for GB/s and TFLOP/s), the relative error against a
+float64 reference (null where none was checked), and where it ran. ``metric`` says how the report
+presents it. Baseline and fuselight records also say where the baseline's passes came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from ..errors import FuselightError
+
+FORMAT = 1
+IMPLS = ("baseline", "fuselight", "torch")
+METRICS = ("tflops", "gbps", "tokens_per_s", "ms_per_token")
+# Impls compiled by fuselight's pipelines: their records carry ``baseline_source``.
+COMPILED_IMPLS = ("baseline", "fuselight")
+COMMIT_ENV = "FUSELIGHT_GIT_COMMIT"
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _positive(v: Any) -> bool:
+    return _is_number(v) and math.isfinite(v) and v > 0
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _text(v: Any) -> bool:
+    return isinstance(v, str) and bool(v)
+
+
+def _shape(v: Any) -> bool:
+    return isinstance(v, dict) and bool(v) and all(isinstance(k, str) and _count(x) for k, x in v.items())
+
+
+# field -> (check, what it must be)
+_FIELDS: dict[str, tuple[Any, str]] = {
+    "suite": (_text, "a non-empty string"),
+    "case": (_text, "a non-empty string"),
+    "shape": (_shape, "an object of non-negative integers"),
+    "impl": (lambda v: v in IMPLS, f"one of {', '.join(IMPLS)}"),
+    "metric": (lambda v: v in METRICS, f"one of {', '.join(METRICS)}"),
+    "median_us": (_positive, "a positive number"),
+    "p10_us": (_positive, "a positive number"),
+    "p90_us": (_positive, "a positive number"),
+    "n": (lambda v: _count(v) and v > 0, "a positive integer"),
+    "bytes": (_count, "a non-negative integer"),
+    "flops": (_count, "a non-negative integer"),
+    # NaN/inf are kept: a kernel that produced NaN must show as such, not as 'unchecked'.
+    "relerr": (lambda v: v is None or (_is_number(v) and not v < 0), "a non-negative number or null"),
+    "device": (_text, "a non-empty string"),
+    "tvm_version": (_text, "a non-empty string"),
+    "git_commit": (_text, "a non-empty string"),
+}
+
+
+@dataclasses.dataclass
+class Results:
+    meta: dict[str, Any]
+    records: list[dict[str, Any]]
+
+
+def validate_record(record: Any, where: str) -> None:
+    """FuselightError naming ``where`` (file and record) and the first bad field."""
+    if not isinstance(record, dict):
+        raise FuselightError(f"{where}: must be an object")
+    label = where
+    if isinstance(record.get("case"), str) and isinstance(record.get("impl"), str):
+        label = f"{where} (case {record['case']!r}, impl {record['impl']!r})"
+    for field, (check, what) in _FIELDS.items():
+        if field not in record:
+            raise FuselightError(f"{label}: missing field {field!r}")
+        if not check(record[field]):
+            raise FuselightError(f"{label}: field {field!r} must be {what}, got {record[field]!r}")
+    if record["metric"] == "tokens_per_s" and "tokens" not in record["shape"]:
+        raise FuselightError(f"{label}: field 'shape' needs 'tokens' for metric 'tokens_per_s'")
+    if record["impl"] in COMPILED_IMPLS and not _text(record.get("baseline_source")):
+        raise FuselightError(f"{label}: missing field 'baseline_source' (required for impl {record['impl']!r})")
+
+
+def write_results(path: Path, records: list[dict[str, Any]], meta: dict[str, Any]) -> Path:
+    """Validate and write ``records`` with ``meta``; returns ``path``."""
+    path = Path(path)
+    for i, record in enumerate(records):
+        validate_record(record, f"record {i}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": FORMAT, "meta": meta, "records": records}, indent=1) + "\n")
+    return path
+
+
+def read_results(path: Path) -> Results:
+    """Read and validate a results file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FuselightError(f"results file not found: {path}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise FuselightError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(raw, dict):
+        raise FuselightError(f"{path}: must be a JSON object")
+    if raw.get("format") != FORMAT:
+        raise FuselightError(f"{path}: field 'format' must be {FORMAT}, got {raw.get('format')!r}")
+    meta, records = raw.get("meta", {}), raw.get("records")
+    if not isinstance(meta, dict):
+        raise FuselightError(f"{path}: field 'meta' must be an object")
+    if not isinstance(records, list):
+        raise FuselightError(f"{path}: field 'records' must be a list")
+    for i, record in enumerate(records):
+        validate_record(record, f"{path}: record {i}")
+    return Results(meta=meta, records=records)
+
+
+def git_commit() -> str:
+    """The commit being measured: ``$FUSELIGHT_GIT_COMMIT``, else ``git rev-parse``, else "unknown"."""
+    env = os.environ.get(COMMIT_ENV)
+    if env:
+        return env
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def make_record(
+    *,
+    suite: str,
+    case: str,
+    shape: dict[str, int],
+    impl: str,
+    metric: str,
+    stats: Any,
+    nbytes: int,
+    flops: int,
+    relerr: float | None,
+    device: str,
+    tvm_version: str,
+    git_commit: str,
+    baseline_source: str | None = None,
+) -> dict[str, Any]:
+    """One validated record; ``stats`` is a ``timing.Stats``."""
+    record = {
+        "suite": suite,
+        "case": case,
+        "shape": dict(shape),
+        "impl": impl,
+        "metric": metric,
+        "median_us": stats.median_us,
+        "p10_us": stats.p10_us,
+        "p90_us": stats.p90_us,
+        "n": stats.n,
+        "bytes": int(nbytes),
+        "flops": int(flops),
+        "relerr": None if relerr is None else float(relerr),
+        "device": device,
+        "tvm_version": tvm_version,
+        "git_commit": git_commit,
+    }
+    if impl in COMPILED_IMPLS:
+        record["baseline_source"] = baseline_source
+    validate_record(record, f"new record for case {case!r}")
+    return record

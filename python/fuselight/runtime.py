@@ -1,0 +1,271 @@
+"""Load compiled libraries where only the TVM runtime is installed, and compile their CUDA ahead of time.
+
+TVM 0.26 keeps CUDA *source* inside an exported library and compiles it when the library is loaded,
+through the global function ``tvm_callback_cuda_compile``. TVM's own callback needs the compiler
+library, so on a runtime-only host ``register_cuda_compiler`` installs ours. It answers each source,
+found by the SHA-256 of its text, from (1) the cubins compiled at build time next to a library
+(``aot_compile_cuda`` writes them, ``load_library`` registers them), (2) a disk cache, (3) nvcc.
+
+Nothing here imports TVM's compiler side (``import tvm.relax`` fails on such a host), and TVM itself
+is imported on first use. ``aot_compile_cuda`` is the build-host half: it needs nvcc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from .compile import aot_dir, metadata_path
+from .cuda_compile import compile_cuda, nvcc_path
+from .errors import FuselightError
+
+CALLBACK_NAME = "tvm_callback_cuda_compile"
+CACHE_ENV = "FUSELIGHT_CACHE_DIR"
+# CUDA modules only load when these runtime parts are loaded globally right after ``import tvm``.
+_RUNTIME_ONLY_ENV = "TVM_USE_RUNTIME_LIB"
+_EXTRA_RUNTIME_LIBS = ("libtvm_runtime_extra.so", "libtvm_runtime_cuda.so")
+_ARCH = re.compile(r"^sm_(\d{2,3})a?$")
+_FATBIN_SUFFIX = ".fatbin"
+# Library target kind -> the device kind it runs on.
+DEVICE_OF_TARGET = {"cuda": "cuda", "llvm": "cpu"}
+
+
+@dataclasses.dataclass
+class _CompilerState:
+    """What the registered callback consults: set up by ``register_cuda_compiler``/``load_library``."""
+
+    aot: dict[str, Path] = dataclasses.field(default_factory=dict)  # source sha256 -> cubin file
+    arch: str | None = None  # arch to compile for when no cubin is found; None: the device's
+    cache_dir: Path | None = None
+    registered: bool = False
+    error: str | None = None  # the last failure inside the callback, re-raised by load_library
+    runtime_lib_error: str | None = None  # why a runtime part did not load (no CUDA driver, say)
+
+
+_STATE = _CompilerState()
+
+
+def init_tvm() -> Any:
+    """Import TVM for running libraries: runtime parts loaded, our CUDA compile callback registered."""
+    import tvm
+
+    if os.environ.get(_RUNTIME_ONLY_ENV):
+        lib_dir = Path(tvm.__file__).resolve().parent / "lib"
+        for name in _EXTRA_RUNTIME_LIBS:
+            if (lib_dir / name).is_file():
+                try:
+                    ctypes.CDLL(str(lib_dir / name), ctypes.RTLD_GLOBAL)
+                except OSError as err:
+                    # CPU-only hosts lack the CUDA driver; only loading a CUDA library needs it.
+                    _STATE.runtime_lib_error = f"{name}: {err}"
+    if not _STATE.registered:
+        register_cuda_compiler()
+    return tvm
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "fuselight" / "cuda"
+
+
+def source_hash(code: str) -> str:
+    """The key a CUDA source is found by: SHA-256 of its UTF-8 text."""
+    return hashlib.sha256(code.encode("utf-8")).hexdigest()
+
+
+def register_cuda_compiler(cache_dir: Path | None = None, arch: str | None = None) -> None:
+    """Install ``tvm_callback_cuda_compile``: AOT cubin by hash, else disk cache, else nvcc.
+
+    ``arch``: what nvcc compiles for until a library says otherwise (None: the device's).
+    """
+    # The full TVM registers its own callback when imported, refusing one already there: import
+    # it first, then override.
+    import tvm  # noqa: F401
+    import tvm_ffi
+
+    _STATE.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if arch is not None:
+        arch_number(arch)
+        _STATE.arch = arch
+
+    # TVM calls it with the source as the first argument (later arguments, if any, are unused) and
+    # loads whatever bytes come back with cuModuleLoadData, which takes cubin, fatbin and PTX alike.
+    def callback(code: str, *_: Any) -> bytes:
+        try:
+            return cuda_binary(str(code))
+        except Exception as err:
+            _STATE.error = str(err)
+            raise
+
+    tvm_ffi.register_global_func(CALLBACK_NAME, callback, override=True)
+    _STATE.registered = True
+
+
+def cuda_binary(code: str) -> bytes:
+    """The compiled form of one CUDA source, as the callback returns it."""
+    sha = source_hash(code)
+    aot = _STATE.aot.get(sha)
+    if aot is not None and aot.is_file():
+        return aot.read_bytes()
+    arch = _STATE.arch or device_arch()
+    cache = (_STATE.cache_dir or default_cache_dir()) / f"{sha}-{arch}{_FATBIN_SUFFIX}"
+    if cache.is_file():
+        return cache.read_bytes()
+    if nvcc_path() is None:
+        raise FuselightError(
+            f"no precompiled cubin for CUDA source {sha[:12]} and nvcc is not on PATH: "
+            "build the library with ahead-of-time CUDA (the default) or install the CUDA toolkit"
+        )
+    print(f"compiling CUDA source {sha[:12]} with nvcc for {arch} (no precompiled cubin)", flush=True)
+    binary = compile_cuda(code, arch=arch)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    # Write then rename, so a concurrent run never reads half a file.
+    tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(binary)
+    tmp.replace(cache)
+    return binary
+
+
+def arch_number(arch: str) -> int:
+    """``sm_90`` / ``sm_90a`` -> 90."""
+    m = _ARCH.match(arch or "")
+    if not m:
+        raise FuselightError(f"unsupported arch {arch!r}: expected sm_XX such as sm_90")
+    return int(m.group(1))
+
+
+def device_arch(device: Any = None) -> str:
+    """``sm_XX`` of a CUDA device (default ``cuda:0``) from its compute capability."""
+    import tvm
+
+    dev = device if device is not None else tvm.cuda(0)
+    if not dev.exist:
+        raise FuselightError("no CUDA device is visible")
+    major, _, minor = str(dev.compute_version).partition(".")
+    return f"sm_{major}{minor}"
+
+
+def check_arch(library_arch: str, device_arch_: str, library: Path | str = "library") -> None:
+    """A cubin for sm_XX(a) runs on sm_XX only: refuse a library built for another GPU."""
+    if arch_number(library_arch) != arch_number(device_arch_):
+        raise FuselightError(f"{library}: library built for {library_arch}, this GPU is {device_arch_}")
+
+
+def read_metadata(library: Path) -> dict[str, Any]:
+    """The sidecar ``LIB.json`` written next to a library at build time."""
+    path = metadata_path(Path(library))
+    if not path.is_file():
+        raise FuselightError(f"{library}: metadata {path.name} not found (build it with fuselight)")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise FuselightError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(meta, dict):
+        raise FuselightError(f"{path}: metadata must be a JSON object")
+    target = meta.get("target")
+    if target not in DEVICE_OF_TARGET:
+        raise FuselightError(f"{path}: field 'target' {target!r} is not one of {', '.join(DEVICE_OF_TARGET)}")
+    if target == "cuda":
+        arch_number(str(meta.get("arch")))
+        if not isinstance(meta.get("cuda_sources", {}), dict):
+            raise FuselightError(f"{path}: field 'cuda_sources' must be an object")
+    return meta
+
+
+def register_aot(library: Path, meta: dict[str, Any]) -> None:
+    """Make the callback find ``library``'s precompiled CUDA (``meta["cuda_sources"]``) by source hash."""
+    folder = aot_dir(Path(library))
+    for sha, name in meta.get("cuda_sources", {}).items():
+        path = folder / name
+        if not path.is_file():
+            raise FuselightError(f"{library}: precompiled CUDA {name} missing from {folder}")
+        _STATE.aot[sha] = path
+
+
+def load_library(path: Path, device: str = "cuda") -> tuple[Any, Any, dict[str, Any]]:
+    """Load a fuselight library on ``device`` ("cuda" or "cpu"): ``(VirtualMachine, Device, metadata)``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FuselightError(f"library not found: {path}")
+    meta = read_metadata(path)
+    expected = DEVICE_OF_TARGET[meta["target"]]
+    if device != expected:
+        raise FuselightError(f"{path}: library built for target {meta['target']!r} cannot run on device {device!r}")
+    tvm = init_tvm()
+    dev = tvm.device(device, 0)
+    if device == "cuda":
+        if _STATE.runtime_lib_error:
+            raise FuselightError(f"TVM's CUDA runtime did not load ({_STATE.runtime_lib_error})")
+        check_arch(meta["arch"], device_arch(dev), path)
+        register_aot(path, meta)
+        _STATE.arch = meta["arch"]
+        if not meta.get("cuda_sources") and nvcc_path() is None:
+            raise FuselightError(f"{path}: built without precompiled CUDA and nvcc is not on PATH")
+    elif not dev.exist:
+        raise FuselightError(f"no {device} device is visible")
+    _STATE.error = None
+    try:
+        lib = tvm.runtime.load_module(str(path))
+    except Exception as err:  # noqa: BLE001 - TVM's loader raises many kinds; all become one line
+        if _STATE.error is not None:
+            raise FuselightError(f"{path}: {_STATE.error}") from None
+        raise FuselightError(f"{path}: cannot load library ({type(err).__name__}: {err})") from None
+    from tvm.runtime.vm import (
+        VirtualMachine,  # not imported by ``import tvm`` on a runtime-only host
+    )
+
+    vm = VirtualMachine(lib, dev)
+    return vm, dev, meta
+
+
+def release_memory() -> None:
+    """Free the VM's pooled device memory no live VM holds (TVM keeps freed buffers for reuse)."""
+    import tvm
+
+    clear = tvm.get_global_func("vm.builtin.memory_manager.clear", allow_missing=True)
+    if clear is not None:
+        clear()
+
+
+def cuda_sources(lib_module: Any) -> list[str]:
+    """Every CUDA source in a built module (a VM executable or a runtime module), imports included."""
+    from tvm.runtime.executable import Executable
+
+    root = lib_module.mod if isinstance(lib_module, Executable) else lib_module
+    found: list[str] = []
+    stack = [root]
+    while stack:
+        mod = stack.pop()
+        if mod.kind == "cuda":
+            # "cuda" gives the source; "cu" returns an empty string in TVM 0.26.
+            found.append(mod.inspect_source("cuda"))
+        stack.extend(mod.imports)
+    return found
+
+
+def aot_compile_cuda(lib_module: Any, out_dir: Path, arch: str) -> dict[str, str]:
+    """Compile every CUDA source of ``lib_module`` with nvcc into ``out_dir/<sha>.fatbin``.
+
+    Build-host side. Returns ``{sha256 of source: file name}`` for the library's metadata.
+    """
+    arch_number(arch)
+    sources = [s for s in cuda_sources(lib_module) if s]
+    if not sources:
+        raise FuselightError("the built module holds no CUDA source (was it built for a cuda target?)")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table: dict[str, str] = {}
+    for code in sources:
+        sha = source_hash(code)
+        if sha in table:
+            continue
+        name = sha + _FATBIN_SUFFIX
+        compile_cuda(code, arch=arch, out=out_dir / name)
+        table[sha] = name
+    return table

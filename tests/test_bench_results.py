@@ -1,0 +1,274 @@
+"""Benchmarks on the CPU: results schema, timing, suite definitions, the kernel suite and e2e on llvm."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from fuselight.bench import kernels, results, timing
+from fuselight.errors import FuselightError
+
+
+def _record(**over):
+    base = dict(
+        suite="kernels",
+        case="gemm-4096x4096",
+        shape={"m": 16, "n": 4096, "k": 4096},
+        impl="fuselight",
+        metric="tflops",
+        stats=timing.Stats(median_us=25.0, p10_us=24.0, p90_us=27.5, n=50),
+        nbytes=33_816_576,
+        flops=536_870_912,
+        relerr=1.5e-3,
+        device="NVIDIA H100 80GB HBM3",
+        tvm_version="0.26.0",
+        git_commit="abc123",
+        baseline_source="mlc-llm@79d603f",
+    )
+    base.update(over)
+    return results.make_record(**base)
+
+
+def test_results_round_trip(tmp_path):
+    recs = [_record(), _record(impl="torch", relerr=None), _record(impl="baseline", relerr=float("nan"))]
+    path = results.write_results(tmp_path / "r" / "out.json", recs, {"suite": "kernels"})
+    back = results.read_results(path)
+    assert back.meta == {"suite": "kernels"}
+    assert back.records[:2] == recs[:2]
+    assert "baseline_source" not in back.records[1]  # torch records carry none
+    assert math.isnan(back.records[2]["relerr"])  # a NaN output stays visible, not 'unchecked'
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("median_us", -1.0, "field 'median_us' must be a positive number"),
+        ("impl", "cublas", "field 'impl' must be one of baseline, fuselight, torch"),
+        ("shape", {"m": -2}, "field 'shape' must be an object of non-negative integers"),
+        ("bytes", 1.5, "field 'bytes' must be a non-negative integer"),
+        ("relerr", -0.1, "field 'relerr' must be a non-negative number or null"),
+        ("baseline_source", None, "missing field 'baseline_source'"),
+        ("git_commit", None, "missing field 'git_commit'"),
+    ],
+)
+def test_bad_record_names_record_and_field(tmp_path, field, value, message):
+    good = _record()
+    bad = dict(good)
+    if value is None:
+        del bad[field]
+    else:
+        bad[field] = value
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"format": results.FORMAT, "meta": {}, "records": [good, bad]}))
+    with pytest.raises(FuselightError) as err:
+        results.read_results(path)
+    assert "bad.json: record 1 (case 'gemm-4096x4096', impl " in str(err.value)
+    assert message in str(err.value)
+
+
+def test_bad_results_files(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text("[1, 2")
+    with pytest.raises(FuselightError, match="not valid JSON"):
+        results.read_results(path)
+    path.write_text(json.dumps({"format": 99, "records": []}))
+    with pytest.raises(FuselightError, match="field 'format' must be 1"):
+        results.read_results(path)
+    with pytest.raises(FuselightError, match="results file not found"):
+        results.read_results(tmp_path / "none.json")
+    with pytest.raises(FuselightError, match="needs 'tokens'"):
+        _record(metric="tokens_per_s")
+
+
+def test_summarize_and_host_timing():
+    stats = timing.summarize([float(v) for v in range(1, 102)])
+    assert (stats.median_us, stats.p10_us, stats.p90_us, stats.n) == (51.0, 11.0, 91.0, 101)
+    calls = []
+    timed = timing.time_host(lambda: calls.append("fn"), warmup=2, repeat=3, setup=lambda: calls.append("setup"))
+    assert calls == ["setup", "fn"] * 5  # setup before every call, warm-up calls included
+    assert timed.n == 3
+    with pytest.raises(FuselightError, match="repeat must be at least 1"):
+        timing.time_host(lambda: None, warmup=0, repeat=0)
+
+
+def test_time_fn_on_cpu_respects_budget():
+    cfg = timing.timing_config("cpu")
+    stats = timing.time_fn(lambda: sum(range(1000)), device="cpu")
+    assert cfg.min_repeat <= stats.n <= cfg.repeat and stats.median_us > 0
+    # A call longer than the whole budget is still timed min_repeat times.
+    assert timing._budget(10 * cfg.max_seconds, cfg, warmup=5, repeat=50) == (0, cfg.min_repeat)
+    with pytest.raises(FuselightError, match="unknown device 'tpu'"):
+        timing.time_fn(lambda: None, device="tpu")
+
+
+def test_full_suite_matches_llama_shapes():
+    cases = {c.name: c for c in kernels.load_suite("full")}
+    gemms = [c for c in cases.values() if c.op == "gemm"]
+    assert sorted((c.dims["n"], c.dims["k"]) for c in gemms) == sorted(
+        [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+    )
+    assert all(c.sweep == (1, 2, 4, 8, 16, 33, 128, 255, 512, 1000, 2048, 4095, 8192) for c in gemms)
+    assert {
+        "rmsnorm-4096",
+        "softmax-4096",
+        "softmax-128256-float32",
+        "attention-prefill-32x8x128",
+        "attention-decode-32x8x128",
+    } <= set(cases)
+    # Costs: a GEMM reads x and W and writes y (fp16); causal prefill counts half of QK^T and PV.
+    assert cases["gemm-4096x4096"].cost(16) == ((16 * 4096 + 4096 * 4096 + 16 * 4096) * 2, 2 * 16 * 4096 * 4096)
+    nbytes, flops = cases["attention-prefill-32x8x128"].cost(1024)
+    assert flops == 2 * 1024 * 1024 * 128 * 32 and nbytes == (2 * 1024 * 32 * 128 + 2 * 1024 * 8 * 128) * 2
+    assert cases["attention-decode-32x8x128"].cost(8192)[0] == (2 * 32 * 128 + 2 * 8192 * 8 * 128) * 2
+    assert cases["softmax-128256-float32"].cost(4)[0] == 2 * 4 * 128256 * 4
+
+
+def test_bad_case_definitions():
+    with pytest.raises(FuselightError, match="field 'op' 'conv2d'"):
+        kernels.case_from_dict({"op": "conv2d", "dtype": "float16", "sweep": [1]})
+    with pytest.raises(FuselightError, match="field 'k' must be a positive integer"):
+        kernels.case_from_dict({"op": "gemm", "n": 8, "dtype": "float16", "sweep": [1]})
+    with pytest.raises(FuselightError, match="kv_heads .3. must divide q_heads .4."):
+        kernels.case_from_dict(
+            {"op": "attention_decode", "q_heads": 4, "kv_heads": 3, "head_dim": 8, "dtype": "float16", "sweep": [1]}
+        )
+    with pytest.raises(FuselightError, match="unknown sweep 'nope'"):
+        kernels.case_from_dict({"op": "softmax", "cols": 8, "dtype": "float32", "sweep": "nope"}, sweeps={})
+    with pytest.raises(FuselightError, match="unknown kernel case 'gemm-1x1'"):
+        kernels.load_suite("small", ["gemm-1x1"])
+    with pytest.raises(FuselightError, match="unknown kernel suite 'huge'"):
+        kernels.load_suite("huge")
+
+
+def test_manifest_errors(tmp_path):
+    path = tmp_path / "manifest.json"
+    with pytest.raises(FuselightError, match="manifest not found"):
+        kernels.read_manifest(path)
+    path.write_text(
+        json.dumps({"format": 1, "cases": [{**kernels.load_suite("small")[0].to_dict(), "libraries": {"tvm": "x.so"}}]})
+    )
+    with pytest.raises(FuselightError, match="field 'libraries' must map baseline / fuselight"):
+        kernels.read_manifest(path)
+
+
+@pytest.fixture(scope="module")
+def small_suite(tmp_path_factory):
+    """Two small cases built for llvm through the same build path as CUDA, and their run."""
+    pytest.importorskip("torch")
+    out = tmp_path_factory.mktemp("suite")
+    manifest = kernels.build_suite(out, None, ["gemm-48x64", "attention-prefill-4x2x16"], target="llvm", suite="small")
+    records = kernels.run_suite(manifest, out / "results.json")
+    return manifest, records
+
+
+def test_kernel_suite_on_llvm(small_suite):
+    manifest, records = small_suite
+    raw, cases = kernels.read_manifest(manifest)
+    assert raw["target"] == "llvm" and [c.name for c in cases] == ["gemm-48x64", "attention-prefill-4x2x16"]
+    for entry in raw["cases"]:
+        for lib in entry["libraries"].values():
+            assert (manifest.parent / lib).is_file() and (manifest.parent / (lib + ".json")).is_file()
+    by_name = {c.name: c for c in cases}
+    expected = [(c.name, n, impl) for c in cases for n in c.sweep for impl in ("baseline", "fuselight", "torch")]
+    assert [(r["case"], r["shape"][by_name[r["case"]].spec.sweep_var], r["impl"]) for r in records] == expected
+    tolerance = 0.02
+    assert all(r["relerr"] < tolerance for r in records), [(r["case"], r["impl"], r["relerr"]) for r in records]
+    back = results.read_results(manifest.parent / "results.json")
+    assert back.records == records and back.meta["failures"] == []
+    gemm = next(r for r in records if r["case"] == "gemm-48x64" and r["shape"]["m"] == 33)
+    assert (gemm["bytes"], gemm["flops"]) == ((33 * 64 + 48 * 64 + 33 * 48) * 2, 2 * 33 * 48 * 64)
+
+
+def test_kernel_suite_flags_wrong_results(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from fuselight.bench import kernels_build
+
+    # A library computing 1.5x RMSNorm must fail the float64 check, not pass silently.
+    original = kernels_build._BUILDERS["rmsnorm"]
+
+    def wrong(case, n, relax):
+        params, body = original(case, n, relax)
+        return params, lambda bb: relax.op.multiply(body(bb), relax.const(1.5, case.dtype))
+
+    monkeypatch.setitem(kernels_build._BUILDERS, "rmsnorm", wrong)
+    manifest = kernels.build_suite(tmp_path, None, ["rmsnorm-64"], target="llvm", suite="small")
+    records = kernels.run_suite(manifest, tmp_path / "results.json")
+    errors = {r["impl"]: r["relerr"] for r in records if r["shape"]["m"] == 7}
+    assert errors["baseline"] == pytest.approx(0.5, rel=0.01) and errors["torch"] < 1e-3
+    failures = results.read_results(tmp_path / "results.json").meta["failures"]
+    assert len(failures) == 2 * len(kernels.load_suite("small", ["rmsnorm-64"])[0].sweep)
+
+
+def test_e2e_on_llvm(tmp_path):
+    pytest.importorskip("torch")
+    from fuselight import compile as fc
+    from fuselight.bench.e2e import run_e2e
+    from fuselight.config import load
+    from fuselight.target import resolve
+
+    try:
+        import transformers  # noqa: F401
+
+        with_torch = True
+    except ImportError:
+        with_torch = False
+    config = load("tiny-llama")
+    lib = fc.export(fc.build(config, resolve("llvm"), "baseline"), tmp_path / "tiny-baseline.so")
+    out = tmp_path / "e2e.json"
+    records = run_e2e(
+        {"baseline": lib},
+        "tiny-llama",
+        out,
+        torch=with_torch,
+        device="cpu",
+        prefill_tokens=[7, 20],
+        decode_contexts=[9],
+        decode_steps=3,
+    )
+    impls = ["baseline"] + (["torch"] if with_torch else [])
+    assert [(r["impl"], r["case"]) for r in records] == [
+        (i, c) for i in impls for c in ("tiny-llama-prefill", "tiny-llama-prefill", "tiny-llama-decode")
+    ]
+    # tiny-llama computes in float32: both implementations match the float64 forward pass closely.
+    prefill = [r for r in records if r["case"].endswith("prefill")]
+    assert all(r["relerr"] < 1e-4 for r in prefill), [(r["impl"], r["relerr"]) for r in prefill]
+    assert results.read_results(out).records == records
+
+
+def test_e2e_refuses_a_library_of_another_model(tmp_path):
+    pytest.importorskip("torch")
+    from fuselight.bench.e2e import run_e2e
+
+    lib = tmp_path / "other.so"
+    lib.write_bytes(b"")
+    (tmp_path / "other.so.json").write_text(json.dumps({"target": "llvm", "model": {"hidden_size": 4096}}))
+    with pytest.raises(FuselightError, match="library built for hidden_size=4096"):
+        run_e2e(
+            {"baseline": lib},
+            "tiny-llama",
+            tmp_path / "o.json",
+            torch=False,
+            device="cpu",
+            prefill_tokens=[4],
+            decode_contexts=[4],
+            decode_steps=2,
+        )
+    with pytest.raises(FuselightError, match="implementation must be one of baseline, fuselight"):
+        run_e2e({"torch": lib}, "tiny-llama", tmp_path / "o.json", device="cpu")
+
+
+def test_relative_error_is_chunked_and_exact():
+    torch = pytest.importorskip("torch")
+    from fuselight.bench import kernels_run
+
+    rng = np.random.default_rng(1)
+    ref = torch.from_numpy(rng.standard_normal((300, 7)))
+    out = (ref * (1 + 1e-3)).to(torch.float16)
+    expected = float((out.double() - ref).norm() / ref.norm())
+    assert kernels_run.relative_error(torch, out, ref) == pytest.approx(expected, rel=1e-12)
+    out[5, 3] = float("nan")
+    assert math.isnan(kernels_run.relative_error(torch, out, ref))
+    with pytest.raises(FuselightError, match="differs from the reference"):
+        kernels_run.relative_error(torch, out[:10], ref)
