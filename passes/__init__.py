@@ -1,1 +1,50 @@
-"""fuselight graph passes (Relax), each a ``tvm.transform.Pass``."""
+"""fuselight graph passes (Relax), each a ``tvm.transform.Pass``.
+
+``PASSES`` names every pass with where it runs in phase 1 of the pipeline (``fuselight.pipeline``):
+``"before_fuse_transpose_matmul"`` for rewrites of ``R.matmul`` itself (MLC's FuseTransposeMatmul
+turns linear layers into TIR kernels), ``"after_graph_passes"`` for the rest, after MLC's graph
+passes. ``default()`` is the list the fuselight pipeline runs when none is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Literal
+
+import tvm
+
+from ..errors import FuselightError
+from .accumulate_matmul_fp32 import AccumulateMatmulFP32
+
+Slot = Literal["before_fuse_transpose_matmul", "after_graph_passes"]
+SLOTS: tuple[Slot, ...] = ("before_fuse_transpose_matmul", "after_graph_passes")
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphPass:
+    name: str
+    slot: Slot
+    make: Callable[[], tvm.transform.Pass]
+
+
+PASSES: dict[str, GraphPass] = {
+    p.name: p
+    for p in [
+        GraphPass("accumulate_matmul_fp32", "before_fuse_transpose_matmul", AccumulateMatmulFP32),
+    ]
+}
+
+
+def default() -> list[str]:
+    """Names of the passes the fuselight pipeline runs by default, in order."""
+    return ["accumulate_matmul_fp32"]
+
+
+def get(name: str) -> GraphPass:
+    if name not in PASSES:
+        raise FuselightError(f"unknown pass {name!r}: expected one of {', '.join(PASSES)}")
+    return PASSES[name]
+
+
+__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "GraphPass", "Slot", "default", "get"]

@@ -1,0 +1,27 @@
+"""Mirrors MLC-LLM's ``AttachCUDAGraphSymbolicCaptureHints``: which symbolic dims a CUDA graph is keyed on.
+
+``RewriteCUDAGraph`` captures a function's static regions into CUDA graphs; a region whose shapes
+depend on symbolic dims can be captured once per value of the dims named in
+``relax.rewrite_cuda_graph.capture_symbolic_vars`` (e.g. the batch size of ``decode``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import tvm
+from tvm import relax
+
+
+@tvm.transform.module_pass(opt_level=0, name="AttachCUDAGraphSymbolicCaptureHints")
+class AttachCUDAGraphSymbolicCaptureHints:
+    """Attach, per Relax function name, the symbolic dims CUDA graph capture may key on."""
+
+    def __init__(self, hints: Mapping[str, Sequence[str]]) -> None:
+        self.hints = {name: list(dims) for name, dims in hints.items()}
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function) and gv.name_hint in self.hints:
+                mod[gv] = func.with_attr("relax.rewrite_cuda_graph.capture_symbolic_vars", self.hints[gv.name_hint])
+        return mod

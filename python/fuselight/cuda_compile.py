@@ -1,0 +1,80 @@
+"""Compile the CUDA source of a built library ahead of time with nvcc.
+
+TVM 0.26 stores a CUDA module's *source* in a built library and compiles it when the library is
+loaded. Compiling it here instead (to a fatbin for one architecture) checks that the generated code
+builds and lets a machine without a compiler load prebuilt code. No TVM import at module load: this
+also runs where only TVM's runtime is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .errors import FuselightError
+
+_ARCH = re.compile(r"^sm_(\d{2,3})a?$")
+# From sm_90 on, the arch-specific target ("sm_90a") unlocks instructions such as wgmma; code built
+# for it runs on that architecture only, which is all an ahead-of-time build is for.
+FIRST_ARCH_SPECIFIC = 90
+# The flags TVM's own CUDA compile callback passes (nvrtc or nvcc), so the code behaves the same.
+TVM_FLAGS = (
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT162_OPERATORS__",
+    "-U__CUDA_NO_BFLOAT162_CONVERSIONS__",
+)
+FAST_MATH_FLAG = "--use_fast_math"
+
+
+def nvcc_path() -> str | None:
+    """nvcc on PATH, else under ``$CUDA_HOME``; None if neither has it."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidate = Path(home, "bin", "nvcc") if home else None
+    return str(candidate) if candidate and candidate.is_file() else None
+
+
+def gencode(arch: str) -> str:
+    """nvcc's ``-gencode`` value for ``arch`` (``sm_90`` -> ``arch=compute_90a,code=sm_90a``)."""
+    m = _ARCH.match(arch)
+    if not m:
+        raise FuselightError(f"unsupported arch {arch!r}: expected sm_XX such as sm_90")
+    version = m.group(1)
+    suffix = "a" if int(version) >= FIRST_ARCH_SPECIFIC else ""
+    return f"arch=compute_{version}{suffix},code=sm_{version}{suffix}"
+
+
+def compile_cuda(source: str, arch: str = "sm_90", out: Path | None = None, *, fast_math: bool = True) -> bytes:
+    """Compile CUDA C ``source`` to a fatbin for ``arch``; also write it to ``out`` if given.
+
+    ``fast_math`` matches TVM's own compile (it passes ``--use_fast_math``): leave it on for code that
+    must behave as it would when TVM compiles it at load time.
+    """
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise FuselightError("nvcc not found: install the CUDA toolkit or put nvcc on PATH")
+    flags = ["-O3", "--fatbin", f"-gencode={gencode(arch)}", *TVM_FLAGS]
+    if fast_math:
+        flags.append(FAST_MATH_FLAG)
+    with tempfile.TemporaryDirectory(prefix="fuselight-nvcc-") as tmp:
+        src, fatbin = Path(tmp, "kernels.cu"), Path(tmp, "kernels.fatbin")
+        src.write_text(source)
+        proc = subprocess.run([nvcc, *flags, "-o", str(fatbin), str(src)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            first_error = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:500])
+            raise FuselightError(f"nvcc failed for {arch}: {first_error}")
+        binary = fatbin.read_bytes()
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_bytes(binary)
+    return binary
+

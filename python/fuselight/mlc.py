@@ -1,0 +1,116 @@
+"""Find MLC-LLM's compiler passes, installed or from a source checkout, and make them run on TVM 0.26.
+
+MLC-LLM is optional: the baseline pipeline uses its own pass objects when this module finds them and
+fuselight's equivalents (``fuselight.baseline``) otherwise. A source checkout is named by the
+environment variable ``FUSELIGHT_MLC_LLM_SOURCE`` (the checkout's root or its ``python/`` folder);
+its compiler side imports without MLC's C++ library, which only the serving engine needs.
+
+TVM 0.26 changed three things MLC's sources still use. The shims below restore exactly those, and only
+where the attribute is missing:
+
+- ``PrimFunc.buffer_map``: 0.26 PrimFunc parameters *are* the buffers (buffer-typed Vars), so the
+  mapping is each buffer parameter to itself (read by LowBatchGemvSpecialize and
+  LiftTIRGlobalBufferAlloc).
+- LiftTIRGlobalBufferAlloc also *builds* PrimFuncs with a ``buffer_map`` and handle parameters;
+  its rebuilding helper is replaced by fuselight's 0.26 version.
+- ``DataflowVar.name_hint`` is now ``.name`` (read by ScatterTupleGetItem).
+
+MLC's sampler helpers also pass ``tensor_ir_op`` arguments in the pre-0.26 order; fuselight attaches
+no sampling functions, so that is left alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+from .errors import FuselightError
+
+SOURCE_ENV = "FUSELIGHT_MLC_LLM_SOURCE"
+# Tells MLC-LLM's package not to load its C++ library (the compiler passes are pure Python).
+_SKIP_SO_ENV = "SKIP_LOADING_MLCLLM_SO"
+
+
+def import_mlc_llm() -> types.ModuleType | None:
+    """MLC-LLM's package with the TVM 0.26 shims applied, or None when it is neither installed nor named."""
+    module = sys.modules.get("mlc_llm")
+    if module is None:
+        if importlib.util.find_spec("mlc_llm") is not None:
+            module = importlib.import_module("mlc_llm")
+        elif os.environ.get(SOURCE_ENV):
+            module = _import_from_source(Path(os.environ[SOURCE_ENV]))
+        else:
+            return None
+    _apply_tvm_shims()
+    return module
+
+
+def source_package_dir(root: Path) -> Path:
+    """``<checkout>/python/mlc_llm`` for a checkout root or its ``python/`` folder."""
+    for candidate in (root / "python" / "mlc_llm", root / "mlc_llm"):
+        if (candidate / "compiler_pass").is_dir():
+            return candidate
+    raise FuselightError(f"{SOURCE_ENV}={root}: no MLC-LLM sources there (expected python/mlc_llm/compiler_pass)")
+
+
+def describe(module: types.ModuleType) -> str:
+    """``mlc-llm@<git commit | version | "source">`` for the package ``import_mlc_llm`` returned."""
+    return f"mlc-llm@{_checkout_commit(Path(module.__path__[0])) or getattr(module, '__version__', None) or 'source'}"
+
+
+def _checkout_commit(package_dir: Path) -> str | None:
+    """HEAD of the MLC-LLM git checkout holding ``package_dir`` (``<root>/python/mlc_llm``), if it is one."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(package_dir), *args], capture_output=True, text=True,
+                              check=True, timeout=10).stdout.strip()
+
+    try:
+        # Only the checkout's own repository: an installed package may sit inside an unrelated one.
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != package_dir.resolve().parent.parent:
+            return None
+        return git("rev-parse", "HEAD")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _import_from_source(root: Path) -> types.ModuleType:
+    package_dir = source_package_dir(root)
+    os.environ[_SKIP_SO_ENV] = "1"
+    # A bare package: MLC's __init__ imports its serving engine (and C++ library), which the compiler
+    # passes do not need.
+    module = types.ModuleType("mlc_llm")
+    module.__spec__ = importlib.machinery.ModuleSpec("mlc_llm", None, is_package=True)
+    module.__spec__.submodule_search_locations = [str(package_dir)]
+    module.__path__ = [str(package_dir)]
+    module.__file__ = str(package_dir / "__init__.py")
+    sys.modules["mlc_llm"] = module
+    module.__version__ = importlib.import_module("mlc_llm.libinfo").__version__
+    return module
+
+
+def _apply_tvm_shims() -> None:
+    from tvm import relax, tirx
+
+    if not hasattr(tirx.PrimFunc, "buffer_map"):
+        tirx.PrimFunc.buffer_map = property(_buffer_map)
+    if not hasattr(relax.DataflowVar, "name_hint"):
+        relax.DataflowVar.name_hint = property(lambda var: var.name)
+    if "buffer_map" not in inspect.signature(tirx.PrimFunc.__init__).parameters:
+        from .baseline.lift_global_buffer_alloc import lift_global_allocations
+
+        lift = importlib.import_module("mlc_llm.compiler_pass.lift_global_buffer_alloc")
+        lift.remove_global_buf_alloc = lift_global_allocations
+
+
+def _buffer_map(func) -> dict:
+    from tvm import tirx
+
+    return {param: param for param in func.params if isinstance(param.ty, tirx.BufferType)}
+
