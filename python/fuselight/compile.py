@@ -21,6 +21,8 @@ PIPELINES = ("baseline", "fuselight")
 # TVM's paged KV cache launches these kernels for one decode attention call of one layer:
 # q/k rotary split, K/V append into pages, the decode attention kernel.
 KV_CACHE_KERNELS_PER_DECODE_ATTENTION = 3
+# MLC-LLM's default prefill chunk: the longest prefill one call takes.
+DEFAULT_PREFILL_CHUNK = 2048
 _ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
 
 
@@ -42,12 +44,16 @@ class Built:
     stats: KernelStats
     compile_seconds: float
     param_names: list[str]
+    prefill_chunk_size: int
 
 
-def _pipeline_pass(name: str, tvm_target: Any):
+def _pipeline_pass(name: str, tvm_target: Any, prefill_chunk_size: int):
     from . import pipeline as pl
 
-    return pl.baseline_pipeline(tvm_target) if name == "baseline" else pl.fuselight_pipeline(tvm_target)
+    # As MLC-LLM compiles: the prefill length is bounded by the chunk size, so memory is planned statically.
+    bounds = {"seq_len": prefill_chunk_size}
+    make = pl.baseline_pipeline if name == "baseline" else pl.fuselight_pipeline
+    return make(tvm_target, variable_bounds=bounds)
 
 
 def kernel_stats(mod: Any) -> KernelStats:
@@ -80,8 +86,13 @@ def kernel_stats(mod: Any) -> KernelStats:
     )
 
 
-def build(config: ModelConfig, target: TargetSpec, pipeline: str) -> Built:
-    """Export our model for ``target``, run ``pipeline`` over it, and compile."""
+def build(
+    config: ModelConfig, target: TargetSpec, pipeline: str, *, prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK
+) -> Built:
+    """Export our model for ``target``, run ``pipeline`` over it, and compile.
+
+    Prefills longer than ``prefill_chunk_size`` tokens are run in chunks by the engine.
+    """
     if pipeline not in PIPELINES:
         raise FuselightError(f"unknown pipeline {pipeline!r}: expected one of {', '.join(PIPELINES)}")
     import tvm
@@ -92,7 +103,7 @@ def build(config: ModelConfig, target: TargetSpec, pipeline: str) -> Built:
     tvm_target = to_tvm(target)
     start = time.perf_counter()
     mod, params = export_module(config, tvm_target)
-    seq = _pipeline_pass(pipeline, tvm_target)
+    seq = _pipeline_pass(pipeline, tvm_target, prefill_chunk_size)
     with tvm_target:
         lowered = seq(mod)
     stats = kernel_stats(lowered)
@@ -105,12 +116,14 @@ def build(config: ModelConfig, target: TargetSpec, pipeline: str) -> Built:
         stats=stats,
         compile_seconds=time.perf_counter() - start,
         param_names=[name for name, _, _ in params],
+        prefill_chunk_size=prefill_chunk_size,
     )
 
 
 def metadata(built: Built) -> dict[str, Any]:
     import tvm
 
+    from .bench.results import git_commit
     from .pipeline import baseline_source
 
     return {
@@ -121,8 +134,10 @@ def metadata(built: Built) -> dict[str, Any]:
         "baseline_source": baseline_source(),
         "model": dataclasses.asdict(built.config),
         "param_names": built.param_names,
+        "prefill_chunk_size": built.prefill_chunk_size,
         "stats": dataclasses.asdict(built.stats),
         "tvm_version": tvm.__version__,
+        "git_commit": git_commit(),
         "compile_seconds": round(built.compile_seconds, 2),
         "cuda_sources": {},
     }

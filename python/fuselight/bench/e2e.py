@@ -156,6 +156,30 @@ def _relerr(out: Any, ref: Any) -> float:
     return float((out - ref).norm() / ref.norm())
 
 
+def _accuracy(logits: dict[str, list[Any]], refs: list[Any], prompt: int) -> dict[str, Any]:
+    """Per-step relative errors of each impl against float64 and against transformers (torch)."""
+    result: dict[str, Any] = {"prompt": prompt, "decode_steps": len(refs) - 1, "impls": {}}
+    for impl, steps in logits.items():
+        entry = {"vs_float64": [_relerr(out, ref) for out, ref in zip(steps, refs)]}
+        if impl != "torch" and "torch" in logits:
+            entry["vs_torch"] = [_relerr(out, ref) for out, ref in zip(steps, logits["torch"])]
+        result["impls"][impl] = entry
+    return result
+
+
+def accuracy_table(accuracy: dict[str, Any]) -> str:
+    """Max over the steps of each impl's relative logits error."""
+    lines = [
+        f"logits accuracy: {accuracy['prompt']}-token prefill + {accuracy['decode_steps']} decode steps "
+        "(max relative error over the steps)",
+        f"{'impl':<10} {'vs float64':>11} {'vs torch':>10}",
+    ]
+    for impl, entry in accuracy["impls"].items():
+        vs_torch = f"{max(entry['vs_torch']):.2e}" if "vs_torch" in entry else "-"
+        lines.append(f"{impl:<10} {max(entry['vs_float64']):>11.2e} {vs_torch:>10}")
+    return "\n".join(lines)
+
+
 def _costs(config: ModelConfig) -> tuple[int, int, int]:
     """(weight elements in the layers, lm_head elements, bytes per element)."""
     shapes = config.weight_shapes()
@@ -258,7 +282,7 @@ def _open_tvm(
         config,
         dev,
         max_total_seq_len=max_len,
-        prefill_chunk_size=cfg["prefill_chunk_size"],
+        prefill_chunk_size=min(cfg["prefill_chunk_size"], meta.get("prefill_chunk_size", cfg["prefill_chunk_size"])),
         page_size=cfg["page_size"],
     )
     return _TvmRunner(engine, th), meta.get("baseline_source") or "unknown"
@@ -302,6 +326,17 @@ class _Measure:
             flops=flops,
             relerr=relerr,
         )
+
+    def accuracy_logits(self, prompt: int, steps: int) -> list[Any]:
+        """Last-position logits of a ``prompt``-token prefill and then ``steps`` decode steps."""
+        runner, ids = self.runner, self.ids
+        runner.reset()
+        # Copied out: the next step may reuse the logits buffer.
+        out = [runner.prefill(ids[:prompt]).double().clone()]
+        for i in range(steps):
+            out.append(runner.decode(int(ids[prompt + i])).double().clone())
+        self.sync()
+        return out
 
     def decode(self, context: int, steps: int) -> dict[str, Any]:
         """Median single-step decode time after a prompt of ``context`` tokens (warm-up steps untimed)."""
@@ -351,7 +386,11 @@ def run_e2e(
     prefill_tokens = prefill_tokens or cfg["prefill_tokens"]
     decode_contexts = decode_contexts or cfg["decode_contexts"]
     decode_steps = decode_steps or cfg["decode_steps"]
-    max_len = max(max(prefill_tokens), max(decode_contexts) + cfg["decode_warmup"] + decode_steps)
+    max_len = max(
+        max(prefill_tokens),
+        max(decode_contexts) + cfg["decode_warmup"] + decode_steps,
+        cfg["accuracy_prompt"] + cfg["accuracy_decode_steps"],
+    )
     if max_len > config.max_position_embeddings:
         raise FuselightError(
             f"e2e needs {max_len} positions, model {config.name!r} has {config.max_position_embeddings}"
@@ -384,6 +423,11 @@ def run_e2e(
         )
         weights = random_weights(config, tdev, seed)
         refs = {n: reference_logits(config, weights, ids[:n]) for n in prefill_tokens}
+        # Decoding token t after a prefix computes what a prefill of prefix + t does: one float64
+        # forward per step is the reference for the accuracy check.
+        acc_prompt, acc_steps = cfg["accuracy_prompt"], cfg["accuracy_decode_steps"]
+        acc_refs = [reference_logits(config, weights, ids[: acc_prompt + i]) for i in range(acc_steps + 1)]
+        acc_logits: dict[str, list[Any]] = {}
         impls = list(libs) + (["torch"] if torch else [])
         for impl in impls:
             print(f"{impl}: loading", flush=True)
@@ -393,14 +437,23 @@ def run_e2e(
             else:
                 runner, source = _open_tvm(tvm, th, Path(libs[impl]), device, config, weights, max_len)
             measure = _Measure(config, runner, ids, sync, {**common, "impl": impl, "baseline_source": source})
+            acc_logits[impl] = measure.accuracy_logits(acc_prompt, acc_steps)
             records += [measure.prefill(n, refs[n]) for n in prefill_tokens]
             records += [measure.decode(c, decode_steps) for c in decode_contexts]
             del runner, measure
             release_memory()
             if device == "cuda":
                 th.cuda.empty_cache()
-    meta = {"suite": SUITE, "model": config.name, "libraries": {k: str(v) for k, v in libs.items()}, "torch": torch}
+        accuracy = _accuracy(acc_logits, acc_refs, acc_prompt)
+    meta = {
+        "suite": SUITE,
+        "model": config.name,
+        "libraries": {k: str(v) for k, v in libs.items()},
+        "torch": torch,
+        "accuracy": accuracy,
+    }
     write_results(Path(out_json), records, meta)
     print(text_table(records))
+    print(accuracy_table(accuracy))
     print(f"{len(records)} measurements; results: {out_json}", flush=True)
     return records
