@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="tiny LLaMA through both pipelines on the CPU, compared")
     d.add_argument("--model", default="tiny-llama")
-    d.add_argument("--dtype", default=None)
+    # Half precision by default: that is where the pipelines differ (matmul accumulation).
+    d.add_argument("--dtype", default="float16")
     d.add_argument("--prompt-len", type=int, default=13)
     d.add_argument("--decode-steps", type=int, default=8)
     d.add_argument("--seed", type=int, default=0)

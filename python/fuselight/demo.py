@@ -38,7 +38,9 @@ def _run(built, weights: dict[str, np.ndarray], prompt: np.ndarray, steps: int) 
 
 
 def run_demo(config: ModelConfig, *, prompt_len: int = 13, decode_steps: int = 8, seed: int = 0) -> dict:
+    """Both pipelines on ``config``; a float32 build of the same weights is the accuracy reference."""
     from . import compile as fc
+    from . import passes, rules
     from .model.weights import random_weights
     from .target import resolve
 
@@ -54,15 +56,21 @@ def run_demo(config: ModelConfig, *, prompt_len: int = 13, decode_steps: int = 8
         print(f"  compiling with the {name} pipeline ...", flush=True)
         builds[name] = fc.build(config, target, name)
         runs[name] = _run(builds[name], weights, prompt, decode_steps)
+    # The same weights computed in float32: what the half-precision builds should approach.
+    print("  compiling the float32 reference (baseline pipeline) ...", flush=True)
+    ref_build = fc.build(config.with_dtype("float32"), target, "baseline")
+    ref = _run(ref_build, {k: v.astype("float32") for k, v in weights.items()}, prompt, decode_steps)["logits"]
     base, fuse = runs["baseline"], runs["fuselight"]
     agree = max(_relerr(f, b) for f, b in zip(fuse["logits"], base["logits"]))
     same_tokens = all(np.argmax(f) == np.argmax(b) for f, b in zip(fuse["logits"], base["logits"]))
+    errors = {p: max(_relerr(out, r) for out, r in zip(runs[p]["logits"], ref)) for p in fc.PIPELINES}
     rows = [
         ("kernels (PrimFuncs)", *(str(builds[p].stats.kernels) for p in fc.PIPELINES)),
         ("launches per decode step", *(str(builds[p].stats.launches_per_decode_step) for p in fc.PIPELINES)),
         ("compile time (s)", *(f"{builds[p].compile_seconds:.1f}" for p in fc.PIPELINES)),
         (f"prefill {prompt_len} tokens (ms)", *(f"{runs[p]['prefill_ms']:.2f}" for p in fc.PIPELINES)),
         ("decode (ms/token)", *(f"{runs[p]['decode_ms']:.2f}" for p in fc.PIPELINES)),
+        ("logits rel. error vs float32", *(f"{errors[p]:.2e}" for p in fc.PIPELINES)),
         ("logits rel. diff vs baseline", "-", f"{agree:.2e}"),
         ("same greedy tokens", "-", "yes" if same_tokens else "NO"),
     ]
@@ -72,6 +80,11 @@ def run_demo(config: ModelConfig, *, prompt_len: int = 13, decode_steps: int = 8
         print(f"{label:<{width}}  {b:>12}  {f:>12}")
     added = sorted(set(builds["fuselight"].stats.decode_kernels) - set(builds["baseline"].stats.decode_kernels))
     removed = sorted(set(builds["baseline"].stats.decode_kernels) - set(builds["fuselight"].stats.decode_kernels))
-    print("\nkernels in decode only with fuselight:", ", ".join(added) or "none")
+    ours = [getattr(make, "__name__", repr(make)) for make in rules.FUSELIGHT_RULES]
+    print(
+        f"\nfuselight passes: {', '.join(passes.default())}; fuselight rules: {', '.join(ours) or 'none yet'} "
+        "(DLight's defaults follow on GPUs; on the CPU kernels keep TVM's default lowering)"
+    )
+    print("kernels in decode only with fuselight:", ", ".join(added) or "none")
     print("kernels in decode only with baseline: ", ", ".join(removed) or "none")
-    return {"builds": builds, "runs": runs, "agreement": agree}
+    return {"builds": builds, "runs": runs, "agreement": agree, "errors": errors}
