@@ -129,3 +129,22 @@ def test_bad_results_are_refused(tmp_path):
     path.write_text('{"format": 1, "meta": {}, "records": [{"suite": "kernels"}]}')
     with pytest.raises(FuselightError, match="record 0: missing field 'case'"):
         report.make_report(path, tmp_path)
+
+
+def test_accuracy_section(results_file, tmp_path):
+    data = results.read_results(results_file)
+    accuracy = {
+        "prompt": 32,
+        "decode_steps": 2,
+        "impls": {
+            "baseline": {"vs_float64": [3e-3, 2e-3, 4e-3], "vs_torch": [1e-3, 1e-3, 2e-3]},
+            "torch": {"vs_float64": [1.5e-3, 1.7e-3, 1.6e-3]},
+        },
+    }
+    path = results.write_results(tmp_path / "acc.json", data.records, {"accuracy": accuracy})
+    text = report.make_report(path, tmp_path / "acc").read_text()
+    assert "32-token prefill, then 2 decode steps" in text
+    assert "| baseline | float64 | 3.00e-03 | 2.00e-03 | 4.00e-03 | 4.00e-03 |" in text
+    assert "| torch | float64 | 1.50e-03 | 1.70e-03 | 1.60e-03 | 1.70e-03 |" in text
+    assert "| torch | torch |" not in text
+    assert report.accuracy_text(accuracy).splitlines()[0].startswith("Logits accuracy")

@@ -96,16 +96,40 @@ def case_table(records: list[dict[str, Any]], *, relerr: bool = True) -> tuple[l
     return header, rows
 
 
+def _text_rows(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(header[c]), *(len(r[c]) for r in rows)) for c in range(len(header))]
+    return ["  " + "  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in [header, *rows]]
+
+
 def text_table(records: list[dict[str, Any]]) -> str:
     """Plain-text tables for a terminal (no relative errors), one per case."""
     out = []
     for (suite, case), group in _groups(records).items():
-        header, rows = case_table(group, relerr=False)
-        widths = [max(len(header[c]), *(len(r[c]) for r in rows)) for c in range(len(header))]
         out.append(f"{suite} / {case}")
-        for line in [header, *rows]:
-            out.append("  " + "  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
+        out += _text_rows(*case_table(group, relerr=False))
     return "\n".join(out)
+
+
+def accuracy_table(accuracy: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    """(title, header, rows) of the e2e logits check: each impl's relative error at every step."""
+    steps = ["prefill"] + [f"decode {i + 1}" for i in range(accuracy["decode_steps"])]
+    title = (
+        f"Logits accuracy: {accuracy['prompt']}-token prefill, then {accuracy['decode_steps']} decode steps "
+        "(relative error of the last-position logits)"
+    )
+    header = ["impl", "against", *steps, "max"]
+    rows = []
+    for impl, entry in accuracy["impls"].items():
+        for against in ("float64", "torch"):
+            errs = entry.get(f"vs_{against}")
+            if errs:
+                rows.append([impl, against, *(f"{e:.2e}" for e in errs), f"{max(errs):.2e}"])
+    return title, header, rows
+
+
+def accuracy_text(accuracy: dict[str, Any]) -> str:
+    title, header, rows = accuracy_table(accuracy)
+    return "\n".join([title, *_text_rows(header, rows)])
 
 
 def markdown(results: Results, plots: dict[tuple[str, str], str] | None = None) -> str:
@@ -120,6 +144,10 @@ def markdown(results: Results, plots: dict[tuple[str, str], str] | None = None) 
             lines.append(f"Baseline passes: {', '.join(sources)}.")
         lines.append("Times are medians in microseconds; 'A vs B' is B's time over A's (above 1: A is faster).")
         lines.append("")
+    if results.meta.get("accuracy"):
+        title, header, rows = accuracy_table(results.meta["accuracy"])
+        lines += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows] + [""]
     for (suite, case), group in _groups(records).items():
         header, rows = case_table(group)
         lines += [f"## {suite}: {case}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

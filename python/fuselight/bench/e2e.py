@@ -167,19 +167,6 @@ def _accuracy(logits: dict[str, list[Any]], refs: list[Any], prompt: int) -> dic
     return result
 
 
-def accuracy_table(accuracy: dict[str, Any]) -> str:
-    """Max over the steps of each impl's relative logits error."""
-    lines = [
-        f"logits accuracy: {accuracy['prompt']}-token prefill + {accuracy['decode_steps']} decode steps "
-        "(max relative error over the steps)",
-        f"{'impl':<10} {'vs float64':>11} {'vs torch':>10}",
-    ]
-    for impl, entry in accuracy["impls"].items():
-        vs_torch = f"{max(entry['vs_torch']):.2e}" if "vs_torch" in entry else "-"
-        lines.append(f"{impl:<10} {max(entry['vs_float64']):>11.2e} {vs_torch:>10}")
-    return "\n".join(lines)
-
-
 def _costs(config: ModelConfig) -> tuple[int, int, int]:
     """(weight elements in the layers, lm_head elements, bytes per element)."""
     shapes = config.weight_shapes()
@@ -374,7 +361,7 @@ def run_e2e(
 
     ``device`` "cpu" runs llvm libraries (for tests). Unset lists come from ``e2e`` in bench.json.
     """
-    from ..report import text_table
+    from ..report import accuracy_text, text_table
 
     cfg = bench_config()["e2e"]
     for impl in libs:
@@ -454,6 +441,6 @@ def run_e2e(
     }
     write_results(Path(out_json), records, meta)
     print(text_table(records))
-    print(accuracy_table(accuracy))
+    print(accuracy_text(accuracy))
     print(f"{len(records)} measurements; results: {out_json}", flush=True)
     return records
