@@ -16,6 +16,7 @@ import tvm
 
 from ..errors import FuselightError
 from .accumulate_matmul_fp32 import AccumulateMatmulFP32
+from .classify import Classify, classify_module
 
 Slot = Literal["before_fuse_transpose_matmul", "after_graph_passes"]
 SLOTS: tuple[Slot, ...] = ("before_fuse_transpose_matmul", "after_graph_passes")
@@ -47,4 +48,4 @@ def get(name: str) -> GraphPass:
     return PASSES[name]
 
 
-__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "GraphPass", "Slot", "default", "get"]
+__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "Classify", "GraphPass", "Slot", "classify_module", "default", "get"]

@@ -1,4 +1,4 @@
-"""The ``fuselight`` command line: compile, demo, bench, report.
+"""The ``fuselight`` command line: compile, demo, bench, explain, report.
 
 Bad input (unknown preset, bad config field, unsupported target, arch or dtype, a library built for
 another GPU) prints ``error: ...`` in one line and exits with code 2. Compiler-side modules are
@@ -9,6 +9,7 @@ has only the TVM runtime.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -74,6 +75,14 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .explain import explain, format_text
+
+    report = explain(_model_config(args.model, args.dtype), prompt_len=args.prompt_len)
+    print(json.dumps(report, indent=1) if args.json else format_text(report))
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from .report import make_report
 
@@ -123,6 +132,13 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--no-torch", action="store_true", help="skip the transformers comparison")
     be.add_argument("-o", "--output", required=True, help="results JSON")
     be.set_defaults(func=cmd_bench_e2e)
+
+    e = sub.add_parser("explain", help="the model's operators with classes and costs (no compile)")
+    e.add_argument("--model", required=True, help="preset name (configs/models) or a config.json path")
+    e.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: the config's)")
+    e.add_argument("--prompt-len", type=int, default=128, help="length the symbolic dims are evaluated at")
+    e.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    e.set_defaults(func=cmd_explain)
 
     r = sub.add_parser("report", help="Markdown table and plots from a results JSON")
     r.add_argument("results")

@@ -1,0 +1,111 @@
+"""``fuselight explain``: our LLaMA's Relax graph with operator classes and costs, before any lowering.
+
+Each model function's operators (bindings that call an op; tuple plumbing and aliases are views and
+left out) with their DNNFusion mapping type, TVM op pattern, FLOPs and bytes, evaluated at a
+representative length: every symbolic dim of the function (``seq_len`` for ``embed``/``prefill``)
+and the cached length ``kv_len`` seen by attention are set to ``prompt_len``; ``decode`` (one token)
+then reads as the step after a ``prompt_len``-token prompt. Rewrites and fusion groups come with
+later passes: their lists are empty for now.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from .config import ModelConfig
+
+# The model's entry points (``fuselight.model.llama.export_module``); the KV-cache constructor
+# computes nothing per token.
+MODEL_FUNCTIONS = ("embed", "prefill", "decode")
+NOTE = (
+    "rewrites_available, rewrites_applied and groups are filled by the property-rewrite and fusion passes (not yet run)"
+)
+
+
+def explain(config: ModelConfig, prompt_len: int) -> dict[str, Any]:
+    """The JSON-ready report for ``config`` (exported for ``llvm``; nothing is compiled)."""
+    from tvm import relax
+
+    from .errors import FuselightError
+    from .model.llama import export_module
+    from .passes.classify import KV_LEN, MAPPINGS, NON_CALL_OPS, classify_module
+    from .target import resolve, to_tvm
+
+    if prompt_len < 1:
+        raise FuselightError(f"--prompt-len must be positive, got {prompt_len}")
+    mod, _ = export_module(config, to_tvm(resolve("llvm")))
+    classified = classify_module(mod)
+    functions = {}
+    for name in MODEL_FUNCTIONS:
+        symbolic = {v.name: prompt_len for v in relax.analysis.defined_symbolic_vars(mod[name])}
+        bindings = {**symbolic, KV_LEN.name: prompt_len}
+        operators = []
+        for info in classified[name]:
+            if info.op in NON_CALL_OPS:
+                continue
+            flops, nbytes = info.cost(bindings)
+            operators.append({**info.to_dict(), "est_flops": flops, "est_bytes": nbytes})
+        counts = Counter(op["mapping"] for op in operators)
+        functions[name] = {
+            "evaluated_at": bindings,
+            "operators": operators,
+            "counts": {m: counts[m] for m in MAPPINGS},
+            "est_flops": _total(op["est_flops"] for op in operators),
+            "est_bytes": _total(op["est_bytes"] for op in operators),
+        }
+    return {
+        "model": config.name,
+        "dtype": config.dtype,
+        "prompt_len": prompt_len,
+        "functions": functions,
+        "rewrites_available": [],
+        "rewrites_applied": [],
+        "groups": [],
+        "note": NOTE,
+    }
+
+
+def _total(values) -> int | None:
+    """The sum, or ``None`` when any operator's cost is unknown (opaque op, unknown shape)."""
+    values = list(values)
+    return None if any(v is None for v in values) else sum(values)
+
+
+def format_text(report: dict[str, Any]) -> str:
+    """The report as aligned text: one table per function, then counts and totals."""
+    lines = [f"{report['model']} ({report['dtype']}), costs at prompt_len={report['prompt_len']}"]
+    for name, fn in report["functions"].items():
+        at = ", ".join(f"{k}={v}" for k, v in fn["evaluated_at"].items())
+        lines += ["", f"{name}  [{at}]"]
+        rows = [("binding", "op", "mapping", "tvm pattern", "shape", "dtype", "flops", "bytes")]
+        for op in fn["operators"]:
+            rows.append(
+                (
+                    op["name"], op["op"], op["mapping"], op["tvm_pattern"] or "-", _shape(op["shape"]),
+                    _dtype(op["dtype"]), _num(op["est_flops"]), _num(op["est_bytes"]),
+                )
+            )  # fmt: skip
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        counts = ", ".join(f"{m} {n}" for m, n in fn["counts"].items() if n)
+        lines.append(f"  {len(fn['operators'])} operators: {counts}")
+        lines.append(f"  total: {_num(fn['est_flops'])} flops, {_num(fn['est_bytes'])} bytes")
+    lines += ["", report["note"]]
+    return "\n".join(lines)
+
+
+def _shape(shape: Any) -> str:
+    if shape is None:
+        return "?"
+    if any(s is None or isinstance(s, list) for s in shape):  # a tuple output: one shape per field
+        return "(" + ", ".join(_shape(s) for s in shape) + ")"
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _dtype(dtype: Any) -> str:
+    return "(" + ", ".join(map(_dtype, dtype)) + ")" if isinstance(dtype, list) else str(dtype or "?")
+
+
+def _num(value: int | None) -> str:
+    return "?" if value is None else f"{value:,}"

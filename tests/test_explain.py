@@ -1,0 +1,44 @@
+"""``fuselight explain``: the JSON report of our tiny LLaMA, the text tables, bad input."""
+
+import json
+
+from fuselight.cli import main
+
+
+def test_explain_json(capsys):
+    assert main(["explain", "--model", "tiny-llama", "--json", "--prompt-len", "37"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for key in ("model", "functions", "rewrites_available", "rewrites_applied", "groups", "note"):
+        assert key in report, key
+    assert report["model"] == "tiny-llama"
+    assert (report["rewrites_available"], report["rewrites_applied"], report["groups"]) == ([], [], [])
+    functions = report["functions"]
+    assert list(functions) == ["embed", "prefill", "decode"]
+    for name, fn in functions.items():
+        assert sum(fn["counts"].values()) == len(fn["operators"]) > 0, name
+        assert fn["est_flops"] is not None and fn["est_bytes"] > 0, name
+        assert fn["counts"]["opaque"] == 0, name
+        assert fn["est_bytes"] == sum(op["est_bytes"] for op in fn["operators"]), name
+    assert functions["prefill"]["evaluated_at"] == {"seq_len": 37, "kv_len": 37}
+    assert functions["decode"]["evaluated_at"] == {"kv_len": 37}
+    # Two layers: 4 matmuls each plus lm_head; 2 RMSNorms each plus the final one; 2 attentions.
+    assert functions["decode"]["counts"]["many-to-many"] == 9 + 5 + 2
+    # Prefill runs 37 tokens through the layers where decode runs one.
+    assert functions["prefill"]["est_flops"] > 30 * functions["decode"]["est_flops"]
+    matmul = next(op for op in functions["prefill"]["operators"] if op["op"] == "relax.matmul")
+    assert matmul["shape"][1] == "seq_len" and "seq_len" in matmul["flops"]
+    assert matmul["est_flops"] == 2 * 37 * 128 * 256  # tiny-llama's fused qkv: hidden 128 -> 256
+
+
+def test_explain_text(capsys):
+    assert main(["explain", "--model", "tiny-llama"]) == 0
+    out = capsys.readouterr().out
+    assert "decode  [kv_len=128]" in out and "relax.nn.rms_norm" in out and "many-to-many" in out
+
+
+def test_explain_bad_input(capsys):
+    assert main(["explain", "--model", "llama-99b"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "llama-99b" in err
+    assert main(["explain", "--model", "tiny-llama", "--prompt-len", "0"]) == 2
+    assert "prompt-len" in capsys.readouterr().err
