@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import tvm
 from tvm import relax
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
+
+from ..relax_rewrite import FunctionRewriter
 
 HALF_DTYPES = ("float16", "bfloat16")
 ACCUMULATE_DTYPE = "float32"
@@ -31,16 +33,9 @@ class AccumulateMatmulFP32:
 
 
 @mutator
-class _Rewriter(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule):
-        super().__init__(mod)
-        self.mod = mod
-
-    def transform(self) -> tvm.IRModule:
-        for gv, func in self.mod.functions_items():
-            if isinstance(func, relax.Function):
-                self.builder_.update_func(gv, self.visit_expr(func))
-        return self.builder_.get()
+class _Rewriter(FunctionRewriter):
+    # "Nothing else changes": the function's own unused bindings stay.
+    prune_unused = False
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)

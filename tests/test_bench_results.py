@@ -73,6 +73,9 @@ def test_bad_results_files(tmp_path):
     path.write_text("[1, 2")
     with pytest.raises(FuselightError, match="not valid JSON"):
         results.read_results(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(FuselightError, match="r.json: must be a JSON object"):
+        results.read_results(path)
     path.write_text(json.dumps({"format": 99, "records": []}))
     with pytest.raises(FuselightError, match="field 'format' must be 1"):
         results.read_results(path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +48,29 @@ class Built:
     prefill_chunk_size: int
 
 
-def _pipeline_pass(name: str, tvm_target: Any, prefill_chunk_size: int):
+def pipeline_pass(name: str, tvm_target: Any, variable_bounds: Mapping[str, int]) -> Any:
+    """The pipeline ``name`` (one of ``PIPELINES``) for ``tvm_target``, a ``tvm.transform.Pass``.
+
+    variable_bounds: upper bounds of symbolic dims by name, so memory is planned statically.
+    """
+    if name not in PIPELINES:
+        raise FuselightError(f"unknown pipeline {name!r}: expected one of {', '.join(PIPELINES)}")
     from . import pipeline as pl
 
-    # As MLC-LLM compiles: the prefill length is bounded by the chunk size, so memory is planned statically.
-    bounds = {"seq_len": prefill_chunk_size}
     make = pl.baseline_pipeline if name == "baseline" else pl.fuselight_pipeline
-    return make(tvm_target, variable_bounds=bounds)
+    return make(tvm_target, variable_bounds=dict(variable_bounds))
+
+
+def lower(mod: Any, tvm_target: Any, pipeline: Any) -> tuple[Any, Any]:
+    """Run the ``pipeline`` pass over ``mod`` under ``tvm_target`` and compile the result.
+
+    Returns the lowered IRModule and its ``tvm.relax.VMExecutable``.
+    """
+    import tvm
+
+    with tvm_target:
+        lowered = pipeline(mod)
+    return lowered, tvm.compile(lowered, target=tvm_target, relax_pipeline=None)
 
 
 def kernel_stats(mod: Any) -> KernelStats:
@@ -93,27 +110,21 @@ def build(
 
     Prefills longer than ``prefill_chunk_size`` tokens are run in chunks by the engine.
     """
-    if pipeline not in PIPELINES:
-        raise FuselightError(f"unknown pipeline {pipeline!r}: expected one of {', '.join(PIPELINES)}")
-    import tvm
-
     from .model.llama import export_module
     from .target import to_tvm
 
     tvm_target = to_tvm(target)
     start = time.perf_counter()
+    # As MLC-LLM compiles: the prefill length is bounded by the chunk size, so memory is planned statically.
+    seq = pipeline_pass(pipeline, tvm_target, {"seq_len": prefill_chunk_size})
     mod, params = export_module(config, tvm_target)
-    seq = _pipeline_pass(pipeline, tvm_target, prefill_chunk_size)
-    with tvm_target:
-        lowered = seq(mod)
-    stats = kernel_stats(lowered)
-    executable = tvm.compile(lowered, target=tvm_target, relax_pipeline=None)
+    lowered, executable = lower(mod, tvm_target, seq)
     return Built(
         config=config,
         target=target,
         pipeline=pipeline,
         executable=executable,
-        stats=stats,
+        stats=kernel_stats(lowered),
         compile_seconds=time.perf_counter() - start,
         param_names=[name for name, _, _ in params],
         prefill_chunk_size=prefill_chunk_size,
@@ -139,21 +150,28 @@ def metadata(built: Built) -> dict[str, Any]:
         "tvm_version": tvm.__version__,
         "git_commit": git_commit(),
         "compile_seconds": round(built.compile_seconds, 2),
-        "cuda_sources": {},
     }
 
 
 def export(built: Built, path: Path, *, aot_cuda: bool = True) -> Path:
     """Write ``path`` (the library), ``path.json`` (metadata) and, for CUDA, ``path.cuda/`` cubins."""
+    return write_library(built.executable, path, metadata(built), built.target, aot_cuda=aot_cuda)
+
+
+def write_library(
+    executable: Any, path: Path, meta: dict[str, Any], target: TargetSpec, *, aot_cuda: bool = True
+) -> Path:
+    """Write ``executable`` to ``path``, ``meta`` to ``path.json`` and, for a GPU target with
+    ``aot_cuda``, its cubins to ``path.cuda/`` (``meta["cuda_sources"]``: CUDA source hash -> cubin)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = metadata(built)
-    if built.target.is_gpu and aot_cuda:
+    meta = {**meta, "cuda_sources": {}}
+    if target.is_gpu and aot_cuda:
         from .runtime import aot_compile_cuda
 
-        meta["cuda_sources"] = aot_compile_cuda(built.executable, aot_dir(path), built.target.arch)
-    built.executable.export_library(str(path))
-    metadata_path(path).write_text(json.dumps(meta, indent=1, default=str))
+        meta["cuda_sources"] = aot_compile_cuda(executable, aot_dir(path), target.arch)
+    executable.export_library(str(path))
+    metadata_path(path).write_text(json.dumps(meta, indent=1, default=str) + "\n")
     return path
 
 

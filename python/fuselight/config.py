@@ -6,11 +6,11 @@ Every check names the offending field, so a bad config fails in one line before 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 from .errors import FuselightError
+from .jsonfile import read_json_object
 from .paths import config_dir
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
@@ -195,8 +195,5 @@ def load(spec: str | Path) -> ModelConfig:
         if not path.is_file():
             raise FuselightError(f"unknown model preset {str(spec)!r}: available {', '.join(list_presets())}")
         name = str(spec)
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise FuselightError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    raw = read_json_object(path, missing=f"config file not found: {path}")
     return from_dict(raw, name=name, source=str(path))

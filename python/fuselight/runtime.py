@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
-import json
 import os
 import re
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 from .compile import aot_dir, metadata_path
 from .cuda_compile import compile_cuda, nvcc_path
 from .errors import FuselightError
+from .jsonfile import read_json_object
 
 CALLBACK_NAME = "tvm_callback_cuda_compile"
 CACHE_ENV = "FUSELIGHT_CACHE_DIR"
@@ -160,14 +160,7 @@ def check_arch(library_arch: str, device_arch_: str, library: Path | str = "libr
 def read_metadata(library: Path) -> dict[str, Any]:
     """The sidecar ``LIB.json`` written next to a library at build time."""
     path = metadata_path(Path(library))
-    if not path.is_file():
-        raise FuselightError(f"{library}: metadata {path.name} not found (build it with fuselight)")
-    try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise FuselightError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
-    if not isinstance(meta, dict):
-        raise FuselightError(f"{path}: metadata must be a JSON object")
+    meta = read_json_object(path, missing=f"{library}: metadata {path.name} not found (build it with fuselight)")
     target = meta.get("target")
     if target not in DEVICE_OF_TARGET:
         raise FuselightError(f"{path}: field 'target' {target!r} is not one of {', '.join(DEVICE_OF_TARGET)}")

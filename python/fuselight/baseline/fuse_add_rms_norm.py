@@ -13,9 +13,10 @@ from __future__ import annotations
 import tvm
 import tvm_ffi
 from tvm import relax, tirx
-from tvm.relax.analysis import remove_all_unused
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
 from tvm.script import tirx as T
+
+from ..relax_rewrite import FunctionRewriter
 
 HALF_DTYPES = ("float16", "bfloat16")
 MAX_THREADS = 1024
@@ -38,18 +39,11 @@ def _max_threads_per_block(target: tvm.target.Target) -> int:
 
 
 @mutator
-class _Rewriter(PyExprMutator):
+class _Rewriter(FunctionRewriter):
     def __init__(self, mod: tvm.IRModule, threads: int):
         super().__init__(mod)
-        self.mod = mod
         self.threads = threads
         self.kernels: dict[tuple[int, float, str], tvm.ir.GlobalVar] = {}
-
-    def transform(self) -> tvm.IRModule:
-        for gv, func in self.mod.functions_items():
-            if isinstance(func, relax.Function):
-                self.builder_.update_func(gv, remove_all_unused(self.visit_expr(func)))
-        return self.builder_.finalize()
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import tvm
 from tvm import relax, te, tirx
-from tvm.relax.analysis import remove_all_unused
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
+
+from ..relax_rewrite import FunctionRewriter
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseTransposeMatmul")
@@ -25,17 +26,7 @@ class FuseTransposeMatmul:
 
 
 @mutator
-class _Rewriter(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule):
-        super().__init__(mod)
-        self.mod = mod
-
-    def transform(self) -> tvm.IRModule:
-        for gv, func in self.mod.functions_items():
-            if isinstance(func, relax.Function):
-                self.builder_.update_func(gv, remove_all_unused(self.visit_expr(func)))
-        return self.builder_.finalize()
-
+class _Rewriter(FunctionRewriter):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         if call.op != tvm.ir.Op.get("relax.matmul") or not isinstance(call.args[1], relax.Var):

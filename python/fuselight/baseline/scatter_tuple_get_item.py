@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import tvm
 from tvm import relax
-from tvm.relax.analysis import remove_all_unused
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
+
+from ..relax_rewrite import FunctionRewriter
 
 
 @tvm.transform.module_pass(opt_level=0, name="ScatterTupleGetItem")
@@ -22,17 +23,10 @@ class ScatterTupleGetItem:
 
 
 @mutator
-class _Deferrer(PyExprMutator):
+class _Deferrer(FunctionRewriter):
     def __init__(self, mod: tvm.IRModule):
         super().__init__(mod)
-        self.mod = mod
         self.deferred: dict[relax.DataflowVar, relax.TupleGetItem] = {}
-
-    def transform(self) -> tvm.IRModule:
-        for gv, func in self.mod.functions_items():
-            if isinstance(func, relax.Function):
-                self.builder_.update_func(gv, remove_all_unused(self.visit_expr(func)))
-        return self.builder_.get()
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         if isinstance(binding.var, relax.DataflowVar) and isinstance(binding.value, relax.TupleGetItem):

@@ -7,10 +7,9 @@ runs on the GPU host. Settings come from ``configs/bench.json``.
 from __future__ import annotations
 
 import functools
-import json
 from typing import Any
 
-from ..errors import FuselightError
+from ..jsonfile import read_json_object
 from ..paths import config_dir
 
 
@@ -18,7 +17,4 @@ from ..paths import config_dir
 def bench_config() -> dict[str, Any]:
     """``configs/bench.json``: timing, tolerances, kernel suites and the end-to-end settings."""
     path = config_dir() / "bench.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise FuselightError(f"{path}: cannot read benchmark settings ({err})") from None
+    return read_json_object(path, missing=f"benchmark settings not found: {path}")

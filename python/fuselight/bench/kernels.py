@@ -13,12 +13,12 @@ This module only defines cases and their costs (no TVM, no PyTorch). ``kernels_b
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..errors import FuselightError
+from ..jsonfile import read_json_object
 from . import bench_config
 
 MANIFEST_FORMAT = 1
@@ -194,13 +194,8 @@ def library_name(case: Case, pipeline: str) -> str:
 def read_manifest(path: Path) -> tuple[dict[str, Any], list[Case]]:
     """The manifest ``build_suite`` wrote, and its cases."""
     path = Path(path)
-    if not path.is_file():
-        raise FuselightError(f"kernel-suite manifest not found: {path}")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise FuselightError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
-    if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
+    raw = read_json_object(path, missing=f"kernel-suite manifest not found: {path}")
+    if raw.get("format") != MANIFEST_FORMAT:
         raise FuselightError(f"{path}: not a kernel-suite manifest (format {MANIFEST_FORMAT} expected)")
     if not isinstance(raw.get("cases"), list):
         raise FuselightError(f"{path}: field 'cases' must be a list")
@@ -215,22 +210,15 @@ def read_manifest(path: Path) -> tuple[dict[str, Any], list[Case]]:
     return raw, cases
 
 
-def build_suite(
-    out_dir: Path,
-    target_arch: str | None = "sm_90",
-    cases: list[str] | None = None,
-    *,
-    target: str = "cuda",
-    suite: str = "full",
-) -> Path:
-    """Compile every case with both pipelines into ``out_dir``; returns the manifest path (build host)."""
-    from .kernels_build import build_suite as build
+def __getattr__(name: str) -> Any:
+    # ``build_suite`` (kernels_build) and ``run_suite`` (kernels_run) are imported only when asked for:
+    # both modules import this one, and the GPU host has no TVM compiler for kernels_build.
+    if name == "build_suite":
+        from .kernels_build import build_suite
 
-    return build(Path(out_dir), target_arch, cases, target=target, suite=suite)
+        return build_suite
+    if name == "run_suite":
+        from .kernels_run import run_suite
 
-
-def run_suite(manifest: Path, out_json: Path, cases: list[str] | None = None) -> list[dict[str, Any]]:
-    """Check and time every built case against PyTorch; writes ``out_json`` (GPU host, or CPU for llvm builds)."""
-    from .kernels_run import run_suite as run
-
-    return run(Path(manifest), Path(out_json), cases)
+        return run_suite
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

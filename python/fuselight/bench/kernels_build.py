@@ -16,8 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..compile import metadata_path
-from ..errors import FuselightError
+from ..compile import lower, pipeline_pass, write_library
 from ..target import TargetSpec, resolve, to_tvm
 from .kernels import (
     MANIFEST_FORMAT,
@@ -104,21 +103,11 @@ def relax_module(case: Case) -> Any:
 
 def compile_case(case: Case, pipeline: str, spec: TargetSpec) -> Any:
     """``relax_module(case)`` through ``pipeline``, compiled for ``spec``: a VM executable."""
-    import tvm
-
-    from .. import pipeline as pl
-
-    if pipeline not in PIPELINES:
-        raise FuselightError(f"unknown pipeline {pipeline!r}: expected one of {', '.join(PIPELINES)}")
     target = to_tvm(spec)
     # Upper bound of the swept dimension, as MLC-LLM attaches its sequence-length bounds: memory
     # planning then allocates intermediates once, at the largest point.
-    bounds = {case.spec.sweep_var: max(case.sweep)}
-    make = pl.baseline_pipeline if pipeline == "baseline" else pl.fuselight_pipeline
-    passes = make(target, variable_bounds=bounds)
-    with target:
-        lowered = passes(relax_module(case))
-    return tvm.compile(lowered, target=target, relax_pipeline=None)
+    passes = pipeline_pass(pipeline, target, {case.spec.sweep_var: max(case.sweep)})
+    return lower(relax_module(case), target, passes)[1]
 
 
 def export_case(case: Case, pipeline: str, spec: TargetSpec, out_dir: Path) -> Path:
@@ -126,13 +115,9 @@ def export_case(case: Case, pipeline: str, spec: TargetSpec, out_dir: Path) -> P
     import tvm
 
     from .. import pipeline as pl
-    from ..compile import aot_dir
-    from ..runtime import aot_compile_cuda
 
-    path = Path(out_dir) / library_name(case, pipeline)
-    path.parent.mkdir(parents=True, exist_ok=True)
     executable = compile_case(case, pipeline, spec)
-    meta: dict[str, Any] = {
+    meta = {
         "format": 1,
         "target": spec.kind,
         "arch": spec.arch,
@@ -140,13 +125,8 @@ def export_case(case: Case, pipeline: str, spec: TargetSpec, out_dir: Path) -> P
         "baseline_source": pl.baseline_source(),
         "case": case.to_dict(),
         "tvm_version": tvm.__version__,
-        "cuda_sources": {},
     }
-    if spec.is_gpu:
-        meta["cuda_sources"] = aot_compile_cuda(executable, aot_dir(path), spec.arch)
-    executable.export_library(str(path))
-    metadata_path(path).write_text(json.dumps(meta, indent=1) + "\n")
-    return path
+    return write_library(executable, Path(out_dir) / library_name(case, pipeline), meta, spec)
 
 
 def build_suite(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FuselightError
+from ..jsonfile import read_json_object
 
 FORMAT = 1
 IMPLS = ("baseline", "fuselight", "torch")
@@ -105,14 +106,7 @@ def write_results(path: Path, records: list[dict[str, Any]], meta: dict[str, Any
 def read_results(path: Path) -> Results:
     """Read and validate a results file."""
     path = Path(path)
-    if not path.is_file():
-        raise FuselightError(f"results file not found: {path}")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise FuselightError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
-    if not isinstance(raw, dict):
-        raise FuselightError(f"{path}: must be a JSON object")
+    raw = read_json_object(path, missing=f"results file not found: {path}")
     if raw.get("format") != FORMAT:
         raise FuselightError(f"{path}: field 'format' must be {FORMAT}, got {raw.get('format')!r}")
     meta, records = raw.get("meta", {}), raw.get("records")
