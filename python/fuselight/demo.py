@@ -26,8 +26,9 @@ def _run(built, weights: dict[str, np.ndarray], prompt: np.ndarray, steps: int) 
     dev = tvm.cpu()
     vm = relax.VirtualMachine(built.executable, dev)
     params = [tvm.runtime.tensor(weights[name], dev) for name in built.param_names]
-    engine = Engine(vm, params, built.config, dev, max_total_seq_len=len(prompt) + steps + 16)
-    engine.reset()
+    engine = Engine(
+        vm, params, built.config, dev, max_total_seq_len=len(prompt) + steps, prefill_chunk_size=built.prefill_chunk_size
+    )
     t0 = time.perf_counter()
     logits = [engine.prefill(prompt).numpy().reshape(-1)]
     t1 = time.perf_counter()

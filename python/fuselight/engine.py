@@ -13,12 +13,20 @@ import tvm
 
 from .config import ModelConfig
 from .errors import FuselightError
+from .jsonfile import read_json_object
 from .model.weights import param_names_and_shapes
+from .paths import config_dir
 
 _SEQ_ID = 0
 # One sequence at a time; no sliding window.
 _MAX_BATCH_SIZE = 1
 _SLIDING_WINDOW = 0
+
+
+def runtime_config() -> dict[str, int]:
+    """KV-cache sizes the build and the engine agree on: ``configs/runtime.json``."""
+    path = config_dir() / "runtime.json"
+    return read_json_object(path, missing=f"runtime settings not found: {path}")
 
 
 class Engine:
@@ -31,12 +39,17 @@ class Engine:
         config: ModelConfig,
         device: Any,
         *,
-        max_total_seq_len: int = 4096,
-        prefill_chunk_size: int = 2048,
-        page_size: int = 16,
+        max_total_seq_len: int | None = None,
+        prefill_chunk_size: int | None = None,
+        page_size: int | None = None,
     ) -> None:
         """``vm``: a ``tvm.runtime.vm.VirtualMachine``; ``params``: tensors on ``device`` in
-        ``param_names_and_shapes(config)`` order."""
+        ``param_names_and_shapes(config)`` order. Unset sizes come from ``runtime_config()``;
+        ``prefill_chunk_size`` must not exceed the one the library was built with."""
+        defaults = runtime_config()
+        max_total_seq_len = max_total_seq_len or defaults["max_total_seq_len"]
+        prefill_chunk_size = prefill_chunk_size or defaults["prefill_chunk_size"]
+        page_size = page_size or defaults["page_size"]
         expected = param_names_and_shapes(config)
         if len(params) != len(expected):
             raise FuselightError(f"model {config.name!r} takes {len(expected)} parameters, got {len(params)}")

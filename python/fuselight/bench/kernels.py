@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..compile import PIPELINES
 from ..errors import FuselightError
 from ..jsonfile import read_json_object
 from . import bench_config
@@ -24,7 +25,6 @@ from . import bench_config
 MANIFEST_FORMAT = 1
 MANIFEST_NAME = "manifest.json"
 SUITE = "kernels"
-PIPELINES = ("baseline", "fuselight")
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 

@@ -17,14 +17,15 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from ..compile import PIPELINES
 from ..errors import FuselightError
 from ..jsonfile import read_json_object
 
 FORMAT = 1
-IMPLS = ("baseline", "fuselight", "torch")
+IMPLS = (*PIPELINES, "torch")
 METRICS = ("tflops", "gbps", "tokens_per_s", "ms_per_token")
 # Impls compiled by fuselight's pipelines: their records carry ``baseline_source``.
-COMPILED_IMPLS = ("baseline", "fuselight")
+COMPILED_IMPLS = PIPELINES
 COMMIT_ENV = "FUSELIGHT_GIT_COMMIT"
 
 
