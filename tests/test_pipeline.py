@@ -208,6 +208,37 @@ def test_bad_mlc_source_is_an_error(without_mlc, monkeypatch, tmp_path) -> None:
         mlc.import_mlc_llm()
 
 
+def test_use_mlc_false_does_not_look_for_mlc(monkeypatch) -> None:
+    def boom():
+        raise AssertionError("import_mlc_llm called")
+
+    monkeypatch.setattr(mlc, "import_mlc_llm", boom)
+    assert pl.use_mlc_passes(False) is False
+    assert pl.baseline_source(use_mlc=False) == "fuselight-equivalents"
+
+
+def test_broken_installed_mlc_is_a_one_line_error(without_mlc, monkeypatch, tmp_path) -> None:
+    package = tmp_path / "site" / "mlc_llm"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise OSError('libmlc_llm.so: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    importlib.invalidate_caches()
+    with pytest.raises(FuselightError, match="installed mlc_llm package fails to import .*libmlc_llm.so") as err:
+        mlc.import_mlc_llm()
+    assert "\n" not in str(err.value)
+
+
+def test_failed_source_import_leaves_no_mlc_module(without_mlc, monkeypatch, tmp_path) -> None:
+    package = tmp_path / "python" / "mlc_llm"
+    (package / "compiler_pass").mkdir(parents=True)
+    (package / "helper.py").write_text("X = 1\n")
+    (package / "libinfo.py").write_text("from mlc_llm import helper\nraise ImportError('broken libinfo')\n")
+    monkeypatch.setenv(mlc.SOURCE_ENV, str(tmp_path))
+    with pytest.raises(ImportError, match="broken libinfo"):
+        mlc.import_mlc_llm()
+    assert [m for m in sys.modules if m == "mlc_llm" or m.startswith("mlc_llm.")] == []
+
+
 def test_unknown_pass_is_an_error() -> None:
     with pytest.raises(FuselightError, match="unknown pass 'no_such_pass'"):
         pl.fuselight_pipeline(passes=["no_such_pass"], use_mlc=False)
@@ -300,6 +331,12 @@ def test_cuda_graph_alloc_init(cuda) -> None:
         lowered = _lower(layer_module(), cuda, pl.baseline_pipeline(cuda, use_mlc=False))
     names = {gv.name_hint for gv in lowered.get_global_vars()}
     assert {"cuda_graph_alloc", "cuda_graph_alloc_init"} <= names
+    # Idempotent: ``cuda_graph_alloc_init`` shares the prefix but is not the allocation function.
+    from fuselight.baseline.attach_cuda_graph_alloc_init_func import AttachCUDAGraphAllocInitFunc
+
+    again = AttachCUDAGraphAllocInitFunc()(lowered)
+    assert sorted(gv.name_hint for gv in again.get_global_vars()) == sorted(names)
+    tvm.ir.assert_structural_equal(again["cuda_graph_alloc_init"], lowered["cuda_graph_alloc_init"])
 
 
 def _first_rule(func: tirx.PrimFunc, target: tvm.target.Target) -> str:

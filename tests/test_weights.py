@@ -79,6 +79,45 @@ def test_read_rejects_a_non_safetensors_file(tmp_path):
         W.read_safetensors(bad)
 
 
+def _write_raw(path, header, data: bytes = b"") -> None:
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + data)
+
+
+_GOOD = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+
+@pytest.mark.parametrize(
+    "header, match",
+    [
+        ([1, 2], "header is not a JSON object"),
+        ({"w": {"shape": [2], "data_offsets": [0, 8]}}, "'w' has no 'dtype'"),
+        ({"w": {"dtype": "F32", "data_offsets": [0, 8]}}, "'w' has no 'shape'"),
+        ({"w": {"dtype": "F32", "shape": [2]}}, "'w' has no 'data_offsets'"),
+        ({"w": "F32"}, "'w' has a header entry that is not a JSON object"),
+        ({"w": {**_GOOD, "shape": "2"}}, "'w' has a bad shape"),
+        ({"w": {**_GOOD, "data_offsets": [0]}}, "'w' has bad data_offsets"),
+        ({"w": {**_GOOD, "dtype": "Q4"}}, "'w' has unsupported dtype 'Q4'"),
+        ({"w": {**_GOOD, "dtype": 7}}, "'w' has a dtype that is not a string"),
+        ({"w": {**_GOOD, "shape": [4], "data_offsets": [0, 16]}}, "'w' has inconsistent data_offsets"),
+        ({"w": {**_GOOD, "dtype": "BF16", "shape": [8], "data_offsets": [0, 16]}}, "'w' has inconsistent"),
+        ({"w": {**_GOOD, "data_offsets": [8, 16]}}, "'w' has inconsistent data_offsets"),
+    ],
+)
+def test_read_rejects_damaged_files_naming_file_and_tensor(tmp_path, header, match):
+    bad = tmp_path / "damaged.safetensors"
+    _write_raw(bad, header, b"\0" * 8)
+    with pytest.raises(FuselightError, match="damaged.safetensors: .*" + match):
+        W.read_safetensors(bad)
+
+
+def test_read_accepts_a_hand_written_file(tmp_path):
+    good = tmp_path / "good.safetensors"
+    _write_raw(good, {"w": _GOOD}, np.array([1.5, 2.5], "<f4").tobytes())
+    np.testing.assert_array_equal(W.read_safetensors(good)["w"], [1.5, 2.5])
+
+
 def test_random_weights_are_seeded_and_scaled():
     cfg = _tiny()
     a, b, c = W.random_weights(cfg, seed=0), W.random_weights(cfg, seed=0), W.random_weights(cfg, seed=1)

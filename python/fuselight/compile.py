@@ -22,8 +22,8 @@ PIPELINES = ("baseline", "fuselight")
 # TVM's paged KV cache launches these kernels for one decode attention call of one layer:
 # q/k rotary split, K/V append into pages, the decode attention kernel.
 KV_CACHE_KERNELS_PER_DECODE_ATTENTION = 3
-# MLC-LLM's default prefill chunk: the longest prefill one call takes.
-DEFAULT_PREFILL_CHUNK = 2048
+# Format of a library's metadata sidecar.
+METADATA_FORMAT = 1
 _ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
 
 
@@ -46,6 +46,7 @@ class Built:
     compile_seconds: float
     param_names: list[str]
     prefill_chunk_size: int
+    baseline_source: str  # where the baseline passes came from when this was built
 
 
 def pipeline_pass(name: str, tvm_target: Any, variable_bounds: Mapping[str, int]) -> Any:
@@ -104,15 +105,21 @@ def kernel_stats(mod: Any) -> KernelStats:
 
 
 def build(
-    config: ModelConfig, target: TargetSpec, pipeline: str, *, prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK
+    config: ModelConfig, target: TargetSpec, pipeline: str, *, prefill_chunk_size: int | None = None
 ) -> Built:
     """Export our model for ``target``, run ``pipeline`` over it, and compile.
 
-    Prefills longer than ``prefill_chunk_size`` tokens are run in chunks by the engine.
+    Prefills longer than ``prefill_chunk_size`` tokens (default: ``configs/runtime.json``) are run
+    in chunks by the engine.
     """
+    from .engine import runtime_config
     from .model.llama import export_module
+    from .pipeline import baseline_source
     from .target import to_tvm
 
+    if prefill_chunk_size is None:
+        prefill_chunk_size = int(runtime_config()["prefill_chunk_size"])
+    source = baseline_source()
     tvm_target = to_tvm(target)
     start = time.perf_counter()
     # As MLC-LLM compiles: the prefill length is bounded by the chunk size, so memory is planned statically.
@@ -128,29 +135,40 @@ def build(
         compile_seconds=time.perf_counter() - start,
         param_names=[name for name, _, _ in params],
         prefill_chunk_size=prefill_chunk_size,
+        baseline_source=source,
     )
 
 
-def metadata(built: Built) -> dict[str, Any]:
+def library_metadata(target: TargetSpec, pipeline: str, baseline_source: str, **extra: Any) -> dict[str, Any]:
+    """The metadata sidecar every library carries (models and kernel-suite cases alike), plus ``extra``."""
     import tvm
 
     from .bench.results import git_commit
-    from .pipeline import baseline_source
 
     return {
-        "format": 1,
-        "target": built.target.kind,
-        "arch": built.target.arch,
-        "pipeline": built.pipeline,
-        "baseline_source": baseline_source(),
-        "model": dataclasses.asdict(built.config),
-        "param_names": built.param_names,
-        "prefill_chunk_size": built.prefill_chunk_size,
-        "stats": dataclasses.asdict(built.stats),
+        "format": METADATA_FORMAT,
+        "target": target.kind,
+        "arch": target.arch,
+        "pipeline": pipeline,
+        "baseline_source": baseline_source,
+        **extra,
         "tvm_version": tvm.__version__,
         "git_commit": git_commit(),
-        "compile_seconds": round(built.compile_seconds, 2),
     }
+
+
+def metadata(built: Built) -> dict[str, Any]:
+    """The sidecar of a model library: ``library_metadata`` plus the model, its parameters and stats."""
+    return library_metadata(
+        built.target,
+        built.pipeline,
+        built.baseline_source,
+        model=dataclasses.asdict(built.config),
+        param_names=built.param_names,
+        prefill_chunk_size=built.prefill_chunk_size,
+        stats=dataclasses.asdict(built.stats),
+        compile_seconds=round(built.compile_seconds, 2),
+    )
 
 
 def export(built: Built, path: Path, *, aot_cuda: bool = True) -> Path:

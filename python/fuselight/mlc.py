@@ -43,7 +43,7 @@ def import_mlc_llm() -> types.ModuleType | None:
     module = sys.modules.get("mlc_llm")
     if module is None:
         if importlib.util.find_spec("mlc_llm") is not None:
-            module = importlib.import_module("mlc_llm")
+            module = _import_installed()
         elif os.environ.get(SOURCE_ENV):
             module = _import_from_source(Path(os.environ[SOURCE_ENV]))
         else:
@@ -80,6 +80,18 @@ def _checkout_commit(package_dir: Path) -> str | None:
         return None
 
 
+def _import_installed() -> types.ModuleType:
+    """The installed ``mlc_llm``; one line of error when it (or its C++ library) fails to load."""
+    try:
+        return importlib.import_module("mlc_llm")
+    except (ImportError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise FuselightError(
+            f"the installed mlc_llm package fails to import ({type(err).__name__}: {first}); "
+            f"uninstall it or fix its C++ library"
+        ) from None
+
+
 def _import_from_source(root: Path) -> types.ModuleType:
     package_dir = source_package_dir(root)
     os.environ[_SKIP_SO_ENV] = "1"
@@ -90,8 +102,16 @@ def _import_from_source(root: Path) -> types.ModuleType:
     module.__spec__.submodule_search_locations = [str(package_dir)]
     module.__path__ = [str(package_dir)]
     module.__file__ = str(package_dir / "__init__.py")
+    before = set(sys.modules)
     sys.modules["mlc_llm"] = module
-    module.__version__ = importlib.import_module("mlc_llm.libinfo").__version__
+    try:
+        module.__version__ = importlib.import_module("mlc_llm.libinfo").__version__
+    except BaseException:
+        # Leave no half-imported package behind: a later call would take it for a working one.
+        for name in set(sys.modules) - before:
+            if name == "mlc_llm" or name.startswith("mlc_llm."):
+                del sys.modules[name]
+        raise
     return module
 
 

@@ -143,6 +143,8 @@ class Stage:
 
 def use_mlc_passes(use_mlc: bool | None = None) -> bool:
     """Whether the baseline runs MLC-LLM's pass objects: ``use_mlc``, or whether MLC-LLM is found if None."""
+    if use_mlc is False:
+        return False  # no need to look for (or import) MLC-LLM at all
     found = mlc.import_mlc_llm() is not None
     if use_mlc and not found:
         raise FuselightError(

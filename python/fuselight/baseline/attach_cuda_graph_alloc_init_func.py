@@ -12,7 +12,7 @@ import tvm
 from tvm import relax
 
 INIT_FUNC = "cuda_graph_alloc_init"
-_ALLOC_PREFIX = "cuda_graph_alloc"
+_ALLOC_FUNC = "cuda_graph_alloc"
 _GET_CACHED_ALLOC = "vm.builtin.cuda_graph.get_cached_alloc"
 
 
@@ -21,10 +21,11 @@ class AttachCUDAGraphAllocInitFunc:
     """Add ``cuda_graph_alloc_init()`` when the module has a CUDA graph allocation function."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        alloc = [gv for gv in mod.get_global_vars() if gv.name_hint.startswith(_ALLOC_PREFIX)]
-        if not alloc:
+        names = {gv.name_hint: gv for gv in mod.get_global_vars()}
+        # The exact name (``cuda_graph_alloc_init`` shares its prefix); already attached: nothing to do.
+        if _ALLOC_FUNC not in names or INIT_FUNC in names:
             return mod
-        (alloc_gv,) = alloc
+        alloc_gv = names[_ALLOC_FUNC]
         builder = relax.BlockBuilder(mod)
         with builder.function(INIT_FUNC, []):
             builder.emit_func_output(

@@ -12,7 +12,9 @@ Runtime-only TVM; PyTorch and transformers are imported when the suite runs.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -29,18 +31,8 @@ from .results import COMPILED_IMPLS, git_commit, make_record, write_results
 from .timing import device_name, synchronizer, time_host
 
 SUITE = "e2e"
-# Model fields a library's metadata must agree on with the benchmarked config.
-_MODEL_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "num_hidden_layers",
-    "vocab_size",
-    "head_dim",
-    "tie_word_embeddings",
-    "dtype",
-)
+# Model fields a library's metadata need not agree on with the benchmarked config (all others must).
+_IGNORED_MODEL_FIELDS = frozenset({"name"})
 
 
 def random_weights(config: ModelConfig, device: Any, seed: int) -> dict[str, Any]:
@@ -242,14 +234,19 @@ class _HfRunner:
 
 
 def _check_library(meta: dict[str, Any], config: ModelConfig, path: Path) -> None:
+    """Refuse a library built for another model: every config field but the name must match."""
     model = meta.get("model")
     if not isinstance(model, dict):
         raise FuselightError(f"{path}: metadata has no 'model' (not a model library)")
-    for field in _MODEL_FIELDS:
-        if model.get(field) != getattr(config, field):
+    # JSON-normalised, as the metadata was written (nested dataclasses -> dicts, tuples -> lists).
+    want = json.loads(json.dumps(dataclasses.asdict(config)))
+    for field, value in want.items():
+        if field in _IGNORED_MODEL_FIELDS:
+            continue
+        got = model.get(field, "<missing>")
+        if got != value:
             raise FuselightError(
-                f"{path}: library built for {field}={model.get(field)!r}, "
-                f"benchmark model {config.name!r} has {getattr(config, field)!r}"
+                f"{path}: library built for {field}={got!r}, benchmark model {config.name!r} has {value!r}"
             )
 
 

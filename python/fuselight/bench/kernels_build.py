@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..compile import lower, pipeline_pass, write_library
+from ..compile import library_metadata, lower, pipeline_pass, write_library
 from ..target import TargetSpec, resolve, to_tvm
 from .kernels import (
     MANIFEST_FORMAT,
@@ -51,8 +51,6 @@ def _softmax(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
 
 def _attention(case: Case, q_len: Any, kv_len: Any, causal: bool, relax: Any) -> tuple[list, Callable]:
     """Plain attention, ``q`` [q_len, H, D], ``k``/``v`` [kv_len, H_kv, D] -> [q_len, H, D]."""
-    import numpy as np
-
     heads, kv_heads, dim = case.dims["q_heads"], case.dims["kv_heads"], case.dims["head_dim"]
     q = relax.Var("q", relax.TensorType([q_len, heads, dim], case.dtype))
     k = relax.Var("k", relax.TensorType([kv_len, kv_heads, dim], case.dtype))
@@ -69,13 +67,24 @@ def _attention(case: Case, q_len: Any, kv_len: Any, causal: bool, relax: Any) ->
         scores = bb.emit(op.multiply(op.matmul(qt, kt), relax.const(dim**-0.5, case.dtype)))
         if causal:
             # As Hugging Face's eager attention: the dtype's lowest value above the diagonal.
-            lowest = float(np.finfo(case.dtype).min)
+            lowest = _lowest(case.dtype)
             mask = bb.emit(op.triu(op.full((q_len, kv_len), relax.const(lowest, case.dtype)), 1))
             scores = bb.emit(op.add(scores, mask))
         probs = bb.emit(op.astype(op.nn.softmax(op.astype(scores, "float32"), axis=-1), case.dtype))
         return op.permute_dims(op.matmul(probs, vt), [1, 0, 2])
 
     return [q, k, v], body
+
+
+def _lowest(dtype: str) -> float:
+    """The lowest finite value of ``dtype`` (NumPy has no bfloat16: ``ml_dtypes``, shipped with TVM, does)."""
+    import numpy as np
+
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return float(ml_dtypes.finfo(ml_dtypes.bfloat16).min)
+    return float(np.finfo(dtype).min)
 
 
 _BUILDERS: dict[str, Callable[[Case, Any, Any], tuple[list, Callable]]] = {
@@ -112,20 +121,10 @@ def compile_case(case: Case, pipeline: str, spec: TargetSpec) -> Any:
 
 def export_case(case: Case, pipeline: str, spec: TargetSpec, out_dir: Path) -> Path:
     """Compile and write ``<case>-<pipeline>.so``, its ``.json`` sidecar and (CUDA) its cubins."""
-    import tvm
-
     from .. import pipeline as pl
 
     executable = compile_case(case, pipeline, spec)
-    meta = {
-        "format": 1,
-        "target": spec.kind,
-        "arch": spec.arch,
-        "pipeline": pipeline,
-        "baseline_source": pl.baseline_source(),
-        "case": case.to_dict(),
-        "tvm_version": tvm.__version__,
-    }
+    meta = library_metadata(spec, pipeline, pl.baseline_source(), case=case.to_dict())
     return write_library(executable, Path(out_dir) / library_name(case, pipeline), meta, spec)
 
 

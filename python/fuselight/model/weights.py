@@ -137,26 +137,57 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
         header = json.loads(bytes(data[8 : 8 + header_len]).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise FuselightError(f"{path}: not a safetensors file (bad JSON header)") from None
+    if not isinstance(header, dict):
+        raise FuselightError(f"{path}: not a safetensors file (header is not a JSON object)")
     base = 8 + header_len
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        code, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        count = math.prod(shape)
+        code, shape, begin, end = _tensor_entry(path, name, info)
         if code == "BF16":
-            raw = np.frombuffer(data, dtype="<u2", count=count, offset=base + begin)
-            arr = raw.view(_BF16) if _BF16 is not None else _bf16_bits_to_float32(raw)
-            itemsize = 2
+            dt, itemsize = np.dtype("<u2"), 2
         elif code in _SAFETENSORS_DTYPES:
             dt = _SAFETENSORS_DTYPES[code].newbyteorder("<")
-            arr, itemsize = np.frombuffer(data, dtype=dt, count=count, offset=base + begin), dt.itemsize
+            itemsize = dt.itemsize
         else:
-            raise FuselightError(f"{path}: tensor {name!r} has unsupported dtype {code}")
+            raise FuselightError(f"{path}: tensor {name!r} has unsupported dtype {code!r}")
+        count = math.prod(shape)
         if end - begin != count * itemsize or base + end > data.size:
-            raise FuselightError(f"{path}: tensor {name!r} has inconsistent data_offsets")
+            raise FuselightError(
+                f"{path}: tensor {name!r} has inconsistent data_offsets [{begin}, {end}] "
+                f"(shape {list(shape)}, {code}, file has {data.size - base} data bytes)"
+            )
+        arr = np.frombuffer(data, dtype=dt, count=count, offset=base + begin)
+        if code == "BF16":
+            arr = arr.view(_BF16) if _BF16 is not None else _bf16_bits_to_float32(arr)
         tensors[name] = arr.reshape(shape)
     return tensors
+
+
+def _tensor_entry(path: Path, name: str, info: Any) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype code, shape, begin, end) of one header entry, checked for type."""
+
+    def bad(what: str) -> FuselightError:
+        return FuselightError(f"{path}: tensor {name!r} has {what}")
+
+    if not isinstance(info, dict):
+        raise bad("a header entry that is not a JSON object")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in info:
+            raise bad(f"no {key!r} in its header entry")
+    code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(code, str):
+        raise bad(f"a dtype that is not a string ({code!r})")
+
+    def ints(value: Any) -> bool:
+        return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+
+    if not ints(shape):
+        raise bad(f"a bad shape {shape!r} (want a list of non-negative integers)")
+    if not ints(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
+        raise bad(f"bad data_offsets {offsets!r} (want [begin, end] with 0 <= begin <= end)")
+    return code, tuple(shape), offsets[0], offsets[1]
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray]) -> None:
