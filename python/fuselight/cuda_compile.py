@@ -9,15 +9,14 @@ also runs where only TVM's runtime is installed.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 from .errors import FuselightError
+from .target import arch_number
 
-_ARCH = re.compile(r"^sm_(\d{2,3})a?$")
 # From sm_90 on, the arch-specific target ("sm_90a") unlocks instructions such as wgmma; code built
 # for it runs on that architecture only, which is all an ahead-of-time build is for.
 FIRST_ARCH_SPECIFIC = 90
@@ -45,11 +44,8 @@ def nvcc_path() -> str | None:
 
 def gencode(arch: str) -> str:
     """nvcc's ``-gencode`` value for ``arch`` (``sm_90`` -> ``arch=compute_90a,code=sm_90a``)."""
-    m = _ARCH.match(arch)
-    if not m:
-        raise FuselightError(f"unsupported arch {arch!r}: expected sm_XX such as sm_90")
-    version = m.group(1)
-    suffix = "a" if int(version) >= FIRST_ARCH_SPECIFIC else ""
+    version = arch_number(arch)
+    suffix = "a" if version >= FIRST_ARCH_SPECIFIC else ""
     return f"arch=compute_{version}{suffix},code=sm_{version}{suffix}"
 
 

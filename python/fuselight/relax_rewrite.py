@@ -1,11 +1,17 @@
-"""The scaffolding of a Relax rewrite pass: one ``PyExprMutator`` run over every Relax function of a module.
+"""The scaffolding of Relax passes that touch every Relax function of a module.
 
-A pass defines the rewrite as a subclass that overrides ``visit_*`` methods and carries TVM's
-``@mutator`` decorator (this base stays undecorated: ``@mutator`` refuses subclasses of a decorated
-class), and its ``transform_module`` returns ``Subclass(mod, ...).transform()``.
+``FunctionRewriter``: one ``PyExprMutator`` run over every Relax function. A pass defines the
+rewrite as a subclass that overrides ``visit_*`` methods and carries TVM's ``@mutator`` decorator
+(this base stays undecorated: ``@mutator`` refuses subclasses of a decorated class), and its
+``transform_module`` returns ``Subclass(mod, ...).transform()``.
+
+``annotate_functions``: set one function attribute on the Relax functions of a module.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import tvm
 from tvm import relax
@@ -26,10 +32,27 @@ class FunctionRewriter(PyExprMutator):
         super().__init__(mod)
         self.mod = mod
 
-    def transform(self) -> tvm.IRModule:
-        """The module with every Relax function rewritten (and added functions given unique names)."""
+    def rewrite_functions(self) -> None:
+        """Rewrite every Relax function of ``self.mod`` into the builder's module."""
         for gv, func in self.mod.functions_items():
             if isinstance(func, relax.Function):
                 rewritten = self.visit_expr(func)
                 self.builder_.update_func(gv, remove_all_unused(rewritten) if self.prune_unused else rewritten)
+
+    def transform(self) -> tvm.IRModule:
+        """The module with every Relax function rewritten (and added functions given unique names)."""
+        self.rewrite_functions()
         return self.builder_.finalize()
+
+
+def annotate_functions(
+    mod: tvm.IRModule, attr: str, value_of: Callable[[tvm.ir.GlobalVar, relax.Function], Any | None]
+) -> tvm.IRModule:
+    """``mod`` (updated in place) with ``attr`` set to ``value_of(gv, func)`` on each Relax function;
+    a function for which it returns None is left as it is."""
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            value = value_of(gv, func)
+            if value is not None:
+                mod[gv] = func.with_attr(attr, value)
+    return mod

@@ -16,7 +16,6 @@ import ctypes
 import dataclasses
 import hashlib
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +23,13 @@ from .compile import aot_dir, metadata_path
 from .cuda_compile import compile_cuda, nvcc_path
 from .errors import FuselightError
 from .jsonfile import read_json_object
+from .target import arch_number
 
 CALLBACK_NAME = "tvm_callback_cuda_compile"
 CACHE_ENV = "FUSELIGHT_CACHE_DIR"
 # CUDA modules only load when these runtime parts are loaded globally right after ``import tvm``.
 _RUNTIME_ONLY_ENV = "TVM_USE_RUNTIME_LIB"
 _EXTRA_RUNTIME_LIBS = ("libtvm_runtime_extra.so", "libtvm_runtime_cuda.so")
-_ARCH = re.compile(r"^sm_(\d{2,3})a?$")
 _FATBIN_SUFFIX = ".fatbin"
 # Library target kind -> the device kind it runs on.
 DEVICE_OF_TARGET = {"cuda": "cuda", "llvm": "cpu"}
@@ -130,14 +129,6 @@ def cuda_binary(code: str) -> bytes:
     tmp.write_bytes(binary)
     tmp.replace(cache)
     return binary
-
-
-def arch_number(arch: str) -> int:
-    """``sm_90`` / ``sm_90a`` -> 90."""
-    m = _ARCH.match(arch or "")
-    if not m:
-        raise FuselightError(f"unsupported arch {arch!r}: expected sm_XX such as sm_90")
-    return int(m.group(1))
 
 
 def device_arch(device: Any = None) -> str:

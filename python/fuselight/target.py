@@ -35,6 +35,14 @@ class TargetSpec:
         return f"{self.kind}-{self.arch}" if self.arch else self.kind
 
 
+def arch_number(arch: str) -> int:
+    """``sm_90`` / ``sm_90a`` -> 90; FuselightError for anything not of the form sm_XX."""
+    m = _ARCH.match(arch or "")
+    if not m:
+        raise FuselightError(f"unsupported arch {arch!r}: expected sm_XX such as sm_90")
+    return int(m.group(1))
+
+
 def resolve(kind: str, arch: str | None = None) -> TargetSpec:
     """Validate ``kind``/``arch``; options come from ``configs/targets``."""
     if kind not in SUPPORTED_KINDS:
@@ -44,10 +52,7 @@ def resolve(kind: str, arch: str | None = None) -> TargetSpec:
             raise FuselightError(f"--arch {arch!r} applies to cuda targets only")
         return TargetSpec("llvm", None, json.loads((config_dir() / "targets" / "llvm.json").read_text()))
     arch = arch or "sm_90"
-    m = _ARCH.match(arch)
-    if not m:
-        raise FuselightError(f"unsupported arch {arch!r}: expected sm_XX such as sm_90")
-    if int(m.group(1)) < MIN_CUDA_ARCH:
+    if arch_number(arch) < MIN_CUDA_ARCH:
         raise FuselightError(f"unsupported arch {arch!r}: fuselight needs sm_{MIN_CUDA_ARCH} or newer")
     options = json.loads((config_dir() / "targets" / "cuda-sm_90.json").read_text())
     options["arch"] = arch

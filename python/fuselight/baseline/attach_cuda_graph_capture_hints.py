@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import tvm
-from tvm import relax
+
+from ..relax_rewrite import annotate_functions
 
 
 @tvm.transform.module_pass(opt_level=0, name="AttachCUDAGraphSymbolicCaptureHints")
@@ -21,7 +22,6 @@ class AttachCUDAGraphSymbolicCaptureHints:
         self.hints = {name: list(dims) for name, dims in hints.items()}
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function) and gv.name_hint in self.hints:
-                mod[gv] = func.with_attr("relax.rewrite_cuda_graph.capture_symbolic_vars", self.hints[gv.name_hint])
-        return mod
+        return annotate_functions(
+            mod, "relax.rewrite_cuda_graph.capture_symbolic_vars", lambda gv, _func: self.hints.get(gv.name_hint)
+        )

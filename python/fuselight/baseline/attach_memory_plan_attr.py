@@ -8,7 +8,8 @@ instead of allocating them on every call.
 from __future__ import annotations
 
 import tvm
-from tvm import relax
+
+from ..relax_rewrite import annotate_functions
 
 
 @tvm.transform.module_pass(opt_level=0, name="AttachMemoryPlanAttr")
@@ -16,7 +17,4 @@ class AttachMemoryPlanAttr:
     """Set ``relax.memory_plan_dynamic_func_output`` on every Relax function."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                mod[gv] = func.with_attr("relax.memory_plan_dynamic_func_output", True)
-        return mod
+        return annotate_functions(mod, "relax.memory_plan_dynamic_func_output", lambda _gv, _func: True)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import tvm
-from tvm import relax
+
+from ..relax_rewrite import annotate_functions
 
 # MLC-LLM marks the vocabulary size non-negative in every model it compiles.
 DEFAULT_NON_NEGATIVE = ("vocab_size",)
@@ -26,9 +27,5 @@ class AttachVariableBounds:
         self.non_negative = list(non_negative)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                mod[gv] = func.with_attr("tir_var_upper_bound", self.upper_bounds).with_attr(
-                    "tir_non_negative_var", self.non_negative
-                )
-        return mod
+        mod = annotate_functions(mod, "tir_var_upper_bound", lambda _gv, _func: self.upper_bounds)
+        return annotate_functions(mod, "tir_non_negative_var", lambda _gv, _func: self.non_negative)

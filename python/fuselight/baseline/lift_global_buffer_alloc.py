@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import tvm
 from tvm import relax, tirx
-from tvm.relax.analysis import remove_all_unused
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
+
+from ..relax_rewrite import FunctionRewriter
 
 
 @tvm.transform.module_pass(opt_level=0, name="LiftTIRGlobalBufferAlloc")
@@ -47,10 +48,9 @@ def lift_global_allocations(func: tirx.PrimFunc) -> tuple[tirx.PrimFunc, list[re
 
 
 @mutator
-class _Lifter(PyExprMutator):
+class _Lifter(FunctionRewriter):
     def __init__(self, mod: tvm.IRModule):
         super().__init__(mod)
-        self.mod = mod
         # original GlobalVar -> (original PrimFunc, lifted GlobalVar, types of the lifted buffers)
         self.lifted: dict[tvm.ir.GlobalVar, tuple[tirx.PrimFunc, tvm.ir.GlobalVar, list[relax.TensorType]]] = {}
 
@@ -62,9 +62,7 @@ class _Lifter(PyExprMutator):
                     self.lifted[gv] = (func, self.builder_.add_func(new_func, gv.name_hint), extra)
         if not self.lifted:
             return self.mod
-        for gv, func in self.builder_.get().functions_items():
-            if isinstance(func, relax.Function):
-                self.builder_.update_func(gv, remove_all_unused(self.visit_expr(func)))
+        self.rewrite_functions()
         # Kernels whose every call was widened are no longer referenced.
         return relax.transform.DeadCodeElimination()(self.builder_.get())
 
