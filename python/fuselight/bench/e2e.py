@@ -43,7 +43,7 @@ def random_weights(config: ModelConfig, device: Any, seed: int) -> dict[str, Any
     """
     import torch
 
-    from ..model.weights import init_std, param_names_and_shapes
+    from ..model.weights import init_std, is_norm_weight, param_names_and_shapes
 
     gen = torch.Generator(device=device).manual_seed(seed)
     dtype = getattr(torch, config.dtype)
@@ -51,7 +51,7 @@ def random_weights(config: ModelConfig, device: Any, seed: int) -> dict[str, Any
     for name, shape in param_names_and_shapes(config):
         t = torch.empty(shape, dtype=dtype, device=device)
         t.normal_(0.0, init_std(name, config), generator=gen)
-        if name.endswith("norm.weight"):
+        if is_norm_weight(name):
             t += 1.0
         weights[name] = t
     return weights
@@ -257,7 +257,6 @@ def _open_tvm(
     from ..engine import Engine
     from ..model.weights import param_names_and_shapes
 
-    cfg = bench_config()["e2e"]
     vm, dev, meta = load_library(path, device)
     params = [tvm.runtime.from_dlpack(weights[name]) for name, _ in param_names_and_shapes(config)]
     engine = Engine(
@@ -266,8 +265,8 @@ def _open_tvm(
         config,
         dev,
         max_total_seq_len=max_len,
-        prefill_chunk_size=min(cfg["prefill_chunk_size"], meta.get("prefill_chunk_size", cfg["prefill_chunk_size"])),
-        page_size=cfg["page_size"],
+        # The library's own prefill bound; other sizes from configs/runtime.json.
+        prefill_chunk_size=meta.get("prefill_chunk_size"),
     )
     return _TvmRunner(engine, th), meta.get("baseline_source") or "unknown"
 

@@ -66,7 +66,8 @@ def numpy_dtype(dtype: str) -> np.dtype:
     return np.dtype(dtype)
 
 
-def _is_norm(name: str) -> bool:
+def is_norm_weight(name: str) -> bool:
+    """RMSNorm weights: initialised around 1, not 0."""
     return name.endswith("norm.weight")
 
 
@@ -75,7 +76,7 @@ def init_std(name: str, config: ModelConfig) -> float:
     shapes = config.weight_shapes()
     if name not in shapes:
         raise FuselightError(f"unknown parameter {name!r} for model {config.name!r}")
-    if _is_norm(name):
+    if is_norm_weight(name):
         return NORM_NOISE_STD
     if name == "model.embed_tokens.weight":
         return EMBED_STD
@@ -96,7 +97,7 @@ def random_weights(config: ModelConfig, seed: int = 0, dtype: str | None = None)
     for name, shape in param_names_and_shapes(config):
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         w = rng.standard_normal(shape, dtype=np.float32) * np.float32(init_std(name, config))
-        if _is_norm(name):
+        if is_norm_weight(name):
             w += np.float32(1.0)
         weights[name] = w.astype(out_dtype)
     return weights
