@@ -1,0 +1,380 @@
+"""Tensor-core flash-attention prefill templates: TIR PrimFuncs, already scheduled.
+
+``flash_prefill_ragged`` is a drop-in replacement for TVM's ``batch_prefill_ragged_kv`` (the KV
+cache's prefill over the new tokens' own K/V); ``flash_attention_dense`` is plain (non-paged)
+attention for graph-level fusion. Both run the same FlashAttention-2 core: each warp owns 16 query
+rows, S = Q K^T and O += P V run on ``mma.sync.m16n8k16`` (fp16/bf16 in, fp32 accumulate) with
+operands loaded by ``ldmatrix`` from XOR-swizzled shared memory, the online-softmax state stays in
+registers, and the next K (or V) tile streams in by ``cp.async`` while the current one is used.
+Grouped-query heads are folded into the row dimension (row = token * group + head-in-group), so
+one K/V tile serves the whole group. Scores are kept in base 2 (scaled by ``sm_scale * log2(e)``),
+so ``lse = m + log2(sum)``, TVM's convention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from fuselight.errors import FuselightError
+
+from .config import load_arch_config
+
+# mma.sync.m16n8k16: a warp's row block, the k step, the n width of one accumulator tile.
+MMA_M, MMA_K, MMA_N = 16, 16, 8
+WARP = 32
+# One cp.async / ldmatrix row piece: 16 bytes = 8 halves; the swizzle permutes these within 8 rows.
+CHUNK = 8
+SWIZZLE_ROWS = 8
+# Static shared memory a block may use without opting in to more.
+MAX_STATIC_SMEM = 48 * 1024
+HEAD_DIMS = (64, 128)
+DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
+LOG2E = math.log2(math.e)
+# Scores of masked positions: exp2 of it minus any real row max is exactly 0.
+MASKED = -1.0e30
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Tile config: ``warps`` warps of 16 query rows each, ``tile_kv`` KV rows per step."""
+
+    warps: int
+    tile_kv: int
+
+    @property
+    def tile_q(self) -> int:
+        return MMA_M * self.warps
+
+    @property
+    def threads(self) -> int:
+        return WARP * self.warps
+
+
+def load_prefill_config(arch: str, head_dim: int) -> PrefillConfig:
+    """The config for ``arch`` (e.g. ``sm_90``) and ``head_dim`` from ``configs/attention/prefill.json``."""
+    cfg = load_arch_config("prefill", arch, PrefillConfig, str(head_dim))
+    check_config(cfg, head_dim)
+    return cfg
+
+
+def check_config(cfg: PrefillConfig, head_dim: int) -> None:
+    """FuselightError naming the field if ``cfg`` cannot tile ``head_dim``."""
+    if head_dim not in HEAD_DIMS:
+        raise FuselightError(f"prefill attention: head_dim {head_dim} unsupported (supported: {HEAD_DIMS})")
+    if cfg.tile_kv % MMA_K:
+        raise FuselightError(f"prefill config: tile_kv {cfg.tile_kv} must be a multiple of {MMA_K}")
+    for name, rows in (("warps", cfg.tile_q), ("tile_kv", cfg.tile_kv)):
+        if rows * head_dim // CHUNK % cfg.threads:
+            raise FuselightError(
+                f"prefill config: {name} gives a {rows}x{head_dim} tile that {cfg.threads} threads "
+                "cannot load in whole 16-byte pieces"
+            )
+    smem = (cfg.tile_q + 2 * cfg.tile_kv) * head_dim * 2
+    if smem > MAX_STATIC_SMEM:
+        raise FuselightError(
+            f"prefill config: warps {cfg.warps} / tile_kv {cfg.tile_kv} need {smem} bytes of shared memory "
+            f"at head_dim {head_dim} (at most {MAX_STATIC_SMEM})"
+        )
+
+
+def _check_args(num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: str, cfg: PrefillConfig) -> int:
+    if dtype not in DTYPES:
+        raise FuselightError(f"prefill attention: dtype {dtype!r} unsupported (supported: {', '.join(DTYPES)})")
+    if num_kv_heads <= 0 or num_qo_heads % num_kv_heads:
+        raise FuselightError(
+            f"prefill attention: {num_qo_heads} query heads are not a multiple of {num_kv_heads} KV heads"
+        )
+    check_config(cfg, head_dim)
+    return num_qo_heads // num_kv_heads
+
+
+def _make_core(head_dim: int, group: int, dtype: str, cfg: PrefillConfig):
+    """The macros both templates share: the attention of one block's query tile, and its epilogue.
+
+    Addresses are element offsets into the flat q/k/v/output buffers, given as a base plus a token
+    stride and a head stride, so one core serves the ragged and both dense layouts.
+    """
+    from tvm.script import tirx as T
+
+    d = head_dim
+    ab = DTYPES[dtype]
+    tile_q, tile_kv, threads = cfg.tile_q, cfg.tile_kv, cfg.threads
+    chunks = d // CHUNK
+    q_loads = tile_q * chunks // threads
+    kv_loads = tile_kv * chunks // threads
+    k_steps = d // MMA_K  # k steps of S = Q K^T
+    s_tiles = tile_kv // MMA_N  # n tiles of S
+    pv_steps = tile_kv // MMA_K  # k steps of O += P V
+    o_tiles = d // MMA_N  # n tiles of O
+
+    def swz(row, chunk):
+        # 16-byte piece ``chunk`` of ``row`` lands at chunk ^ (row % 8): the 8 rows an ldmatrix
+        # reads hit 8 different bank groups.
+        return row * d + T.bitwise_xor(chunk, T.bitwise_and(row, SWIZZLE_ROWS - 1)) * CHUNK
+
+    @T.macro
+    def load_kv_rows(smem, src, tid, base, tok_stride, n_valid):
+        # cp.async of a K or V tile, 16 bytes per thread per step; rows past n_valid are zero-filled.
+        for it in T.unroll(kv_loads):
+            row = (it * threads + tid) // chunks
+            c = (it * threads + tid) % chunks
+            T.ptx.cp_async(
+                smem.access_ptr("w", offset=swz(row, c)),
+                src.access_ptr("r", offset=base + T.min(row, n_valid - 1) * tok_stride + c * CHUNK),
+                16,
+                predicate=row < n_valid,
+                fill_mode="zero",
+            )
+
+    @T.macro
+    def load_q_rows(smem, src, tid, LH_start, base, tok_stride, head_stride, q_len):
+        for it in T.unroll(q_loads):
+            row = (it * threads + tid) // chunks
+            c = (it * threads + tid) % chunks
+            tok = (LH_start + row) // group
+            T.ptx.cp_async(
+                smem.access_ptr("w", offset=swz(row, c)),
+                src.access_ptr(
+                    "r",
+                    offset=base + T.min(tok, q_len - 1) * tok_stride + (LH_start + row) % group * head_stride + c * CHUNK,
+                ),
+                16,
+                predicate=tok < q_len,
+                fill_mode="zero",
+            )
+
+    @T.macro
+    def attend(
+        q, k, v, Q_smem, K_smem, V_smem, Qf, Kf, Vf, S, Pf, O, m, l, row_max,
+        tid, LH_start, q_base, q_tok_stride, q_head_stride, kv_base, kv_tok_stride,
+        q_len, kv_len, causal, sm_scale,
+    ):
+        warp: T.let[T.int32] = tid // WARP
+        lane: T.let[T.int32] = tid % WARP
+        # Query row of tile row r: token (LH_start + r) // group, head (LH_start + r) % group.
+        last_tok: T.let[T.int32] = T.min(q_len - 1, (LH_start + tile_q - 1) // group)
+        kv_end: T.let[T.int32] = T.if_then_else(causal > 0, T.min(kv_len, last_tok + kv_len - q_len + 1), kv_len)
+        n_kv_tiles: T.let[T.int32] = T.ceildiv(kv_end, tile_kv)
+        score_scale: T.let[T.float32] = sm_scale * LOG2E
+
+        for i in T.unroll(2):
+            m[i] = T.float32(MASKED)
+            l[i] = T.float32(0)
+        for i in T.unroll(o_tiles * 4):
+            O[i] = T.float32(0)
+
+        load_q_rows(Q_smem, q, tid, LH_start, q_base, q_tok_stride, q_head_stride, q_len)
+        T.ptx.cp_async.commit_group()
+        load_kv_rows(K_smem, k, tid, kv_base, kv_tok_stride, kv_len)
+        T.ptx.cp_async.commit_group()
+        T.ptx.cp_async.wait_group(1)
+        T.tvm_storage_sync("shared")
+        for kk in T.unroll(k_steps):
+            T.ptx.ldmatrix_legacy(
+                False, 4, ".b16", Qf.data, kk * 8, Q_smem.access_ptr("r"),
+                swz(warp * MMA_M + lane % 16, kk * 2 + lane // 16), dtype=dtype,
+            )
+
+        for j in T.serial(n_kv_tiles):
+            kv_start: T.let[T.int32] = j * tile_kv
+            T.ptx.cp_async.wait_group(0)
+            T.tvm_storage_sync("shared")
+            load_kv_rows(V_smem, v, tid, kv_base + kv_start * kv_tok_stride, kv_tok_stride, kv_len - kv_start)
+            T.ptx.cp_async.commit_group()
+
+            # S = Q K^T for this warp's 16 rows.
+            for i in T.unroll(s_tiles * 4):
+                S[i] = T.float32(0)
+            for kk in T.unroll(k_steps):
+                for np in T.unroll(pv_steps):
+                    T.ptx.ldmatrix_legacy(
+                        False, 4, ".b16", Kf.data, 0, K_smem.access_ptr("r"),
+                        swz(np * 16 + (lane // 16) * 8 + lane % 8, kk * 2 + (lane // 8) % 2), dtype=dtype,
+                    )
+                    for h in T.unroll(2):
+                        T.ptx.mma.legacy(
+                            "m16n8k16", "row", "col", ab, ab, "fp32",
+                            Qf.data, kk * 8, Kf.data, h * 4, S.data, (np * 2 + h) * 4, False, dtype="float32",
+                        )
+
+            # Online softmax; this thread holds rows lane // 4 and lane // 4 + 8 of the warp's block.
+            for i in T.unroll(2):
+                tok: T.let[T.int32] = (LH_start + warp * MMA_M + lane // 4 + i * 8) // group
+                limit: T.let[T.int32] = T.if_then_else(causal > 0, T.min(kv_len, tok + kv_len - q_len + 1), kv_len)
+                for nt in T.unroll(s_tiles):
+                    for e in T.unroll(2):
+                        S[nt * 4 + i * 2 + e] = T.if_then_else(
+                            kv_start + nt * MMA_N + (lane % 4) * 2 + e < limit,
+                            S[nt * 4 + i * 2 + e] * score_scale,
+                            T.float32(MASKED),
+                        )
+                row_max[0] = m[i]
+                for nt in T.unroll(s_tiles):
+                    for e in T.unroll(2):
+                        row_max[0] = T.max(row_max[0], S[nt * 4 + i * 2 + e])
+                m_new: T.let[T.float32] = T.cuda.warp_max(row_max[0], 4)
+                alpha: T.let[T.float32] = T.exp2(m[i] - m_new)
+                m[i] = m_new
+                l[i] = l[i] * alpha
+                for nt in T.unroll(s_tiles):
+                    for e in T.unroll(2):
+                        S[nt * 4 + i * 2 + e] = T.exp2(S[nt * 4 + i * 2 + e] - m_new)
+                        l[i] = l[i] + S[nt * 4 + i * 2 + e]
+                for nt in T.unroll(o_tiles):
+                    for e in T.unroll(2):
+                        O[nt * 4 + i * 2 + e] = O[nt * 4 + i * 2 + e] * alpha
+            # The S accumulator layout of two n tiles is the A operand layout of one k step.
+            for i in T.unroll(s_tiles * 4):
+                Pf[i] = T.Cast(dtype, S[i])
+
+            T.ptx.cp_async.wait_group(0)
+            T.tvm_storage_sync("shared")
+            if j + 1 < n_kv_tiles:
+                load_kv_rows(
+                    K_smem, k, tid, kv_base + (kv_start + tile_kv) * kv_tok_stride, kv_tok_stride,
+                    kv_len - kv_start - tile_kv,
+                )
+                T.ptx.cp_async.commit_group()
+
+            # O += P V.
+            for kk in T.unroll(pv_steps):
+                for np in T.unroll(o_tiles // 2):
+                    T.ptx.ldmatrix_legacy(
+                        True, 4, ".b16", Vf.data, 0, V_smem.access_ptr("r"),
+                        swz(kk * 16 + ((lane // 8) % 2) * 8 + lane % 8, np * 2 + lane // 16), dtype=dtype,
+                    )
+                    for h in T.unroll(2):
+                        T.ptx.mma.legacy(
+                            "m16n8k16", "row", "col", ab, ab, "fp32",
+                            Pf.data, kk * 8, Vf.data, h * 4, O.data, (np * 2 + h) * 4, False, dtype="float32",
+                        )
+
+    @T.macro
+    def store_output(out_flat, Q_smem, O, l, tid, LH_start, q_base, q_tok_stride, q_head_stride, q_len):
+        # Normalise, stage the tile in (now free) Q shared memory, write it back in 16-byte pieces.
+        warp: T.let[T.int32] = tid // WARP
+        lane: T.let[T.int32] = tid % WARP
+        for i in T.unroll(2):
+            l[i] = T.cuda.warp_sum(l[i], 4)
+            inv: T.let[T.float32] = T.float32(1) / l[i]
+            for nt in T.unroll(o_tiles):
+                for e in T.unroll(2):
+                    Q_smem[swz(warp * MMA_M + lane // 4 + i * 8, nt) + (lane % 4) * 2 + e] = T.Cast(
+                        dtype, O[nt * 4 + i * 2 + e] * inv
+                    )
+        T.tvm_storage_sync("shared")
+        for it in T.unroll(q_loads):
+            idx: T.let[T.int32] = it * threads + tid
+            row: T.let[T.int32] = idx // chunks
+            c: T.let[T.int32] = idx % chunks
+            tok: T.let[T.int32] = (LH_start + row) // group
+            if tok < q_len:
+                dst = q_base + tok * q_tok_stride + (LH_start + row) % group * q_head_stride + c * CHUNK
+                for e in T.vectorized(CHUNK):
+                    out_flat[dst + e] = Q_smem[swz(row, c) + e]
+
+    return attend, store_output
+
+
+def _alloc_fragments(head_dim: int, dtype: str, cfg: PrefillConfig):
+    """Shared tiles and per-thread register fragments of one block (call inside its ``sblock``)."""
+    from tvm.script import tirx as T
+
+    return (
+        T.sblock_alloc_buffer((cfg.tile_q * head_dim,), dtype, scope="shared"),
+        T.sblock_alloc_buffer((cfg.tile_kv * head_dim,), dtype, scope="shared"),
+        T.sblock_alloc_buffer((cfg.tile_kv * head_dim,), dtype, scope="shared"),
+        T.sblock_alloc_buffer((head_dim // MMA_K * 8,), dtype, scope="local"),  # Q, A operand
+        T.sblock_alloc_buffer((8,), dtype, scope="local"),  # K, B operand of two n tiles
+        T.sblock_alloc_buffer((8,), dtype, scope="local"),  # V, B operand of two n tiles
+        T.sblock_alloc_buffer((cfg.tile_kv // MMA_N * 4,), "float32", scope="local"),  # S
+        T.sblock_alloc_buffer((cfg.tile_kv // MMA_N * 4,), dtype, scope="local"),  # P, A operand
+        T.sblock_alloc_buffer((head_dim // MMA_N * 4,), "float32", scope="local"),  # O
+        T.sblock_alloc_buffer((2,), "float32", scope="local"),  # running row max (base 2)
+        T.sblock_alloc_buffer((2,), "float32", scope="local"),  # running row sum (this thread's part)
+        T.sblock_alloc_buffer((1,), "float32", scope="local"),  # a row max being reduced
+    )
+
+
+def flash_prefill_ragged(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, config: PrefillConfig):
+    """Drop-in for TVM's ``batch_prefill_ragged_kv``: same parameters, shapes and results.
+
+    Sequence b's queries are rows ``q_indptr[b]:q_indptr[b+1]`` of q, its keys/values rows
+    ``kv_indptr[b]:kv_indptr[b+1]`` of k/v; with ``causal`` query i sees key j iff
+    ``j <= i + kv_len_b - q_len_b``. ``lse`` is base 2. RoPE inside attention (``rotary_mode`` 1)
+    is not supported: the function asserts ``rotary_mode == 0`` on the host.
+    """
+    from tvm.script import tirx as T
+
+    group = _check_args(num_qo_heads, num_kv_heads, head_dim, dtype, config)
+    attend, store_output = _make_core(head_dim, group, dtype, config)
+    h_q, h_kv, d, cfg = num_qo_heads, num_kv_heads, head_dim, config
+
+    # fmt: off
+    @T.prim_func(s_tir=True)
+    def batch_prefill_ragged_kv(
+        var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle, var_v: T.handle, var_kv_indptr: T.handle,
+        var_q_rope_position: T.handle, var_k_rope_pos_offset: T.handle, var_output: T.handle, var_lse: T.handle,
+        causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True})
+        batch_size = T.int32()
+        qo_len = T.int32()
+        kv_len = T.int32()
+        q_indptr_elem_offset = T.int32()
+        kv_indptr_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q = T.match_buffer(var_q, (qo_len, h_q, d), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
+        k = T.match_buffer(var_k, (kv_len, h_kv, d), dtype)
+        v = T.match_buffer(var_v, (kv_len, h_kv, d), dtype)
+        kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
+        _q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32", elem_offset=q_rope_position_elem_offset)
+        _k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=k_rope_pos_offset_elem_offset)
+        output = T.match_buffer(var_output, (qo_len, h_q, d), dtype)
+        lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
+        assert rotary_mode == 0, "fuselight flash prefill: rotary_mode 1 (RoPE inside attention) is not supported"
+        out_flat = T.decl_buffer((qo_len * h_q * d,), dtype, data=output.data)
+
+        # A sequence of n queries has ceil(n * group / tile_q) tiles; their sum over the batch is
+        # below total / tile_q + batch_size, so that many blocks cover every tile.
+        for bx in T.thread_binding(T.ceildiv(qo_len * group, cfg.tile_q) + batch_size, thread="blockIdx.x"):
+            for by in T.thread_binding(h_kv, thread="blockIdx.y"):
+                for tid in T.thread_binding(cfg.threads, thread="threadIdx.x"):
+                    with T.sblock("attn"):
+                        T.reads()
+                        T.writes()
+                        Q_smem, K_smem, V_smem, Qf, Kf, Vf, S, Pf, O, m, l, row_max = _alloc_fragments(d, dtype, cfg)
+                        seq = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        tile = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        seq[0] = 0
+                        tile[0] = bx
+                        while T.tvm_thread_invariant(
+                            seq[0] < batch_size
+                            and tile[0] >= T.ceildiv((q_indptr[seq[0] + 1] - q_indptr[seq[0]]) * group, cfg.tile_q)
+                        ):
+                            tile[0] = tile[0] - T.ceildiv((q_indptr[seq[0] + 1] - q_indptr[seq[0]]) * group, cfg.tile_q)
+                            seq[0] = seq[0] + 1
+                        if T.tvm_thread_invariant(seq[0] < batch_size):
+                            b: T.let[T.int32] = seq[0]
+                            q_start: T.let[T.int32] = q_indptr[b]
+                            q_n: T.let[T.int32] = q_indptr[b + 1] - q_start
+                            kv_n: T.let[T.int32] = kv_indptr[b + 1] - kv_indptr[b]
+                            # Last tiles first: under a causal mask they have the most work.
+                            LH_start: T.let[T.int32] = (T.ceildiv(q_n * group, cfg.tile_q) - 1 - tile[0]) * cfg.tile_q
+                            q_base: T.let[T.int32] = (q_start * h_q + by * group) * d
+                            attend(
+                                q, k, v, Q_smem, K_smem, V_smem, Qf, Kf, Vf, S, Pf, O, m, l, row_max,
+                                tid, LH_start, q_base, h_q * d, d, (kv_indptr[b] * h_kv + by) * d, h_kv * d,
+                                q_n, kv_n, causal, sm_scale,
+                            )
+                            store_output(out_flat, Q_smem, O, l, tid, LH_start, q_base, h_q * d, d, q_n)
+                            if tid % 4 == 0:
+                                for i in T.unroll(2):
+                                    r: T.let[T.int32] = LH_start + (tid // WARP) * MMA_M + (tid % WARP) // 4 + i * 8
+                                    if r // group < q_n:
+                                        lse[q_start + r // group, by * group + r % group] = m[i] + T.log2(l[i])
+    # fmt: on
+    return batch_prefill_ragged_kv
