@@ -89,11 +89,12 @@ def _check_args(num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: str,
     return num_qo_heads // num_kv_heads
 
 
-def _make_core(head_dim: int, group: int, dtype: str, cfg: PrefillConfig):
+def _make_core(head_dim: int, group: int, dtype: str, cfg: PrefillConfig, with_mask: bool = False):
     """The macros both templates share: the attention of one block's query tile, and its epilogue.
 
     Addresses are element offsets into the flat q/k/v/output buffers, given as a base plus a token
-    stride and a head stride, so one core serves the ragged and both dense layouts.
+    stride and a head stride, so one core serves the ragged and both dense layouts. ``with_mask``:
+    ``attend`` adds ``mask_flat[mask_base + token * kv_len + key]`` to the scaled scores.
     """
     from tvm.script import tirx as T
 
@@ -148,7 +149,7 @@ def _make_core(head_dim: int, group: int, dtype: str, cfg: PrefillConfig):
     def attend(
         q, k, v, Q_smem, K_smem, V_smem, Qf, Kf, Vf, S, Pf, O, m, l, row_max,
         tid, LH_start, q_base, q_tok_stride, q_head_stride, kv_base, kv_tok_stride,
-        q_len, kv_len, causal, sm_scale,
+        q_len, kv_len, causal, sm_scale, mask_flat, mask_base,
     ):
         warp: T.let[T.int32] = tid // WARP
         lane: T.let[T.int32] = tid % WARP
@@ -204,11 +205,18 @@ def _make_core(head_dim: int, group: int, dtype: str, cfg: PrefillConfig):
                 limit: T.let[T.int32] = T.if_then_else(causal > 0, T.min(kv_len, tok + kv_len - q_len + 1), kv_len)
                 for nt in T.unroll(s_tiles):
                     for e in T.unroll(2):
-                        S[nt * 4 + i * 2 + e] = T.if_then_else(
-                            kv_start + nt * MMA_N + (lane % 4) * 2 + e < limit,
-                            S[nt * 4 + i * 2 + e] * score_scale,
-                            T.float32(MASKED),
-                        )
+                        col = kv_start + nt * MMA_N + (lane % 4) * 2 + e
+                        if with_mask:
+                            S[nt * 4 + i * 2 + e] = T.if_then_else(
+                                col < limit,
+                                S[nt * 4 + i * 2 + e] * score_scale
+                                + T.Cast("float32", mask_flat[mask_base + T.min(tok, q_len - 1) * kv_len + col]) * LOG2E,
+                                T.float32(MASKED),
+                            )
+                        else:
+                            S[nt * 4 + i * 2 + e] = T.if_then_else(
+                                col < limit, S[nt * 4 + i * 2 + e] * score_scale, T.float32(MASKED)
+                            )
                 row_max[0] = m[i]
                 for nt in T.unroll(s_tiles):
                     for e in T.unroll(2):
@@ -368,7 +376,7 @@ def flash_prefill_ragged(num_kv_heads: int, num_qo_heads: int, head_dim: int, dt
                             attend(
                                 q, k, v, Q_smem, K_smem, V_smem, Qf, Kf, Vf, S, Pf, O, m, l, row_max,
                                 tid, LH_start, q_base, h_q * d, d, (kv_indptr[b] * h_kv + by) * d, h_kv * d,
-                                q_n, kv_n, causal, sm_scale,
+                                q_n, kv_n, causal, sm_scale, out_flat, 0,
                             )
                             store_output(out_flat, Q_smem, O, l, tid, LH_start, q_base, h_q * d, d, q_n)
                             if tid % 4 == 0:
@@ -378,3 +386,103 @@ def flash_prefill_ragged(num_kv_heads: int, num_qo_heads: int, head_dim: int, dt
                                         lse[q_start + r // group, by * group + r % group] = m[i] + T.log2(l[i])
     # fmt: on
     return batch_prefill_ragged_kv
+
+
+LAYOUTS = ("BSHD", "BHSD")
+
+
+def flash_attention_dense(
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    *,
+    causal: bool,
+    sm_scale: float,
+    layout: str,
+    additive_mask: bool,
+    config: PrefillConfig,
+):
+    """Plain attention ``out = softmax(q k^T * sm_scale [+ mask]) v`` with grouped-query heads.
+
+    ``layout`` "BSHD": q/out [B, Sq, Hq, D], k/v [B, Skv, Hkv, D]; "BHSD": q/out [B, Hq, Sq, D],
+    k/v [B, Hkv, Skv, D]. B, Sq, Skv are symbolic int64. ``causal`` is bottom-right aligned (query i
+    sees key j iff ``j <= i + Skv - Sq``). With ``additive_mask`` a ``mask`` [MB, 1, Sq, Skv] in
+    ``dtype`` (MB = 1 or B) is added to the scaled scores, before the causal mask; a row masked
+    everywhere gives NaN, as PyTorch's SDPA does. Parameters: q, k, v, [mask,] out.
+    """
+    from tvm.script import tirx as T
+
+    if layout not in LAYOUTS:
+        raise FuselightError(f"dense attention: layout {layout!r} unsupported (supported: {', '.join(LAYOUTS)})")
+    group = _check_args(num_qo_heads, num_kv_heads, head_dim, dtype, config)
+    attend, store_output = _make_core(head_dim, group, dtype, config, with_mask=additive_mask)
+    h_q, h_kv, d, cfg = num_qo_heads, num_kv_heads, head_dim, config
+    bshd = layout == "BSHD"
+    is_causal = 1 if causal else 0
+
+    def q_layout(batch, q_len):
+        return (batch, q_len, h_q, d) if bshd else (batch, h_q, q_len, d)
+
+    def kv_layout(batch, kv_len):
+        return (batch, kv_len, h_kv, d) if bshd else (batch, h_kv, kv_len, d)
+
+    # fmt: off
+    @T.macro
+    def kernel(q, k, v, out, mask_flat, mask_batch, batch, q_len, kv_len):
+        out_flat = T.decl_buffer((batch * q_len * h_q * d,), dtype, data=out.data)
+        for bx in T.thread_binding(T.ceildiv(q_len * group, cfg.tile_q), thread="blockIdx.x"):
+            for by in T.thread_binding(h_kv, thread="blockIdx.y"):
+                for bz in T.thread_binding(batch, thread="blockIdx.z"):
+                    for tid in T.thread_binding(cfg.threads, thread="threadIdx.x"):
+                        with T.sblock("attn"):
+                            T.reads()
+                            T.writes()
+                            Q_smem, K_smem, V_smem, Qf, Kf, Vf, S, Pf, O, m, l, row_max = _alloc_fragments(d, dtype, cfg)
+                            n_q: T.let[T.int32] = T.Cast("int32", q_len)
+                            n_kv: T.let[T.int32] = T.Cast("int32", kv_len)
+                            # Last tiles first: under a causal mask they have the most work.
+                            LH_start: T.let[T.int32] = (T.ceildiv(n_q * group, cfg.tile_q) - 1 - T.Cast("int32", bx)) * cfg.tile_q
+                            q_base: T.let[T.int64] = (
+                                (bz * q_len * h_q + by * group) * d if bshd else (bz * h_q + by * group) * q_len * d
+                            )
+                            attend(
+                                q, k, v, Q_smem, K_smem, V_smem, Qf, Kf, Vf, S, Pf, O, m, l, row_max,
+                                tid, LH_start, q_base,
+                                h_q * d if bshd else d,
+                                d if bshd else q_len * d,
+                                (bz * kv_len * h_kv + by) * d if bshd else (bz * h_kv + by) * kv_len * d,
+                                h_kv * d if bshd else d,
+                                n_q, n_kv, is_causal, T.float32(sm_scale),
+                                mask_flat, T.if_then_else(mask_batch == 1, T.int64(0), bz) * q_len * kv_len,
+                            )
+                            store_output(
+                                out_flat, Q_smem, O, l, tid, LH_start, q_base,
+                                h_q * d if bshd else d, d if bshd else q_len * d, n_q,
+                            )
+
+    if additive_mask:
+        @T.prim_func(s_tir=True)
+        def flash_attention(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_mask: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+            batch, q_len, kv_len, mask_batch = T.int64(), T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(var_q, q_layout(batch, q_len), dtype)
+            k = T.match_buffer(var_k, kv_layout(batch, kv_len), dtype)
+            v = T.match_buffer(var_v, kv_layout(batch, kv_len), dtype)
+            mask = T.match_buffer(var_mask, (mask_batch, 1, q_len, kv_len), dtype)
+            out = T.match_buffer(var_out, q_layout(batch, q_len), dtype)
+            mask_flat = T.decl_buffer((mask_batch * q_len * kv_len,), dtype, data=mask.data)
+            kernel(q, k, v, out, mask_flat, mask_batch, batch, q_len, kv_len)
+    else:
+        @T.prim_func(s_tir=True)
+        def flash_attention(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+            batch, q_len, kv_len = T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(var_q, q_layout(batch, q_len), dtype)
+            k = T.match_buffer(var_k, kv_layout(batch, kv_len), dtype)
+            v = T.match_buffer(var_v, kv_layout(batch, kv_len), dtype)
+            out = T.match_buffer(var_out, q_layout(batch, q_len), dtype)
+            # No mask: attend never reads mask_flat (with_mask is off), any buffer stands in.
+            kernel(q, k, v, out, q, T.int64(1), batch, q_len, kv_len)
+    # fmt: on
+    return flash_attention
