@@ -43,6 +43,14 @@ def arch_number(arch: str) -> int:
     return int(m.group(1))
 
 
+def arch_of(tvm_target) -> str:
+    """The ``sm_XX`` a CUDA ``tvm.target.Target`` builds for (``sm_90a`` -> ``sm_90``): the key of per-arch configs."""
+    arch = tvm_target.attrs.get("arch")
+    if arch is None:
+        raise FuselightError(f"target {tvm_target} names no arch: give one such as sm_90")
+    return f"sm_{arch_number(str(arch))}"
+
+
 def resolve(kind: str, arch: str | None = None) -> TargetSpec:
     """Validate ``kind``/``arch``; options come from ``configs/targets``."""
     if kind not in SUPPORTED_KINDS:

@@ -1,0 +1,103 @@
+"""Give the paged KV cache fuselight's attention kernels: TVM's built-in ones -> ``rules.PagedAttention``'s.
+
+``tvm.relax.frontend.nn.llm.TIRPagedKVCache`` (used by our LLaMA and by MLC-LLM's models) passes its
+attention kernels as PrimFuncs to ``vm.builtin.paged_attention_kv_cache_create``; its runtime calls
+them. This pass offers each PrimFunc named in such a call to the ``PagedAttention`` rule and, where
+the rule returns a kernel (same interface, faster), adds it to the module under its own name and
+points the call at it. The built-in kernel stays wherever the rule declines (other dtypes, head
+dims, sliding window, prefill until fuselight has one) and is dropped by dead-code elimination
+otherwise. A cache that applies RoPE inside attention (``RopeMode.INLINE``) is left alone: ours
+expect rotated keys in the cache.
+
+Runs on the target in scope (``tvm.target.Target.current()``); on targets the rule does not serve
+the module comes back unchanged.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, tirx
+from tvm.relax.expr_functor import mutator
+from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
+
+from fuselight.rules.paged_attention import PagedAttention
+
+from ..relax_rewrite import FunctionRewriter
+
+CREATE_FUNC = "vm.builtin.paged_attention_kv_cache_create"
+# Positions in the create call (TVM 0.26's TIRPagedKVCache): rope_mode is the 9th argument.
+_ROPE_MODE_ARG = 8
+
+
+def _create_calls(mod: tvm.IRModule) -> list[relax.Call]:
+    calls: list[relax.Call] = []
+
+    def visit(expr: relax.Expr) -> None:
+        if (
+            isinstance(expr, relax.Call)
+            and isinstance(expr.op, tvm.ir.Op)
+            and expr.op.name == "relax.call_pure_packed"
+            and isinstance(expr.args[0], relax.ExternFunc)
+            and expr.args[0].global_symbol == CREATE_FUNC
+        ):
+            calls.append(expr)
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+    return calls
+
+
+def _rope_inline(call: relax.Call) -> bool:
+    arg = call.args[1 + _ROPE_MODE_ARG]  # args[0] is the packed function's name
+    return not isinstance(arg, tirx.IntImm) or int(arg.value) == int(RopeMode.INLINE)
+
+
+def _kernels(call: relax.Call) -> list[tvm.ir.GlobalVar]:
+    found: list[tvm.ir.GlobalVar] = []
+
+    def visit(expr: relax.Expr) -> None:
+        if isinstance(expr, tvm.ir.GlobalVar) and expr not in found:
+            found.append(expr)
+
+    for arg in call.args[1:]:
+        relax.analysis.post_order_visit(arg, visit)
+    return found
+
+
+@tvm.transform.module_pass(opt_level=0, name="PagedAttentionKernels")
+class PagedAttentionKernels:
+    """Point the paged KV cache at fuselight's attention kernels where the rule has one."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        target = tvm.target.Target.current(allow_none=True)
+        if target is None:
+            return mod
+        rule = PagedAttention()
+        rewriter = _Repoint(mod)
+        for call in _create_calls(mod):
+            if _rope_inline(call):
+                continue
+            for gv in _kernels(call):
+                func = mod[gv]
+                if gv in rewriter.replaced or not isinstance(func, tirx.PrimFunc):
+                    continue
+                ours = rule.apply(func, target, False)
+                if ours is not None:
+                    # the builder picks a unique name; the symbol must match it for the VM to find the kernel
+                    new_gv = rewriter.builder_.add_func(ours, str(ours.attrs["global_symbol"]))
+                    rewriter.builder_.update_func(new_gv, ours.with_attr("global_symbol", new_gv.name_hint))
+                    rewriter.replaced[gv] = new_gv
+        return rewriter.transform() if rewriter.replaced else mod
+
+
+@mutator
+class _Repoint(FunctionRewriter):
+    prune_unused = False
+
+    def __init__(self, mod: tvm.IRModule) -> None:
+        super().__init__(mod)
+        self.replaced: dict[tvm.ir.GlobalVar, tvm.ir.GlobalVar] = {}
+
+    def visit_global_var_(self, gv: tvm.ir.GlobalVar) -> relax.Expr:
+        return self.replaced.get(gv, gv)

@@ -1,0 +1,32 @@
+"""Reading a template's tile config for a target arch from ``configs/attention/<name>.json``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+from fuselight.errors import FuselightError
+from fuselight.jsonfile import read_json_object
+from fuselight.paths import config_dir
+
+C = TypeVar("C")
+
+
+def load_arch_config(name: str, arch: str, cls: type[C], *keys: str) -> C:
+    """``cls`` built from ``configs/attention/<name>.json`` at ``[arch][keys...]``; every field a positive int."""
+    path = config_dir() / "attention" / f"{name}.json"
+    node: Any = read_json_object(path, missing=f"attention config not found: {path}")
+    where = str(path)
+    for key in (arch, *keys):
+        if not isinstance(node, dict) or key not in node:
+            raise FuselightError(f"{where}: no entry {key!r} (unsupported target arch or shape)")
+        node, where = node[key], f"{where}[{key!r}]"
+    if not isinstance(node, dict):
+        raise FuselightError(f"{where}: must be an object")
+    values = {}
+    for field in dataclasses.fields(cls):
+        v = node.get(field.name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise FuselightError(f"{where}: field {field.name!r} must be a positive integer, got {v!r}")
+        values[field.name] = v
+    return cls(**values)

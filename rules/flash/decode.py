@@ -1,0 +1,239 @@
+"""Split-KV (flash-decoding) attention of one query token per sequence over TVM's paged KV cache.
+
+TVM's built-in decode kernel gives each (sequence, KV head) one block and walks the whole context
+in it: 8 blocks for LLaMA-3-8B at batch 1 on a 132-SM GPU. This one splits the context of each
+sequence across blocks so that batch x KV heads x splits fills the GPU, then merges the partial
+results by their log-sum-exp in a second kernel. A block serves every query head of its KV head
+(GQA), so each K/V byte is read once; threads load several rows before using them to keep enough
+loads in flight. The function has the signature, buffers and output conventions (base-2 lse) of
+TVM's ``batch_decode_paged_kv``, so the KV cache runtime calls it in its place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import tvm
+from tvm.script import tirx as T
+
+from fuselight.errors import FuselightError
+
+from .config import load_arch_config
+
+GLOBAL_SYMBOL = "fuselight_decode_paged_kv"
+# TVM's kernels use this finite "minus infinity" for running maxima, and as an empty sequence's lse.
+_NEG = -5e4
+_LOAD_BYTES = 16  # each thread loads 16 bytes of a K/V row at once
+_WARP = 32
+_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    warps: int  # warps per block of the split kernel
+    rows_per_step: int  # KV rows a thread loads before using them
+    target_blocks: int  # split until batch x KV heads x splits reaches about this many blocks
+    max_splits: int  # bounds the workspace
+    min_rows_per_split: int  # short contexts stay in few splits
+
+
+def load_decode_config(arch: str) -> DecodeConfig:
+    return load_arch_config("decode", arch, DecodeConfig)
+
+
+def _split_rows(kv_len, num_splits, min_rows: int):
+    """Rows per split of a sequence: the context spread evenly, but at least ``min_rows``."""
+    return T.max(T.ceildiv(kv_len, num_splits), min_rows)
+
+
+def flash_decode_paged(
+    num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, page_size: int, config: DecodeConfig
+) -> tvm.tirx.PrimFunc:
+    """The decode kernel for one head layout; a drop-in for TVM's ``batch_decode_paged_kv``."""
+    if dtype not in _DTYPE_BYTES:
+        raise FuselightError(f"decode attention: dtype {dtype!r} is not one of {', '.join(_DTYPE_BYTES)}")
+    if num_qo_heads % num_kv_heads:
+        raise FuselightError(f"decode attention: kv heads ({num_kv_heads}) must divide query heads ({num_qo_heads})")
+    vec = _LOAD_BYTES // _DTYPE_BYTES[dtype]
+    bdx = head_dim // vec
+    if head_dim % vec or bdx > _WARP or _WARP % bdx:
+        raise FuselightError(f"decode attention: head dim {head_dim} unsupported for {dtype} (needs {vec} x 2^k <= {vec * _WARP})")
+    H_qo, H_kv, D, G, VEC, BDX, PAGE = num_qo_heads, num_kv_heads, head_dim, num_qo_heads // num_kv_heads, vec, bdx, page_size
+    BDY = _WARP // bdx * config.warps  # rows processed side by side in a block
+    U = config.rows_per_step
+    MIN_ROWS, TARGET, MAX_SPLITS = config.min_rows_per_split, config.target_blocks, config.max_splits
+    LOG2E = math.log2(math.e)
+
+    def _num_splits(batch):
+        # an expression, not a let-bound var: grid extents and the workspace shape both use it
+        return T.min(T.max(T.ceildiv(TARGET, batch * H_kv), 1), MAX_SPLITS)
+
+    # pylint: disable=invalid-name,too-many-locals,too-many-statements
+    @T.prim_func(s_tir=True)
+    def decode(
+        Q_handle: T.handle,
+        pages_handle: T.handle,
+        page_table_indptr_handle: T.handle,
+        page_table_values_handle: T.handle,
+        var_length_info: T.handle,
+        k_rope_pos_offset_handle: T.handle,
+        q_rope_position_handle: T.handle,
+        output_handle: T.handle,
+        lse_handle: T.handle,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": GLOBAL_SYMBOL})
+        B = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+
+        Q = T.match_buffer(Q_handle, (B, H_qo, D), dtype)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, H_kv, PAGE, D), dtype)
+        page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_elem_offset)
+        page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_rope_pos_offset_elem_offset)  # noqa: F841
+        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_position_elem_offset)  # noqa: F841
+        output = T.match_buffer(output_handle, (B, H_qo, D), dtype)
+        lse = T.match_buffer(lse_handle, (B, H_qo), "float32")
+        length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_info_elem_offset)
+        # RoPE must already be in the cache (applied on append): never attend to un-rotated keys.
+        assert rotary_mode == 0, "fuselight_decode_paged_kv: rotary_mode 1 (RoPE inside attention) is not supported"
+
+        O_part = T.alloc_buffer((B, H_qo, _num_splits(B), D), "float32", scope="global")
+        lse_part = T.alloc_buffer((B, H_qo, _num_splits(B)), "float32", scope="global")
+
+        for bz in T.thread_binding(B, thread="blockIdx.z"):
+            for by in T.thread_binding(H_kv, thread="blockIdx.y"):
+                for bx in T.thread_binding(_num_splits(B), thread="blockIdx.x"):
+                    for ty in T.thread_binding(BDY, thread="threadIdx.y"):
+                        for tx in T.thread_binding(BDX, thread="threadIdx.x"):
+                            with T.sblock("split"):
+                                T.reads()
+                                T.writes()
+                                q = T.sblock_alloc_buffer((G, VEC), "float32", scope="local")
+                                o = T.sblock_alloc_buffer((G, VEC), "float32", scope="local")
+                                m = T.sblock_alloc_buffer((G,), "float32", scope="local")
+                                d = T.sblock_alloc_buffer((G,), "float32", scope="local")
+                                k = T.sblock_alloc_buffer((U, VEC), dtype, scope="local")
+                                v = T.sblock_alloc_buffer((U, VEC), dtype, scope="local")
+                                bounds = T.sblock_alloc_buffer((2,), "int32", scope="local")
+                                s_part = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                                s = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                                mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                                dsum = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                                acc = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
+                                o_smem = T.sblock_alloc_buffer((BDY, G, D), "float32", scope="shared")
+                                md_smem = T.sblock_alloc_buffer((BDY, G, 2), "float32", scope="shared")
+
+                                page_begin: T.let[T.int32] = page_table_indptr[bz]
+                                page_end: T.let[T.int32] = page_table_indptr[bz + 1]
+                                kv_len: T.let[T.int32] = T.if_then_else(page_begin != page_end, (page_end - page_begin - 1) * PAGE + length_info[bz], 0)
+                                # in registers, not lets: TVM would inline the divisions into every use
+                                bounds[0] = bx * _split_rows(kv_len, _num_splits(B), MIN_ROWS)
+                                bounds[1] = T.min(bounds[0] + _split_rows(kv_len, _num_splits(B), MIN_ROWS), kv_len)
+                                row_begin: T.let[T.int32] = bounds[0]
+                                row_end: T.let[T.int32] = bounds[1]
+                                if T.tvm_thread_invariant(row_begin < row_end):
+                                    for g, e in T.grid(G, VEC):
+                                        q[g, e] = T.cast(Q[bz, by * G + g, tx * VEC + e], "float32") * sm_scale * LOG2E
+                                        o[g, e] = T.float32(0)
+                                    for g in T.serial(G):
+                                        m[g] = T.float32(_NEG)
+                                        d[g] = T.float32(0)
+                                    for step in T.serial(T.ceildiv(row_end - row_begin, BDY * U)):
+                                        for u in T.unroll(U):
+                                            row: T.let[T.int32] = row_begin + (step * U + u) * BDY + ty
+                                            if row < row_end:
+                                                page_no: T.let[T.int32] = page_table_values[page_begin + T.floordiv(row, PAGE)]
+                                                slot: T.let[T.int32] = T.floormod(row, PAGE)
+                                                for e in T.vectorized(VEC):
+                                                    k[u, e] = pages[page_no, 0, by, slot, tx * VEC + e]
+                                                for e in T.vectorized(VEC):
+                                                    v[u, e] = pages[page_no, 1, by, slot, tx * VEC + e]
+                                            else:
+                                                for e in T.serial(VEC):
+                                                    k[u, e] = T.cast(0, dtype)
+                                                    v[u, e] = T.cast(0, dtype)
+                                        # serial, not unrolled: TVM lowers one allreduce per loop body
+                                        for u in T.serial(U):
+                                            for g in T.serial(G):
+                                                s_part[0] = T.float32(0)
+                                                for e in T.unroll(VEC):
+                                                    s_part[0] += q[g, e] * T.cast(k[u, e], "float32")
+                                                # every thread joins the reduction; rows past the end are masked after
+                                                with T.sblock("score"):
+                                                    T.reads(s_part[0])
+                                                    T.writes(s[0])
+                                                    T.attr(T.comm_reducer(lambda a, b: a + b, [T.float32(0)]), "reduce_scope", T.int32(0))
+                                                    T.tvm_thread_allreduce(T.uint32(1), s_part[0], True, s[0], tx, dtype="void")
+                                                if row_begin + (step * U + u) * BDY + ty < row_end:
+                                                    m_new: T.let[T.float32] = T.max(m[g], s[0])
+                                                    rescale: T.let[T.float32] = T.exp2(m[g] - m_new)
+                                                    p: T.let[T.float32] = T.exp2(s[0] - m_new)
+                                                    d[g] = d[g] * rescale + p
+                                                    for e in T.unroll(VEC):
+                                                        o[g, e] = o[g, e] * rescale + p * T.cast(v[u, e], "float32")
+                                                    m[g] = m_new
+                                    # merge the row groups of the block through shared memory
+                                    for g in T.serial(G):
+                                        for e in T.serial(VEC):
+                                            o_smem[ty, g, tx * VEC + e] = o[g, e]
+                                        md_smem[ty, g, 0] = m[g]
+                                        md_smem[ty, g, 1] = d[g]
+                                    T.tvm_storage_sync("shared")
+                                    for gi in T.serial(T.ceildiv(G, BDY)):
+                                        if gi * BDY + ty < G:
+                                            mx[0] = T.float32(_NEG)
+                                            for j in T.serial(BDY):
+                                                mx[0] = T.max(mx[0], md_smem[j, gi * BDY + ty, 0])
+                                            dsum[0] = T.float32(0)
+                                            for e in T.serial(VEC):
+                                                acc[e] = T.float32(0)
+                                            for j in T.serial(BDY):
+                                                f: T.let[T.float32] = T.exp2(md_smem[j, gi * BDY + ty, 0] - mx[0])
+                                                dsum[0] += md_smem[j, gi * BDY + ty, 1] * f
+                                                for e in T.serial(VEC):
+                                                    acc[e] += o_smem[j, gi * BDY + ty, tx * VEC + e] * f
+                                            for e in T.serial(VEC):
+                                                O_part[bz, by * G + gi * BDY + ty, bx, tx * VEC + e] = acc[e] / dsum[0]
+                                            lse_part[bz, by * G + gi * BDY + ty, bx] = mx[0] + T.log2(dsum[0])
+
+        for bz in T.thread_binding(B, thread="blockIdx.y"):
+            for h in T.thread_binding(H_qo, thread="blockIdx.x"):
+                for tx in T.thread_binding(BDX, thread="threadIdx.x"):
+                    with T.sblock("merge"):
+                        T.reads()
+                        T.writes()
+                        acc = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
+                        mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        w = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        page_begin: T.let[T.int32] = page_table_indptr[bz]
+                        page_end: T.let[T.int32] = page_table_indptr[bz + 1]
+                        kv_len: T.let[T.int32] = T.if_then_else(page_begin != page_end, (page_end - page_begin - 1) * PAGE + length_info[bz], 0)
+                        used: T.let[T.int32] = T.ceildiv(kv_len, _split_rows(kv_len, _num_splits(B), MIN_ROWS))
+                        mx[0] = T.float32(_NEG)
+                        for sp in T.serial(used):
+                            mx[0] = T.max(mx[0], lse_part[bz, h, sp])
+                        w[0] = T.float32(0)
+                        for e in T.serial(VEC):
+                            acc[e] = T.float32(0)
+                        for sp in T.serial(used):
+                            f: T.let[T.float32] = T.exp2(lse_part[bz, h, sp] - mx[0])
+                            w[0] += f
+                            for e in T.serial(VEC):
+                                acc[e] += O_part[bz, h, sp, tx * VEC + e] * f
+                        # an empty sequence: output 0 and lse -5e4, as TVM's kernel gives
+                        for e in T.serial(VEC):
+                            output[bz, h, tx * VEC + e] = T.cast(T.if_then_else(used > 0, acc[e] / w[0], T.float32(0)), dtype)
+                        lse[bz, h] = T.if_then_else(used > 0, mx[0] + T.log2(w[0]), T.float32(_NEG))
+
+    return decode

@@ -1,0 +1,92 @@
+"""Paged-KV-cache attention: TVM's built-in kernels recognised by interface, replaced by fuselight's.
+
+``tvm.relax.frontend.nn.llm``'s KV cache takes its attention kernels as already-scheduled PrimFuncs
+and calls them from its runtime with a fixed argument list, so DLight never sees them. ``analyze``
+recognises such a kernel by that interface (parameter kinds, buffer ranks and dtypes, static head
+layout) and ``apply`` returns fuselight's kernel with the same interface, or None to keep TVM's:
+unsupported dtypes or head dims, sliding-window variants, and kernels it does not know. The pass
+``fuselight.passes.paged_attention`` offers the KV cache's kernels to this rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import tvm
+from tvm import tirx
+from tvm.s_tir.dlight import ScheduleRule
+
+from fuselight.target import arch_of
+
+from .flash.decode import flash_decode_paged, load_decode_config
+
+Kind = Literal["decode"]
+_HALF = ("float16", "bfloat16")
+# TVM's batch_decode_paged_kv: Q, pages, page_table_indptr, page_table_values, length_info,
+# k_rope_pos_offset, q_rope_position, output, lse, then rotary_mode, rope_scale, rope_theta, sm_scale.
+_DECODE_RANKS = (3, 5, 1, 1, 1, 1, 1, 3, 2)
+_DECODE_SCALARS = ("int32", "float32", "float32", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionDesc:
+    kind: Kind
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str
+
+
+def _static(dim: tvm.ir.PrimExpr) -> int | None:
+    return int(dim) if isinstance(dim, tirx.IntImm) else None
+
+
+def _interface(func: tirx.PrimFunc) -> tuple[list, list[str]] | None:
+    """(buffers, scalar dtypes) if every buffer parameter precedes every scalar one."""
+    params = list(func.params)
+    buffers = [p for p in params if isinstance(p.ty, tirx.BufferType)]
+    scalars = [str(p.ty) for p in params[len(buffers):]]
+    if any(isinstance(p.ty, tirx.BufferType) for p in params[len(buffers):]):
+        return None
+    return buffers, scalars
+
+
+def analyze(func: tirx.PrimFunc) -> PagedAttentionDesc | None:
+    """The head layout of a TVM paged decode kernel (non-sliding-window), or None."""
+    found = _interface(func)
+    if found is None:
+        return None
+    buffers, scalars = found
+    if tuple(len(b.shape) for b in buffers) != _DECODE_RANKS or tuple(scalars) != _DECODE_SCALARS:
+        return None
+    q, pages, *index_buffers, output, lse = buffers
+    if any(str(b.dtype) != "int32" for b in index_buffers) or str(lse.dtype) != "float32":
+        return None
+    dtype = str(q.dtype)
+    h_qo, d = _static(q.shape[1]), _static(q.shape[2])
+    two, h_kv, page, d_kv = (_static(x) for x in pages.shape[1:])
+    if str(pages.dtype) != dtype or str(output.dtype) != dtype or two != 2 or None in (h_qo, d, h_kv, page) or d_kv != d:
+        return None
+    if h_qo % h_kv:
+        return None
+    return PagedAttentionDesc("decode", h_qo, h_kv, d, page, dtype)
+
+
+def supported(desc: PagedAttentionDesc) -> bool:
+    """Where fuselight's kernel serves: half-precision caches with head dims 64 and 128."""
+    return desc.dtype in _HALF and desc.head_dim in (64, 128)
+
+
+class PagedAttention(ScheduleRule):
+    """Replace TVM's paged-KV decode attention kernel with the split-KV one (rules/flash/decode.py)."""
+
+    def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _tunable: bool) -> tirx.PrimFunc | None:
+        if target.kind.name != "cuda":
+            return None
+        desc = analyze(func)
+        if desc is None or not supported(desc):
+            return None
+        config = load_decode_config(arch_of(target))
+        return flash_decode_paged(desc.num_kv_heads, desc.num_qo_heads, desc.head_dim, desc.dtype, desc.page_size, config)
