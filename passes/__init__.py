@@ -17,6 +17,7 @@ import tvm
 from ..errors import FuselightError
 from .accumulate_matmul_fp32 import AccumulateMatmulFP32
 from .classify import Classify, classify_module
+from .fuse_attention import FuseAttention
 
 Slot = Literal["before_fuse_transpose_matmul", "after_graph_passes"]
 SLOTS: tuple[Slot, ...] = ("before_fuse_transpose_matmul", "after_graph_passes")
@@ -32,6 +33,8 @@ class GraphPass:
 PASSES: dict[str, GraphPass] = {
     p.name: p
     for p in [
+        # Before accumulate_matmul_fp32, which rewrites the matmuls FuseAttention matches.
+        GraphPass("fuse_attention", "before_fuse_transpose_matmul", FuseAttention),
         GraphPass("accumulate_matmul_fp32", "before_fuse_transpose_matmul", AccumulateMatmulFP32),
     ]
 }
@@ -39,7 +42,7 @@ PASSES: dict[str, GraphPass] = {
 
 def default() -> list[str]:
     """Names of the passes the fuselight pipeline runs by default, in order."""
-    return ["accumulate_matmul_fp32"]
+    return ["fuse_attention", "accumulate_matmul_fp32"]
 
 
 def get(name: str) -> GraphPass:
@@ -48,4 +51,4 @@ def get(name: str) -> GraphPass:
     return PASSES[name]
 
 
-__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "Classify", "GraphPass", "Slot", "classify_module", "default", "get"]
+__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "Classify", "FuseAttention", "GraphPass", "Slot", "classify_module", "default", "get"]

@@ -14,8 +14,17 @@ if TYPE_CHECKING:
     import tvm
     from tvm.s_tir.dlight import ScheduleRule
 
-# Factories of fuselight's rules, most specific first. None yet: every PrimFunc goes to DLight's.
-FUSELIGHT_RULES: list[Callable[[], ScheduleRule]] = []
+
+def flash_attention_rule() -> ScheduleRule:
+    from .flash_attention import FlashAttention
+
+    return FlashAttention()
+
+
+# Factories of fuselight's rules, most specific first: FlashAttention only takes functions tagged
+# by FuseAttention (and checked to be exactly that computation), which DLight's Reduction and
+# Fallback rules would otherwise accept and schedule as separate, S x S-materialising stages.
+FUSELIGHT_RULES: list[Callable[[], ScheduleRule]] = [flash_attention_rule]
 
 
 def default(target: tvm.target.Target | None = None) -> list[ScheduleRule]:

@@ -1,0 +1,100 @@
+"""FlashAttention: schedule the attention PrimFuncs of ``fuselight.passes.FuseAttention`` as flash attention.
+
+The pass leaves a reference attention (scores, softmax and output as separate TIR stages, the S x S
+scores in a buffer) tagged with the ``fuselight.attention`` attribute. This rule recognises such a
+function, checks that its body is exactly the reference computation the attribute describes, and
+replaces it with the tensor-core flash-attention template ``fuselight.rules.flash.prefill
+.flash_attention_dense`` (same parameters ``(q, k, v[, mask], out)``, same layouts), which keeps
+the scores on chip. Where the template cannot serve (head dims, dtypes, arches it has no config
+for, a causal mask whose diagonal it does not share), ``apply`` returns None and DLight's default
+rules schedule the reference function instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
+from tvm.target import Target
+
+from ..errors import FuselightError
+from ..passes.fuse_attention import ATTENTION_ATTR, AttentionSpec, attention_prim_func
+
+TEMPLATE_MODULE = "fuselight.rules.flash.prefill"
+# Attributes of the reference function the scheduled kernel keeps (the template sets its own others).
+KEPT_ATTRS = ("target", ATTENTION_ATTR)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionDesc:
+    """An attention PrimFunc as recognised: what it computes (see ``AttentionSpec``)."""
+
+    spec: AttentionSpec
+
+
+class FlashAttention(GPUScheduleRule):
+    """Swap fused attention functions for the flash-attention template (see the module docstring)."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        desc = self.analyze(func)
+        if desc is None:
+            return None
+        sch = self.schedule(desc, target)
+        if sch is None:
+            return None
+        kernel = sch.mod["main"]
+        for key in KEPT_ATTRS:
+            if key in func.attrs:
+                kernel = kernel.with_attr(key, func.attrs[key])
+        return s_tir.Schedule(kernel)
+
+    @staticmethod
+    def analyze(func: tirx.PrimFunc) -> AttentionDesc | None:
+        """The attention ``func`` computes, if it carries ``fuselight.attention`` and its body is the
+        reference computation for that description; None for anything else."""
+        if not isinstance(func, tirx.PrimFunc) or func.attrs is None or ATTENTION_ATTR not in func.attrs:
+            return None
+        try:
+            spec = AttentionSpec.from_attr(func.attrs[ATTENTION_ATTR])
+            reference = attention_prim_func(spec)
+        except (TypeError, ValueError, KeyError, tvm.error.TVMError):
+            return None  # an attribute this version does not understand
+        # Same parameters and body up to variable names: attributes differ (target, op_pattern).
+        reference = tirx.PrimFunc(reference.params, reference.body, reference.ret_type, attrs=func.attrs)
+        if not tvm_ffi.structural_equal(func, reference, map_free_vars=True):
+            return None
+        return AttentionDesc(spec)
+
+    @staticmethod
+    def schedule(desc: AttentionDesc, target: Target) -> s_tir.Schedule | None:
+        """The flash-attention template for ``desc`` on ``target``, or None where it does not serve."""
+        try:
+            prefill = importlib.import_module(TEMPLATE_MODULE)
+        except ImportError:
+            return None
+        spec = desc.spec
+        if spec.causal and not spec.same_length:
+            # Ours: key j seen by query i iff j <= i; the template's diagonal ends at the last key
+            # (j <= i + Skv - Sq). They agree only when Sq == Skv is known.
+            return None
+        if spec.additive_mask and spec.mask_dtype != spec.dtype:
+            return None
+        if spec.dtype not in prefill.DTYPES or spec.head_dim not in prefill.HEAD_DIMS:
+            return None
+        arch = str(target.attrs.get("arch", ""))
+        try:
+            config = prefill.load_prefill_config(arch, spec.head_dim)
+        except FuselightError:
+            return None  # no tile config for this arch: DLight's rules take it
+        kernel = prefill.flash_attention_dense(
+            spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype,
+            causal=spec.causal, sm_scale=spec.scale, layout=spec.layout,
+            additive_mask=spec.additive_mask, config=config,
+        )
+        return s_tir.Schedule(kernel.without_attr("global_symbol"))

@@ -1,0 +1,423 @@
+"""FuseAttention (plain-op attention -> one attention PrimFunc) and the FlashAttention rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import shutil
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+from fuselight import rules  # noqa: E402
+from fuselight.bench import kernels_build  # noqa: E402
+from fuselight.bench.kernels import load_suite  # noqa: E402
+from fuselight.passes import FuseAttention, default  # noqa: E402
+from fuselight.passes.fuse_attention import ATTENTION_ATTR, AttentionSpec, attention_prim_func  # noqa: E402
+from fuselight.rules.flash_attention import FlashAttention  # noqa: E402
+from fuselight.target import resolve, to_tvm  # noqa: E402
+from tvm import relax, te, tirx  # noqa: E402
+
+op = relax.op
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+TEMPLATE = "fuselight.rules.flash.prefill"
+TOLERANCE = {"float32": 1e-5, "float16": 1e-2}
+
+
+def _has_template() -> bool:
+    if importlib.util.find_spec(TEMPLATE) is None:
+        return False
+    return hasattr(importlib.import_module(TEMPLATE), "flash_attention_dense")
+
+
+needs_template = pytest.mark.skipif(not _has_template(), reason=f"{TEMPLATE}.flash_attention_dense not available yet")
+
+
+# ---------------------------------------------------------------- graphs
+
+
+def _module(params: list[relax.Var], body) -> tvm.IRModule:
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(body(bb, *params))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _tensor(name: str, shape, dtype: str = "float32") -> relax.Var:
+    return relax.Var(name, relax.TensorType(shape, dtype))
+
+
+def _suite_module(op_name: str) -> tvm.IRModule:
+    """The kernel suite's own attention graph (GQA 32/8, head dim 128, float16, fp32 softmax)."""
+    (case,) = [c for c in load_suite("full") if c.op == op_name]
+    return kernels_build.relax_module(case)
+
+
+def _bert(mask_shape: str, dtype: str = "float32", heads: int = 4, dim: int = 16):
+    """BERT self-attention after the projections: [B, S, H*D] -> BHSD, ``/ sqrt(D)``, additive
+    mask ``[B, 1, 1, S]`` or ``[B, 1, S, S]``, back to [B, S, H*D]."""
+    b, s = tirx.Var("batch", "int64"), tirx.Var("seq", "int64")
+    x = [_tensor(n, [b, s, heads * dim], dtype) for n in "qkv"]
+    mask = _tensor("mask", [b, 1, 1, s] if mask_shape == "row" else [b, 1, s, s], dtype)
+
+    def body(bb, q, k, v, m):
+        def heads_first(t):
+            return bb.emit(op.permute_dims(bb.emit(op.reshape(t, [b, s, heads, dim])), [0, 2, 1, 3]))
+
+        qh, kh, vh = heads_first(q), heads_first(k), heads_first(v)
+        scores = bb.emit(op.matmul(qh, bb.emit(op.permute_dims(kh, [0, 1, 3, 2]))))
+        scores = bb.emit(op.add(op.divide(scores, relax.const(math.sqrt(dim), dtype)), m))
+        probs = bb.emit(op.nn.softmax(scores, axis=-1))
+        ctx = bb.emit(op.permute_dims(bb.emit(op.matmul(probs, vh)), [0, 2, 1, 3]))
+        return op.reshape(ctx, [b, s, heads * dim])
+
+    return _module([*x, mask], body), lambda rng, bv, sv: [
+        *(_rand(rng, (bv, sv, heads * dim), dtype) for _ in range(3)),
+        _padding_mask(rng, bv, sv, mask_shape, dtype),
+    ]
+
+
+def _vit(dtype: str = "float32", batch: int = 2, heads: int = 3, seq: int = 7, dim: int = 8, scale_on: str = "scores"):
+    """ViT attention on BHSD inputs, no mask; the scale on the scores, on Q, or on K."""
+    shape = [batch, heads, seq, dim]
+    c = relax.const(dim**-0.5, dtype)
+
+    def body(bb, q, k, v):
+        if scale_on == "q":
+            q = bb.emit(op.multiply(q, c))
+        kt = bb.emit(op.permute_dims(k, [0, 1, 3, 2]))
+        if scale_on == "k":
+            kt = bb.emit(op.multiply(c, kt))
+        scores = bb.emit(op.matmul(q, kt))
+        if scale_on == "scores":
+            scores = bb.emit(op.multiply(scores, c))
+        return op.matmul(bb.emit(op.nn.softmax(scores, axis=-1)), v)
+
+    return _module([_tensor(n, shape, dtype) for n in "qkv"], body)
+
+
+def _gqa_bhsd(q_len, kv_len, *, causal_where: bool = False, heads: int = 6, kv_heads: int = 2, dim: int = 8,
+              dtype: str = "float32") -> tvm.IRModule:
+    """Hugging Face's repeat_kv (expand_dims, broadcast_to, reshape) on BHSD inputs; optionally
+    the causal mask as ``where(tril(ones), scores, -1e9)``."""
+    b = tirx.Var("batch", "int64")
+    group = heads // kv_heads
+    q = _tensor("q", [b, heads, q_len, dim], dtype)
+    k = _tensor("k", [b, kv_heads, kv_len, dim], dtype)
+    v = _tensor("v", [b, kv_heads, kv_len, dim], dtype)
+
+    def repeat_kv(bb, t):
+        t = bb.emit(op.expand_dims(t, 2))
+        t = bb.emit(op.broadcast_to(t, [b, kv_heads, group, kv_len, dim]))
+        return bb.emit(op.reshape(t, [b, heads, kv_len, dim]))
+
+    def body(bb, q, k, v):
+        kt = bb.emit(op.permute_dims(repeat_kv(bb, k), [0, 1, 3, 2]))
+        scores = bb.emit(op.divide(op.matmul(q, kt), relax.const(math.sqrt(dim), dtype)))
+        if causal_where:
+            keep = bb.emit(op.tril(op.ones((q_len, kv_len), "bool"), 0))
+            scores = bb.emit(op.where(keep, scores, relax.const(-1e9, dtype)))
+        return op.matmul(bb.emit(op.nn.softmax(scores, axis=-1)), repeat_kv(bb, v))
+
+    return _module([q, k, v], body)
+
+
+def _rand(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _padding_mask(rng, batch: int, seq: int, kind: str, dtype: str) -> np.ndarray:
+    """0 for kept keys, a large negative value for padded ones; every row keeps its first key."""
+    shape = (batch, 1, 1, seq) if kind == "row" else (batch, 1, seq, seq)
+    padded = rng.random(shape) < 0.3
+    padded[..., 0] = False
+    return np.where(padded, np.finfo(dtype).min, rng.standard_normal(shape) * 0.1).astype(dtype)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _run(mod: tvm.IRModule, args: list[np.ndarray], pipeline=None) -> np.ndarray:
+    target = to_tvm(resolve("llvm"))
+    executable = tvm.compile(mod, target=target, relax_pipeline=pipeline) if pipeline else tvm.compile(mod, target=target)
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    return vm["main"](*[tvm.runtime.tensor(a) for a in args]).numpy()
+
+
+def _specs(mod: tvm.IRModule) -> list[AttentionSpec]:
+    return [AttentionSpec.from_attr(f.attrs[ATTENTION_ATTR]) for _, f in mod.functions_items()
+            if isinstance(f, tirx.PrimFunc) and f.attrs is not None and ATTENTION_ATTR in f.attrs]
+
+
+def _ops(mod: tvm.IRModule) -> list[str]:
+    names = []
+    relax.analysis.post_order_visit(
+        mod["main"], lambda e: names.append(e.op.name) if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) else None
+    )
+    return names
+
+
+def _fuse(mod: tvm.IRModule) -> tuple[tvm.IRModule, AttentionSpec]:
+    fused = FuseAttention()(mod)
+    (spec,) = _specs(fused)
+    ops = _ops(fused)
+    assert "relax.nn.softmax" not in ops and "relax.matmul" not in ops, ops
+    return fused, spec
+
+
+def _check_numerics(before: tvm.IRModule, after: tvm.IRModule, args: list[np.ndarray], dtype: str) -> None:
+    expected = _run(before, args).astype(np.float64)
+    got = _run(after, args).astype(np.float64)
+    assert got.shape == expected.shape
+    assert np.abs(expected).max() > 0.1  # a real result, not zeros
+    np.testing.assert_allclose(got, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+# ---------------------------------------------------------------- positive cases
+
+
+@pytest.mark.parametrize("seq", [13, 1])
+def test_suite_prefill_causal_gqa(seq: int) -> None:
+    mod = _suite_module("attention_prefill")
+    fused, spec = _fuse(mod)
+    assert (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim) == (32, 8, 128)
+    assert spec.causal and not spec.additive_mask and spec.same_length
+    assert (spec.layout, spec.dtype, spec.softmax_dtype) == ("BSHD", "float16", "float32")
+    assert spec.scale == pytest.approx(128**-0.5, rel=1e-3)
+    assert "seq" in str(fused["main"].params[0].ty.shape)  # still symbolic
+    rng = np.random.default_rng(seq)
+    args = [_rand(rng, (seq, 32, 128), "float16"), *(_rand(rng, (seq, 8, 128), "float16") for _ in range(2))]
+    _check_numerics(mod, fused, args, "float16")
+
+
+def test_suite_decode_one_query() -> None:
+    mod = _suite_module("attention_decode")
+    fused, spec = _fuse(mod)
+    assert not spec.causal and not spec.same_length and (spec.num_qo_heads, spec.num_kv_heads) == (32, 8)
+    rng = np.random.default_rng(1)
+    for context in (13, 1):
+        args = [_rand(rng, (1, 32, 128), "float16"), *(_rand(rng, (context, 8, 128), "float16") for _ in range(2))]
+        _check_numerics(mod, fused, args, "float16")
+
+
+@pytest.mark.parametrize("mask_shape", ["row", "full"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_bert_additive_mask(mask_shape: str, dtype: str) -> None:
+    mod, make_args = _bert(mask_shape, dtype)
+    fused, spec = _fuse(mod)
+    assert spec.additive_mask and not spec.causal and spec.mask_dtype == dtype
+    # The heads are split off [B, S, H*D] and joined back: BSHD, no copies of Q, K, V or the output.
+    assert spec.layout == "BSHD" and "relax.permute_dims" not in _ops(fused)
+    rng = np.random.default_rng(2)
+    for batch, seq in ((2, 7), (1, 13)):
+        _check_numerics(mod, fused, make_args(rng, batch, seq), dtype)
+
+
+@pytest.mark.parametrize("scale_on", ["scores", "q", "k"])
+def test_vit_no_mask(scale_on: str) -> None:
+    mod = _vit(scale_on=scale_on)
+    fused, spec = _fuse(mod)
+    assert spec.layout == "BHSD" and not spec.causal and not spec.additive_mask
+    assert spec.scale == pytest.approx(8**-0.5)
+    rng = np.random.default_rng(3)
+    _check_numerics(mod, fused, [_rand(rng, (2, 3, 7, 8), "float32") for _ in range(3)], "float32")
+
+
+@pytest.mark.parametrize("causal_where", [False, True])
+def test_gqa_repeat_kv_bhsd(causal_where: bool) -> None:
+    q_len, kv_len = (tirx.Var("n", "int64"),) * 2 if causal_where else (7, 13)
+    mod = _gqa_bhsd(q_len, kv_len, causal_where=causal_where)
+    fused, spec = _fuse(mod)
+    assert (spec.num_qo_heads, spec.num_kv_heads, spec.causal) == (6, 2, causal_where)
+    rng = np.random.default_rng(4)
+    sizes = [(5, 5), (1, 1)] if causal_where else [(7, 13)]
+    for sq, skv in sizes:
+        args = [_rand(rng, (2, 6, sq, 8), "float32"), *(_rand(rng, (2, 2, skv, 8), "float32") for _ in range(2))]
+        _check_numerics(mod, fused, args, "float32")
+
+
+def test_other_diagonal_is_an_additive_mask() -> None:
+    """``triu(full(c), 2)`` is not causal (each query also sees the next key): fused as a plain additive mask."""
+    mod = _scores_module(lambda bb, s, q: bb.emit(op.add(s, bb.emit(op.triu(op.full((5, 5), relax.const(-1e9)), 2)))))
+    fused, spec = _fuse(mod)
+    assert spec.additive_mask and not spec.causal
+    rng = np.random.default_rng(6)
+    _check_numerics(mod, fused, [_rand(rng, (1, 2, 5, 4), "float32") for _ in range(3)], "float32")
+
+
+def test_fuselight_pipeline_on_llvm() -> None:
+    """The pass is in the default pipeline (ahead of accumulate_matmul_fp32, which rewrites matmuls)."""
+    from fuselight.pipeline import baseline_pipeline, fuselight_pipeline
+
+    names = default()
+    assert names.index("fuse_attention") < names.index("accumulate_matmul_fp32")
+    mod = _suite_module("attention_prefill")
+    rng = np.random.default_rng(5)
+    args = [_rand(rng, (7, 32, 128), "float16"), *(_rand(rng, (7, 8, 128), "float16") for _ in range(2))]
+    expected = _run(mod, args, baseline_pipeline(use_mlc=False)).astype(np.float64)
+    got = _run(mod, args, fuselight_pipeline(use_mlc=False)).astype(np.float64)
+    np.testing.assert_allclose(got, expected, atol=TOLERANCE["float16"], rtol=TOLERANCE["float16"])
+
+
+# ---------------------------------------------------------------- negative cases
+
+
+def _scores_module(make_scores, *, axis: int = -1, dtype: str = "float32", extra=()) -> tvm.IRModule:
+    """``softmax(make_scores(...), axis) @ v`` on BHSD inputs [1, 2, 5, 4]."""
+    shape = [1, 2, 5, 4]
+
+    def body(bb, q, k, v, *rest):
+        scores = bb.emit(op.matmul(q, bb.emit(op.permute_dims(k, [0, 1, 3, 2]))))
+        probs = bb.emit(op.nn.softmax(make_scores(bb, scores, q, *rest), axis=axis))
+        if probs.ty.dtype != dtype:
+            probs = bb.emit(op.astype(probs, dtype))
+        return op.matmul(probs, v)
+
+    return _module([*(_tensor(n, shape, dtype) for n in "qkv"), *extra], body)
+
+
+NEGATIVES = {
+    "softmax_not_attention": lambda: _module(
+        [_tensor("x", [5, 6]), _tensor("w", [6, 3])],
+        lambda bb, x, w: op.matmul(bb.emit(op.nn.softmax(bb.emit(op.exp(x)), axis=-1)), w),
+    ),
+    "where_not_causal": lambda: _scores_module(
+        lambda bb, s, q: bb.emit(op.where(bb.emit(op.tril(op.ones((5, 5), "bool"), -1)), s, relax.const(-1e9)))
+    ),
+    "mask_from_a_tensor_condition": lambda: _scores_module(
+        lambda bb, s, q, cond: bb.emit(op.where(cond, s, relax.const(-1e9))),
+        extra=[_tensor("cond", [5, 5], "bool")],
+    ),
+    "mask_depends_on_q": lambda: _scores_module(
+        lambda bb, s, q: bb.emit(op.add(s, bb.emit(op.sum(q, axis=[1, 3], keepdims=True))))
+    ),
+    "mask_varies_over_heads": lambda: _scores_module(
+        lambda bb, s, q, m: bb.emit(op.add(s, m)), extra=[_tensor("m", [1, 2, 5, 5])]
+    ),
+    "non_constant_scale": lambda: _scores_module(
+        lambda bb, s, q, c: bb.emit(op.multiply(s, c)), extra=[_tensor("c", [])]
+    ),
+    "softmax_over_queries": lambda: _scores_module(lambda bb, s, q: s, axis=-2),
+    "narrowing_cast": lambda: _scores_module(lambda bb, s, q: bb.emit(op.astype(s, "float16")), dtype="float32"),
+    "probabilities_used_twice": lambda: _module(
+        [_tensor(n, [1, 2, 5, 4]) for n in "qkv"],
+        lambda bb, q, k, v: op.add(
+            bb.emit(op.matmul(p := bb.emit(op.nn.softmax(bb.emit(op.matmul(q, bb.emit(op.permute_dims(k, [0, 1, 3, 2])))))), v)),
+            bb.emit(op.sum(p, axis=[3], keepdims=True)),
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEGATIVES))
+def test_not_attention_left_unchanged(name: str) -> None:
+    mod = NEGATIVES[name]()
+    assert "relax.nn.softmax" in _ops(mod)
+    after = FuseAttention()(mod)
+    tvm.ir.assert_structural_equal(after, mod)
+
+
+# ---------------------------------------------------------------- the rule
+
+
+def _zoo() -> dict[str, tirx.PrimFunc]:
+    """PrimFuncs that are not attention: matmul, softmax, rmsnorm, two chained matmuls."""
+    n = tirx.Var("n", "int64")
+    a, b, c = te.placeholder((n, 64), "float16", "a"), te.placeholder((64, 64), "float16", "b"), te.placeholder(
+        (64, 64), "float16", "c")
+    r = te.reduce_axis((0, 64), "r")
+    mm = te.compute((n, 64), lambda i, j: te.sum(a[i, r].astype("float32") * b[r, j].astype("float32"), axis=r))
+    r2 = te.reduce_axis((0, 64), "r2")
+    mm2 = te.compute((n, 64), lambda i, j: te.sum(mm[i, r2] * c[r2, j].astype("float32"), axis=r2))
+    r3, r4 = te.reduce_axis((0, 64), "r3"), te.reduce_axis((0, 64), "r4")
+    x = te.placeholder((n, 64), "float32", "x")
+    mx = te.compute((n,), lambda i: te.max(x[i, r3], axis=r3))
+    ex = te.compute((n, 64), lambda i, j: te.exp(x[i, j] - mx[i]))
+    sm = te.compute((n,), lambda i: te.sum(ex[i, r4], axis=r4))
+    softmax = te.compute((n, 64), lambda i, j: ex[i, j] / sm[i])
+    r5 = te.reduce_axis((0, 64), "r5")
+    ss = te.compute((n,), lambda i: te.sum(x[i, r5] * x[i, r5], axis=r5))
+    rms = te.compute((n, 64), lambda i, j: x[i, j] / te.sqrt(ss[i] / 64 + 1e-5))
+    return {
+        "matmul": te.create_prim_func([a, b, mm]),
+        "softmax": te.create_prim_func([x, softmax]),
+        "rmsnorm": te.create_prim_func([x, rms]),
+        "two_matmuls": te.create_prim_func([a, b, c, mm2]),
+    }
+
+
+SPEC = AttentionSpec(num_qo_heads=8, num_kv_heads=2, head_dim=64, scale=0.125, causal=True, additive_mask=False,
+                     layout="BSHD", dtype="float16", softmax_dtype="float32", same_length=True)
+
+
+@pytest.mark.parametrize("name", ["matmul", "softmax", "rmsnorm", "two_matmuls"])
+def test_rule_rejects_non_attention(name: str) -> None:
+    func = _zoo()[name]
+    assert FlashAttention.analyze(func) is None
+    # Even when tagged as attention: the body must be the computation the tag describes.
+    assert FlashAttention.analyze(func.with_attr(ATTENTION_ATTR, SPEC.to_attr())) is None
+
+
+def test_rule_recognises_fused_function_and_checks_the_tag() -> None:
+    func = attention_prim_func(SPEC)
+    assert FlashAttention.analyze(func).spec == SPEC
+    # A tag that does not match the body (another diagonal, another scale) is not trusted.
+    for wrong in (dataclasses.replace(SPEC, causal=False), dataclasses.replace(SPEC, scale=0.25)):
+        assert FlashAttention.analyze(func.with_attr(ATTENTION_ATTR, wrong.to_attr())) is None
+    # Not a GPU target: nothing to do.
+    assert FlashAttention().apply(func, to_tvm(resolve("llvm")), False) is None
+
+
+def test_rule_leaves_what_the_template_cannot_serve() -> None:
+    cuda = to_tvm(resolve("cuda", "sm_90"))
+    for spec in (dataclasses.replace(SPEC, head_dim=16), dataclasses.replace(SPEC, dtype="float32"),
+                 dataclasses.replace(SPEC, same_length=False)):
+        assert FlashAttention().apply(attention_prim_func(spec), cuda, False) is None
+
+
+@needs_template
+def test_rule_swaps_in_the_template_with_our_signature() -> None:
+    cuda = to_tvm(resolve("cuda", "sm_90"))
+    for spec in (SPEC, dataclasses.replace(SPEC, causal=False, additive_mask=True, mask_dtype="float16",
+                                           layout="BHSD", same_length=False)):
+        ours = attention_prim_func(spec).with_attr("target", cuda)
+        sch = FlashAttention().apply(ours, cuda, False)
+        assert sch is not None
+        kernel = sch.mod["main"]
+        assert [str(p.name) for p in kernel.params] == [str(p.name) for p in ours.params]
+        for mine, theirs in zip(ours.params, kernel.params):
+            assert (mine.ty.dtype if hasattr(mine.ty, "dtype") else None) == (
+                theirs.ty.dtype if hasattr(theirs.ty, "dtype") else None)
+        assert kernel.attrs[ATTENTION_ATTR] is not None
+
+
+def _cuda_build(mod: tvm.IRModule, schedule_rules) -> str:
+    from fuselight.pipeline import fuselight_pipeline
+    from fuselight.runtime import cuda_sources
+
+    target = to_tvm(resolve("cuda", "sm_90"))
+    with target:
+        executable = tvm.compile(mod, target=target,
+                                 relax_pipeline=fuselight_pipeline(target, rules=schedule_rules, use_mlc=False))
+    return "\n".join(cuda_sources(executable))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("which", ["fuselight", "dlight"])
+def test_sm90_build_compiles(which: str) -> None:
+    """The fused suite graph builds for sm_90 with fuselight's rules, and with DLight's alone (the
+    reference function scheduled stage by stage), and nvcc compiles the CUDA."""
+    from fuselight.cuda_compile import compile_cuda
+
+    target = to_tvm(resolve("cuda", "sm_90"))
+    schedule_rules = rules.default(target) if which == "fuselight" else rules.dlight_defaults(target)
+    source = _cuda_build(_suite_module("attention_prefill"), schedule_rules)
+    assert "fused_attention" in source
+    if which == "fuselight" and _has_template():
+        # The flash kernel keeps the scores on chip: no float S x S buffer is passed to any kernel.
+        assert "score_ptr" not in source
+    assert compile_cuda(source, "sm_90")
