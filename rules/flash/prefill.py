@@ -61,14 +61,18 @@ def load_prefill_config(arch: str, head_dim: int) -> PrefillConfig:
 def check_config(cfg: PrefillConfig, head_dim: int) -> None:
     """FuselightError naming the field if ``cfg`` cannot tile ``head_dim``."""
     if head_dim not in HEAD_DIMS:
-        raise FuselightError(f"prefill attention: head_dim {head_dim} unsupported (supported: {HEAD_DIMS})")
+        raise FuselightError(
+            f"prefill attention: head_dim {head_dim} unsupported (supported: {HEAD_DIMS})"
+        )
     if cfg.tile_kv % MMA_K:
-        raise FuselightError(f"prefill config: tile_kv {cfg.tile_kv} must be a multiple of {MMA_K}")
-    for name, rows in (("warps", cfg.tile_q), ("tile_kv", cfg.tile_kv)):
+        raise FuselightError(
+            f"prefill config: tile_kv {cfg.tile_kv} must be a multiple of {MMA_K}"
+        )
+    for what, rows in (("Q", cfg.tile_q), ("K/V", cfg.tile_kv)):
         if rows * head_dim // CHUNK % cfg.threads:
             raise FuselightError(
-                f"prefill config: {name} gives a {rows}x{head_dim} tile that {cfg.threads} threads "
-                "cannot load in whole 16-byte pieces"
+                f"prefill config: warps {cfg.warps} / tile_kv {cfg.tile_kv}: {cfg.threads} threads cannot load "
+                f"the {rows}x{head_dim} {what} tile in whole 16-byte pieces"
             )
     smem = (cfg.tile_q + 2 * cfg.tile_kv) * head_dim * 2
     if smem > MAX_STATIC_SMEM:
@@ -78,9 +82,13 @@ def check_config(cfg: PrefillConfig, head_dim: int) -> None:
         )
 
 
-def _check_args(num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: str, cfg: PrefillConfig) -> int:
+def _check_args(
+    num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: str, cfg: PrefillConfig
+) -> int:
     if dtype not in DTYPES:
-        raise FuselightError(f"prefill attention: dtype {dtype!r} unsupported (supported: {', '.join(DTYPES)})")
+        raise FuselightError(
+            f"prefill attention: dtype {dtype!r} unsupported (supported: {', '.join(DTYPES)})"
+        )
     if num_kv_heads <= 0 or num_qo_heads % num_kv_heads:
         raise FuselightError(
             f"prefill attention: {num_qo_heads} query heads are not a multiple of {num_kv_heads} KV heads"
@@ -89,7 +97,9 @@ def _check_args(num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: str,
     return num_qo_heads // num_kv_heads
 
 
-def _make_core(head_dim: int, group: int, dtype: str, cfg: PrefillConfig, with_mask: bool = False):
+def _make_core(
+    head_dim: int, group: int, dtype: str, cfg: PrefillConfig, with_mask: bool = False
+):
     """The macros both templates share: the attention of one block's query tile, and its epilogue.
 
     Addresses are element offsets into the flat q/k/v/output buffers, given as a base plus a token
@@ -112,7 +122,31 @@ def _make_core(head_dim: int, group: int, dtype: str, cfg: PrefillConfig, with_m
     def swz(row, chunk):
         # 16-byte piece ``chunk`` of ``row`` lands at chunk ^ (row % 8): the 8 rows an ldmatrix
         # reads hit 8 different bank groups.
-        return row * d + T.bitwise_xor(chunk, T.bitwise_and(row, SWIZZLE_ROWS - 1)) * CHUNK
+        return (
+            row * d + T.bitwise_xor(chunk, T.bitwise_and(row, SWIZZLE_ROWS - 1)) * CHUNK
+        )
+
+    @T.macro
+    def ldmatrix_x4(frag, frag_offset, trans, smem, smem_offset):
+        T.ptx.ldmatrix_legacy(
+            trans,
+            4,
+            ".b16",
+            frag.data,
+            frag_offset,
+            smem.access_ptr("r"),
+            smem_offset,
+            dtype=dtype,
+        )
+
+    @T.macro
+    def mma_two_tiles(A, a_offset, B, C, c_tile):
+        # C tiles c_tile, c_tile + 1 += A (16x16) x the two 16x8 B operands an ldmatrix_x4 loaded.
+        for h in T.unroll(2):
+            T.ptx.mma.legacy(
+                "m16n8k16", "row", "col", ab, ab, "fp32",
+                A.data, a_offset, B.data, h * 4, C.data, (c_tile + h) * 4, False, dtype="float32",
+            )  # fmt: skip
 
     @T.macro
     def load_kv_rows(smem, src, tid, base, tok_stride, n_valid):
@@ -122,7 +156,9 @@ def _make_core(head_dim: int, group: int, dtype: str, cfg: PrefillConfig, with_m
             c = (it * threads + tid) % chunks
             T.ptx.cp_async(
                 smem.access_ptr("w", offset=swz(row, c)),
-                src.access_ptr("r", offset=base + T.min(row, n_valid - 1) * tok_stride + c * CHUNK),
+                src.access_ptr(
+                    "r", offset=base + T.min(row, n_valid - 1) * tok_stride + c * CHUNK
+                ),
                 16,
                 predicate=row < n_valid,
                 fill_mode="zero",
@@ -138,24 +174,31 @@ def _make_core(head_dim: int, group: int, dtype: str, cfg: PrefillConfig, with_m
                 smem.access_ptr("w", offset=swz(row, c)),
                 src.access_ptr(
                     "r",
-                    offset=base + T.min(tok, q_len - 1) * tok_stride + (LH_start + row) % group * head_stride + c * CHUNK,
+                    offset=base
+                    + T.min(tok, q_len - 1) * tok_stride
+                    + (LH_start + row) % group * head_stride
+                    + c * CHUNK,
                 ),
                 16,
                 predicate=tok < q_len,
                 fill_mode="zero",
             )
 
+    # fmt: off
     @T.macro
     def attend(
         q, k, v, Q_smem, K_smem, V_smem, Qf, Kf, Vf, S, Pf, O, m, l, row_max,
         tid, LH_start, q_base, q_tok_stride, q_head_stride, kv_base, kv_tok_stride,
         q_len, kv_len, causal, sm_scale, mask_flat, mask_base,
     ):
+    # fmt: on
         warp: T.let[T.int32] = tid // WARP
         lane: T.let[T.int32] = tid % WARP
         # Query row of tile row r: token (LH_start + r) // group, head (LH_start + r) % group.
         last_tok: T.let[T.int32] = T.min(q_len - 1, (LH_start + tile_q - 1) // group)
-        kv_end: T.let[T.int32] = T.if_then_else(causal > 0, T.min(kv_len, last_tok + kv_len - q_len + 1), kv_len)
+        kv_end: T.let[T.int32] = T.if_then_else(
+            causal > 0, T.min(kv_len, last_tok + kv_len - q_len + 1), kv_len
+        )
         n_kv_tiles: T.let[T.int32] = T.ceildiv(kv_end, tile_kv)
         score_scale: T.let[T.float32] = sm_scale * LOG2E
 
@@ -165,23 +208,35 @@ def _make_core(head_dim: int, group: int, dtype: str, cfg: PrefillConfig, with_m
         for i in T.unroll(o_tiles * 4):
             O[i] = T.float32(0)
 
-        load_q_rows(Q_smem, q, tid, LH_start, q_base, q_tok_stride, q_head_stride, q_len)
+        load_q_rows(
+            Q_smem, q, tid, LH_start, q_base, q_tok_stride, q_head_stride, q_len
+        )
         T.ptx.cp_async.commit_group()
         load_kv_rows(K_smem, k, tid, kv_base, kv_tok_stride, kv_len)
         T.ptx.cp_async.commit_group()
         T.ptx.cp_async.wait_group(1)
         T.tvm_storage_sync("shared")
         for kk in T.unroll(k_steps):
-            T.ptx.ldmatrix_legacy(
-                False, 4, ".b16", Qf.data, kk * 8, Q_smem.access_ptr("r"),
-                swz(warp * MMA_M + lane % 16, kk * 2 + lane // 16), dtype=dtype,
+            ldmatrix_x4(
+                Qf,
+                kk * 8,
+                False,
+                Q_smem,
+                swz(warp * MMA_M + lane % 16, kk * 2 + lane // 16),
             )
 
         for j in T.serial(n_kv_tiles):
             kv_start: T.let[T.int32] = j * tile_kv
             T.ptx.cp_async.wait_group(0)
             T.tvm_storage_sync("shared")
-            load_kv_rows(V_smem, v, tid, kv_base + kv_start * kv_tok_stride, kv_tok_stride, kv_len - kv_start)
+            load_kv_rows(
+                V_smem,
+                v,
+                tid,
+                kv_base + kv_start * kv_tok_stride,
+                kv_tok_stride,
+                kv_len - kv_start,
+            )
             T.ptx.cp_async.commit_group()
 
             # S = Q K^T for this warp's 16 rows.
@@ -189,20 +244,26 @@ def _make_core(head_dim: int, group: int, dtype: str, cfg: PrefillConfig, with_m
                 S[i] = T.float32(0)
             for kk in T.unroll(k_steps):
                 for np in T.unroll(pv_steps):
-                    T.ptx.ldmatrix_legacy(
-                        False, 4, ".b16", Kf.data, 0, K_smem.access_ptr("r"),
-                        swz(np * 16 + (lane // 16) * 8 + lane % 8, kk * 2 + (lane // 8) % 2), dtype=dtype,
+                    ldmatrix_x4(
+                        Kf,
+                        0,
+                        False,
+                        K_smem,
+                        swz(
+                            np * 16 + (lane // 16) * 8 + lane % 8,
+                            kk * 2 + (lane // 8) % 2,
+                        ),
                     )
-                    for h in T.unroll(2):
-                        T.ptx.mma.legacy(
-                            "m16n8k16", "row", "col", ab, ab, "fp32",
-                            Qf.data, kk * 8, Kf.data, h * 4, S.data, (np * 2 + h) * 4, False, dtype="float32",
-                        )
+                    mma_two_tiles(Qf, kk * 8, Kf, S, np * 2)
 
             # Online softmax; this thread holds rows lane // 4 and lane // 4 + 8 of the warp's block.
             for i in T.unroll(2):
-                tok: T.let[T.int32] = (LH_start + warp * MMA_M + lane // 4 + i * 8) // group
-                limit: T.let[T.int32] = T.if_then_else(causal > 0, T.min(kv_len, tok + kv_len - q_len + 1), kv_len)
+                tok: T.let[T.int32] = (
+                    LH_start + warp * MMA_M + lane // 4 + i * 8
+                ) // group
+                limit: T.let[T.int32] = T.if_then_else(
+                    causal > 0, T.min(kv_len, tok + kv_len - q_len + 1), kv_len
+                )
                 for nt in T.unroll(s_tiles):
                     for e in T.unroll(2):
                         col = kv_start + nt * MMA_N + (lane % 4) * 2 + e
@@ -210,12 +271,20 @@ def _make_core(head_dim: int, group: int, dtype: str, cfg: PrefillConfig, with_m
                             S[nt * 4 + i * 2 + e] = T.if_then_else(
                                 col < limit,
                                 S[nt * 4 + i * 2 + e] * score_scale
-                                + T.Cast("float32", mask_flat[mask_base + T.min(tok, q_len - 1) * kv_len + col]) * LOG2E,
+                                + T.Cast(
+                                    "float32",
+                                    mask_flat[
+                                        mask_base + T.min(tok, q_len - 1) * kv_len + col
+                                    ],
+                                )
+                                * LOG2E,
                                 T.float32(MASKED),
                             )
                         else:
                             S[nt * 4 + i * 2 + e] = T.if_then_else(
-                                col < limit, S[nt * 4 + i * 2 + e] * score_scale, T.float32(MASKED)
+                                col < limit,
+                                S[nt * 4 + i * 2 + e] * score_scale,
+                                T.float32(MASKED),
                             )
                 row_max[0] = m[i]
                 for nt in T.unroll(s_tiles):
@@ -240,7 +309,11 @@ def _make_core(head_dim: int, group: int, dtype: str, cfg: PrefillConfig, with_m
             T.tvm_storage_sync("shared")
             if j + 1 < n_kv_tiles:
                 load_kv_rows(
-                    K_smem, k, tid, kv_base + (kv_start + tile_kv) * kv_tok_stride, kv_tok_stride,
+                    K_smem,
+                    k,
+                    tid,
+                    kv_base + (kv_start + tile_kv) * kv_tok_stride,
+                    kv_tok_stride,
                     kv_len - kv_start - tile_kv,
                 )
                 T.ptx.cp_async.commit_group()
@@ -248,18 +321,22 @@ def _make_core(head_dim: int, group: int, dtype: str, cfg: PrefillConfig, with_m
             # O += P V.
             for kk in T.unroll(pv_steps):
                 for np in T.unroll(o_tiles // 2):
-                    T.ptx.ldmatrix_legacy(
-                        True, 4, ".b16", Vf.data, 0, V_smem.access_ptr("r"),
-                        swz(kk * 16 + ((lane // 8) % 2) * 8 + lane % 8, np * 2 + lane // 16), dtype=dtype,
+                    ldmatrix_x4(
+                        Vf,
+                        0,
+                        True,
+                        V_smem,
+                        swz(
+                            kk * 16 + ((lane // 8) % 2) * 8 + lane % 8,
+                            np * 2 + lane // 16,
+                        ),
                     )
-                    for h in T.unroll(2):
-                        T.ptx.mma.legacy(
-                            "m16n8k16", "row", "col", ab, ab, "fp32",
-                            Pf.data, kk * 8, Vf.data, h * 4, O.data, (np * 2 + h) * 4, False, dtype="float32",
-                        )
+                    mma_two_tiles(Pf, kk * 8, Vf, O, np * 2)
 
+    # fmt: off
     @T.macro
     def store_output(out_flat, Q_smem, O, l, tid, LH_start, q_base, q_tok_stride, q_head_stride, q_len):
+    # fmt: on
         # Normalise, stage the tile in (now free) Q shared memory, write it back in 16-byte pieces.
         warp: T.let[T.int32] = tid // WARP
         lane: T.let[T.int32] = tid % WARP
@@ -268,9 +345,9 @@ def _make_core(head_dim: int, group: int, dtype: str, cfg: PrefillConfig, with_m
             inv: T.let[T.float32] = T.float32(1) / l[i]
             for nt in T.unroll(o_tiles):
                 for e in T.unroll(2):
-                    Q_smem[swz(warp * MMA_M + lane // 4 + i * 8, nt) + (lane % 4) * 2 + e] = T.Cast(
-                        dtype, O[nt * 4 + i * 2 + e] * inv
-                    )
+                    Q_smem[
+                        swz(warp * MMA_M + lane // 4 + i * 8, nt) + (lane % 4) * 2 + e
+                    ] = T.Cast(dtype, O[nt * 4 + i * 2 + e] * inv)
         T.tvm_storage_sync("shared")
         for it in T.unroll(q_loads):
             idx: T.let[T.int32] = it * threads + tid
@@ -278,7 +355,12 @@ def _make_core(head_dim: int, group: int, dtype: str, cfg: PrefillConfig, with_m
             c: T.let[T.int32] = idx % chunks
             tok: T.let[T.int32] = (LH_start + row) // group
             if tok < q_len:
-                dst = q_base + tok * q_tok_stride + (LH_start + row) % group * q_head_stride + c * CHUNK
+                dst = (
+                    q_base
+                    + tok * q_tok_stride
+                    + (LH_start + row) % group * q_head_stride
+                    + c * CHUNK
+                )
                 for e in T.vectorized(CHUNK):
                     out_flat[dst + e] = Q_smem[swz(row, c) + e]
 
@@ -293,19 +375,41 @@ def _alloc_fragments(head_dim: int, dtype: str, cfg: PrefillConfig):
         T.sblock_alloc_buffer((cfg.tile_q * head_dim,), dtype, scope="shared"),
         T.sblock_alloc_buffer((cfg.tile_kv * head_dim,), dtype, scope="shared"),
         T.sblock_alloc_buffer((cfg.tile_kv * head_dim,), dtype, scope="shared"),
-        T.sblock_alloc_buffer((head_dim // MMA_K * 8,), dtype, scope="local"),  # Q, A operand
-        T.sblock_alloc_buffer((8,), dtype, scope="local"),  # K, B operand of two n tiles
-        T.sblock_alloc_buffer((8,), dtype, scope="local"),  # V, B operand of two n tiles
-        T.sblock_alloc_buffer((cfg.tile_kv // MMA_N * 4,), "float32", scope="local"),  # S
-        T.sblock_alloc_buffer((cfg.tile_kv // MMA_N * 4,), dtype, scope="local"),  # P, A operand
+        T.sblock_alloc_buffer(
+            (head_dim // MMA_K * 8,), dtype, scope="local"
+        ),  # Q, A operand
+        T.sblock_alloc_buffer(
+            (8,), dtype, scope="local"
+        ),  # K, B operand of two n tiles
+        T.sblock_alloc_buffer(
+            (8,), dtype, scope="local"
+        ),  # V, B operand of two n tiles
+        T.sblock_alloc_buffer(
+            (cfg.tile_kv // MMA_N * 4,), "float32", scope="local"
+        ),  # S
+        T.sblock_alloc_buffer(
+            (cfg.tile_kv // MMA_N * 4,), dtype, scope="local"
+        ),  # P, A operand
         T.sblock_alloc_buffer((head_dim // MMA_N * 4,), "float32", scope="local"),  # O
-        T.sblock_alloc_buffer((2,), "float32", scope="local"),  # running row max (base 2)
-        T.sblock_alloc_buffer((2,), "float32", scope="local"),  # running row sum (this thread's part)
-        T.sblock_alloc_buffer((1,), "float32", scope="local"),  # a row max being reduced
+        T.sblock_alloc_buffer(
+            (2,), "float32", scope="local"
+        ),  # running row max (base 2)
+        T.sblock_alloc_buffer(
+            (2,), "float32", scope="local"
+        ),  # running row sum (this thread's part)
+        T.sblock_alloc_buffer(
+            (1,), "float32", scope="local"
+        ),  # a row max being reduced
     )
 
 
-def flash_prefill_ragged(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, config: PrefillConfig):
+def flash_prefill_ragged(
+    num_kv_heads: int,
+    num_qo_heads: int,
+    head_dim: int,
+    dtype: str,
+    config: PrefillConfig,
+):
     """Drop-in for TVM's ``batch_prefill_ragged_kv``: same parameters, shapes and results.
 
     Sequence b's queries are rows ``q_indptr[b]:q_indptr[b+1]`` of q, its keys/values rows
@@ -339,8 +443,8 @@ def flash_prefill_ragged(num_kv_heads: int, num_qo_heads: int, head_dim: int, dt
         k = T.match_buffer(var_k, (kv_len, h_kv, d), dtype)
         v = T.match_buffer(var_v, (kv_len, h_kv, d), dtype)
         kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
-        _q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32", elem_offset=q_rope_position_elem_offset)
-        _k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=k_rope_pos_offset_elem_offset)
+        q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32", elem_offset=q_rope_position_elem_offset)  # noqa: F841 (TVM's signature)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=k_rope_pos_offset_elem_offset)  # noqa: F841
         output = T.match_buffer(var_output, (qo_len, h_q, d), dtype)
         lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
         assert rotary_mode == 0, "fuselight flash prefill: rotary_mode 1 (RoPE inside attention) is not supported"
@@ -414,9 +518,13 @@ def flash_attention_dense(
     from tvm.script import tirx as T
 
     if layout not in LAYOUTS:
-        raise FuselightError(f"dense attention: layout {layout!r} unsupported (supported: {', '.join(LAYOUTS)})")
+        raise FuselightError(
+            f"dense attention: layout {layout!r} unsupported (supported: {', '.join(LAYOUTS)})"
+        )
     group = _check_args(num_qo_heads, num_kv_heads, head_dim, dtype, config)
-    attend, store_output = _make_core(head_dim, group, dtype, config, with_mask=additive_mask)
+    attend, store_output = _make_core(
+        head_dim, group, dtype, config, with_mask=additive_mask
+    )
     h_q, h_kv, d, cfg = num_qo_heads, num_kv_heads, head_dim, config
     bshd = layout == "BSHD"
     is_causal = 1 if causal else 0
