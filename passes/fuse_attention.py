@@ -1,4 +1,4 @@
-"""Fuse plain-op attention into one TIR kernel: ``softmax(mask(scale * Q K^T)) V`` -> ``call_tir(attention, q, k, v[, mask])``.
+"""Fuse plain-op attention, ``softmax(mask(scale * Q K^T)) V``, into ``call_tir(attention, q, k, v[, mask])``.
 
 Graphs that do not use a KV cache (encoders, ViT, diffusion, a LLaMA written with plain ops) spell
 attention as a chain of Relax ops; lowered op by op, each step writes the S x S score matrix to
@@ -78,10 +78,9 @@ class AttentionSpec:
 
     @staticmethod
     def from_attr(attr) -> AttentionSpec:
-        fields = {f.name: f.type for f in dataclasses.fields(AttentionSpec)}
-        values = {name: attr[name] for name in fields if name in attr}
-        return AttentionSpec(**{k: (v if isinstance(v, (bool, int, float, str)) else _plain(v))
-                                for k, v in values.items()})
+        """The spec from a ``fuselight.attention`` attribute (TVM's map of TVM values)."""
+        names = [f.name for f in dataclasses.fields(AttentionSpec)]
+        return AttentionSpec(**{name: _plain(attr[name]) for name in names if name in attr})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,13 +160,16 @@ class _Graph:
         if isinstance(expr, relax.Var):
             self.uses[expr] = self.uses.get(expr, 0) + 1
 
+    def only_user(self, var: relax.Var) -> relax.Var | None:
+        """The binding that is the one use of ``var``, else None."""
+        users = self.users.get(var, [])
+        return users[0] if self.uses.get(var) == 1 and len(users) == 1 else None
+
     def call(self, expr: relax.Expr, op: str | None = None) -> relax.Call | None:
         """The call ``expr`` is bound to (of ``op`` if given), else None."""
         value = self.bindings.get(expr) if isinstance(expr, relax.Var) else expr
-        if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
-            if op is None or value.op.name == op:
-                return value
-        return None
+        is_op_call = isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
+        return value if is_op_call and (op is None or value.op.name == op) else None
 
     def scalar(self, expr: relax.Expr) -> float | None:
         """The value of a scalar (single-element) float constant, else None."""
@@ -214,9 +216,18 @@ def _is_one(dim: tirx.PrimExpr) -> bool:
 
 def _plain(value):
     """A TVM attribute value (IntImm, String, ...) as a Python scalar."""
+    if isinstance(value, (bool, int, float, str)):
+        return value
     if isinstance(value, (tirx.IntImm, tirx.FloatImm)):
         return bool(value.value) if value.dtype == "bool" else value.value
     return str(value)
+
+
+def _int(expr) -> int | None:
+    """A constant integer argument or attribute (e.g. a diagonal, an axis), else None."""
+    if isinstance(expr, int):
+        return expr
+    return int(expr.value) if isinstance(expr, tirx.IntImm) else None
 
 
 # ---------------------------------------------------------------- operands (Q, K, V), walking back
@@ -269,8 +280,8 @@ def _step_back(graph: _Graph, expr: relax.Expr, labels: tuple[str, ...]):
             x_labels[axis] = labels[i]
         return x, tuple(x_labels), 1.0
     if name == "relax.repeat":
-        axis = int(call.attrs.axis) % len(labels)
-        return (x, labels, 1.0) if labels[axis] == "H" else None
+        axis = _int(call.attrs.axis)  # None: repeat flattens
+        return (x, labels, 1.0) if axis is not None and labels[axis % len(labels)] == "H" else None
     if name == "relax.broadcast_to":
         offset = len(labels) - len(in_shape)
         x_labels = []
@@ -333,7 +344,7 @@ class _Scores:
     softmax_dtype: str = ""
 
 
-def _trace_scores(graph: _Graph, expr: relax.Expr, scores: _Scores | None = None) -> _Scores | None:
+def _trace_scores(graph: _Graph, expr: relax.Expr) -> _Scores | None:
     """Walk back from the softmax input to ``matmul(Q, K^T)`` through scales, masks and widening casts."""
     call = graph.call(expr)
     if call is None or not isinstance(expr, relax.Var):
@@ -395,7 +406,7 @@ def _trace_scores(graph: _Graph, expr: relax.Expr, scores: _Scores | None = None
     return None
 
 
-def _square_tail(graph: _Graph, shape: list | None, scores_shape: list) -> bool:
+def _square_tail(shape: list | None, scores_shape: list) -> bool:
     """Whether ``shape`` is [.., Sq, Skv] of the scores with only unit dims in front."""
     if shape is None or len(shape) < 2 or len(shape) > len(scores_shape):
         return False
@@ -406,7 +417,7 @@ def _square_tail(graph: _Graph, shape: list | None, scores_shape: list) -> bool:
 def _is_causal_additive(graph: _Graph, expr: relax.Expr, scores_shape: list) -> bool:
     """``triu(full([Sq, Skv], c), 1)`` with ``c <= MASK_FLOOR``: the keys after each query masked out."""
     triu = graph.call(expr, "relax.triu")
-    if triu is None or int(triu.args[1]) != 1 or not _square_tail(graph, _shape(expr), scores_shape):
+    if triu is None or _int(triu.args[1]) != 1 or not _square_tail(_shape(expr), scores_shape):
         return False
     full = graph.call(triu.args[0], "relax.full")
     value = graph.scalar(full.args[1]) if full is not None else None
@@ -417,7 +428,7 @@ def _is_causal_condition(graph: _Graph, expr: relax.Expr, keep: bool, scores_sha
     """``tril(ones, 0)`` (true where kept) or, for ``keep=False``, ``triu(ones, 1)`` (true where masked)."""
     op, diagonal = ("relax.tril", 0) if keep else ("relax.triu", 1)
     tri = graph.call(expr, op)
-    if tri is None or int(tri.args[1]) != diagonal or not _square_tail(graph, _shape(expr), scores_shape):
+    if tri is None or _int(tri.args[1]) != diagonal or not _square_tail(_shape(expr), scores_shape):
         return False
     fill = graph.call(tri.args[0])
     if fill is None or fill.op.name not in ("relax.ones", "relax.full"):
@@ -436,7 +447,7 @@ def _match(graph: _Graph, softmax_var: relax.Var, softmax: relax.Call) -> Attent
     scores_shape = _shape(softmax.args[0])
     if scores_shape is None or len(scores_shape) not in _BATCH_LABELS:
         return None
-    if int(softmax.attrs.axis) not in (-1, len(scores_shape) - 1):
+    if _int(softmax.attrs.axis) not in (-1, len(scores_shape) - 1):
         return None  # only a softmax over the keys is attention
     scores = _trace_scores(graph, softmax.args[0])
     if scores is None:
@@ -445,16 +456,13 @@ def _match(graph: _Graph, softmax_var: relax.Var, softmax: relax.Call) -> Attent
     # Forward: softmax -> [astype] -> matmul(P, V), each intermediate used once.
     probs = softmax_var
     chain = [*scores.chain, softmax_var]
-    if graph.uses.get(probs) != 1:
-        return None
-    user = graph.users[probs][0]
-    cast = graph.call(user, "relax.astype")
-    if cast is not None:
+    user = graph.only_user(probs)
+    if user is not None and graph.call(user, "relax.astype") is not None:
         probs = user
         chain.append(user)
-        if graph.uses.get(probs) != 1:
-            return None
-        user = graph.users[probs][0]
+        user = graph.only_user(probs)
+    if user is None:
+        return None
     pv = graph.call(user, "relax.matmul")
     if pv is None or not pv.args[0].same_as(probs):
         return None
@@ -464,14 +472,12 @@ def _match(graph: _Graph, softmax_var: relax.Var, softmax: relax.Call) -> Attent
     batch_labels = _BATCH_LABELS[len(scores_shape)]
     q_arg, k_arg = scores.matmul.args
     v_arg = pv.args[1]
-    if len(_shape(q_arg) or []) != len(scores_shape) or len(_shape(v_arg) or []) > len(scores_shape):
-        return None
-    k_rank = len(_shape(k_arg) or [])
-    if k_rank < 2 or k_rank > len(scores_shape):
-        return None
+    k_rank, v_rank = len(_shape(k_arg) or []), len(_shape(v_arg) or [])
+    rank = len(scores_shape)
+    if len(_shape(q_arg) or []) != rank or not (2 <= k_rank <= rank and 2 <= v_rank <= rank):
+        return None  # unknown ranks, or a matrix-vector product
     q_points = _trace_operand(graph, q_arg, (*batch_labels, "S", "D"))
     k_points = _trace_operand(graph, k_arg, (*batch_labels[len(batch_labels) + 2 - k_rank:], "D", "S"))
-    v_rank = len(_shape(v_arg))
     v_points = _trace_operand(graph, v_arg, (*batch_labels[len(batch_labels) + 2 - v_rank:], "S", "D"))
     if not (q_points and k_points and v_points):
         return None
@@ -541,8 +547,7 @@ def _trace_output(graph: _Graph, var: relax.Var, labels: tuple[str, ...]) -> tup
     """Follow single-use ``permute_dims``/unit reshapes of the attention output to its last layout
     with one role per dim; the fused call replaces that binding."""
     best = (var, labels)
-    while graph.uses.get(var) == 1 and var in graph.users:
-        user = graph.users[var][0]
+    while (user := graph.only_user(var)) is not None:
         call = graph.call(user)
         if call is None or not call.args[0].same_as(var):
             break
