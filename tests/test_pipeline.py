@@ -178,9 +178,10 @@ def test_fuselight_stages_add_passes_and_rules(cuda) -> None:
 def test_rules_default_puts_fuselight_rules_first(monkeypatch, llvm, cuda) -> None:
     from tvm.s_tir import dlight as dl
 
-    assert rules.default(llvm) == []
+    ours = [type(make()) for make in rules.FUSELIGHT_RULES]
+    assert [type(r) for r in rules.default(llvm)] == ours
     dlight = [dl.gpu.Matmul, dl.gpu.GEMV, dl.gpu.Reduction, dl.gpu.GeneralReduction, dl.gpu.Fallback]
-    assert [type(r) for r in rules.default(cuda)] == dlight
+    assert [type(r) for r in rules.default(cuda)] == [*ours, *dlight]
 
     class Mine(dl.ScheduleRule):
         def apply(self, func, target, tunable):
