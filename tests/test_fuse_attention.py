@@ -256,6 +256,26 @@ def test_other_diagonal_is_an_additive_mask() -> None:
     _check_numerics(mod, fused, [_rand(rng, (1, 2, 5, 4), "float32") for _ in range(3)], "float32")
 
 
+def test_masked_where_and_two_layers_share_one_kernel() -> None:
+    """``where(triu(ones, 1), c, s)`` is causal too; two attentions of one spec share one PrimFunc."""
+
+    def causal(bb, s, q):
+        masked = bb.emit(op.triu(op.ones((5, 5), "bool"), 1))
+        return bb.emit(op.where(masked, relax.const(-1e9), s))
+
+    def body(bb, q, k, v):
+        first = _attend(bb, q, k, v, causal)
+        return op.add(bb.emit(first), bb.emit(_attend(bb, k, q, v, causal)))
+
+    mod = _module([_tensor(n, [1, 2, 5, 4]) for n in "qkv"], body)
+    fused = FuseAttention()(mod)
+    specs = _specs(fused)
+    assert len(specs) == 1 and specs[0].causal
+    assert _ops(fused).count("relax.call_tir") == 2 and "relax.nn.softmax" not in _ops(fused)
+    rng = np.random.default_rng(7)
+    _check_numerics(mod, fused, [_rand(rng, (1, 2, 5, 4), "float32") for _ in range(3)], "float32")
+
+
 def test_fuselight_pipeline_on_llvm() -> None:
     """The pass is in the default pipeline (ahead of accumulate_matmul_fp32, which rewrites matmuls)."""
     from fuselight.pipeline import baseline_pipeline, fuselight_pipeline
@@ -273,6 +293,14 @@ def test_fuselight_pipeline_on_llvm() -> None:
 # ---------------------------------------------------------------- negative cases
 
 
+def _attend(bb, q, k, v, make_scores, *rest, axis: int = -1, dtype: str = "float32") -> relax.Expr:
+    scores = bb.emit(op.matmul(q, bb.emit(op.permute_dims(k, [0, 1, 3, 2]))))
+    probs = bb.emit(op.nn.softmax(make_scores(bb, scores, q, *rest), axis=axis))
+    if probs.ty.dtype != dtype:
+        probs = bb.emit(op.astype(probs, dtype))
+    return op.matmul(probs, v)
+
+
 def _scores_module(make_scores, *, axis: int = -1, dtype: str = "float32", extra=(),
                    probs_also_summed: bool = False) -> tvm.IRModule:
     """``softmax(make_scores(...), axis) @ v`` on BHSD inputs [1, 2, 5, 4] (plus the row sums of the
@@ -280,12 +308,11 @@ def _scores_module(make_scores, *, axis: int = -1, dtype: str = "float32", extra
     shape = [1, 2, 5, 4]
 
     def body(bb, q, k, v, *rest):
-        scores = bb.emit(op.matmul(q, bb.emit(op.permute_dims(k, [0, 1, 3, 2]))))
-        probs = bb.emit(op.nn.softmax(make_scores(bb, scores, q, *rest), axis=axis))
-        if probs.ty.dtype != dtype:
-            probs = bb.emit(op.astype(probs, dtype))
-        out = op.matmul(probs, v)
-        return op.add(bb.emit(out), op.sum(probs, axis=[3], keepdims=True)) if probs_also_summed else out
+        out = _attend(bb, q, k, v, make_scores, *rest, axis=axis, dtype=dtype)
+        if not probs_also_summed:
+            return out
+        probs = out.args[0]  # matmul(probs, v)
+        return op.add(bb.emit(out), op.sum(probs, axis=[3], keepdims=True))
 
     return _module([*(_tensor(n, shape, dtype) for n in "qkv"), *extra], body)
 
@@ -392,10 +419,12 @@ def test_rule_swaps_in_the_template_with_our_signature() -> None:
         sch = FlashAttention().apply(ours, cuda, False)
         assert sch is not None
         kernel = sch.mod["main"]
-        assert [str(p.name) for p in kernel.params] == [str(p.name) for p in ours.params]
+        assert [p.name for p in kernel.params] == [p.name for p in ours.params]
         for mine, theirs in zip(ours.params, kernel.params):
-            assert (mine.ty.dtype if hasattr(mine.ty, "dtype") else None) == (
-                theirs.ty.dtype if hasattr(theirs.ty, "dtype") else None)
+            assert mine.dtype == theirs.dtype and len(mine.shape) == len(theirs.shape), mine.name
+            for a, b in zip(mine.shape, theirs.shape):  # static dims equal, symbolic ones symbolic
+                assert (int(a) if isinstance(a, tirx.IntImm) else None) == (
+                    int(b) if isinstance(b, tirx.IntImm) else None), mine.name
         assert kernel.attrs[ATTENTION_ATTR] is not None
 
 
