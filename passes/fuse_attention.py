@@ -340,6 +340,7 @@ class _Scores:
     chain: list[relax.Var]  # vars between the first matmul and the softmax
     scale: float = 1.0
     causal: bool = False
+    masked_value: float = 0.0  # what the causal mask leaves at masked positions, scales included
     mask: relax.Expr | None = None
     softmax_dtype: str = ""
 
@@ -376,17 +377,20 @@ def _trace_scores(graph: _Graph, expr: relax.Expr) -> _Scores | None:
         found = walk(a)
         if found is None or found.mask is not None:
             return None  # a scale after an additive mask tensor would scale the mask too
-        found.scale *= factor if name == "relax.multiply" else 1.0 / factor
+        factor = factor if name == "relax.multiply" else 1.0 / factor
+        found.scale *= factor
+        found.masked_value *= factor  # a temperature after a causal mask scales what it left
         return found
     if name == "relax.add":
         for chain, other in (call.args, call.args[::-1]):
             found = walk(chain)
             if found is None:
                 continue
-            if _is_causal_additive(graph, other, _shape(expr)):
+            masked_value = _causal_additive_value(graph, other, _shape(expr))
+            if masked_value is not None:
                 if found.causal:
                     return None
-                found.causal = True
+                found.causal, found.masked_value = True, masked_value
                 return found
             if found.mask is None and isinstance(other, (relax.Var, relax.Constant)):
                 found.mask = other
@@ -400,7 +404,7 @@ def _trace_scores(graph: _Graph, expr: relax.Expr) -> _Scores | None:
             if value is not None and value <= MASK_FLOOR and _is_causal_condition(graph, cond, keep, _shape(expr)):
                 found = walk(chain)
                 if found is not None and not found.causal:
-                    found.causal = True
+                    found.causal, found.masked_value = True, value
                     return found
         return None
     return None
@@ -414,14 +418,15 @@ def _square_tail(shape: list | None, scores_shape: list) -> bool:
             and _equal(shape[-1], scores_shape[-1]))
 
 
-def _is_causal_additive(graph: _Graph, expr: relax.Expr, scores_shape: list) -> bool:
-    """``triu(full([Sq, Skv], c), 1)`` with ``c <= MASK_FLOOR``: the keys after each query masked out."""
+def _causal_additive_value(graph: _Graph, expr: relax.Expr, scores_shape: list) -> float | None:
+    """``c`` if ``expr`` is ``triu(full([Sq, Skv], c), 1)`` with ``c <= MASK_FLOOR`` (the keys after
+    each query masked out), else None."""
     triu = graph.call(expr, "relax.triu")
     if triu is None or _int(triu.args[1]) != 1 or not _square_tail(_shape(expr), scores_shape):
-        return False
+        return None
     full = graph.call(triu.args[0], "relax.full")
     value = graph.scalar(full.args[1]) if full is not None else None
-    return value is not None and value <= MASK_FLOOR
+    return value if value is not None and value <= MASK_FLOOR else None
 
 
 def _is_causal_condition(graph: _Graph, expr: relax.Expr, keep: bool, scores_shape: list) -> bool:
@@ -450,7 +455,7 @@ def _match(graph: _Graph, softmax_var: relax.Var, softmax: relax.Call) -> Attent
     if _int(softmax.attrs.axis) not in (-1, len(scores_shape) - 1):
         return None  # only a softmax over the keys is attention
     scores = _trace_scores(graph, softmax.args[0])
-    if scores is None:
+    if scores is None or scores.causal and not scores.masked_value <= MASK_FLOOR:
         return None
     scores.softmax_dtype = _dtype(softmax_var)
     # Forward: softmax -> [astype] -> matmul(P, V), each intermediate used once.

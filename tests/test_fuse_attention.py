@@ -317,6 +317,19 @@ def _scores_module(make_scores, *, axis: int = -1, dtype: str = "float32", extra
     return _module([*(_tensor(n, shape, dtype) for n in "qkv"), *extra], body)
 
 
+def _causal_then_temperature(bb, scores, temperature_scale: float) -> relax.Expr:
+    masked = bb.emit(op.add(scores, bb.emit(op.triu(op.full((5, 5), relax.const(-1e9)), 1))))
+    return bb.emit(op.multiply(masked, relax.const(temperature_scale)))
+
+
+def test_temperature_after_causal_mask() -> None:
+    mod = _scores_module(lambda bb, s, q: _causal_then_temperature(bb, s, 0.5))
+    fused, spec = _fuse(mod)
+    assert spec.causal and spec.scale == 0.5
+    rng = np.random.default_rng(8)
+    _check_numerics(mod, fused, [_rand(rng, (1, 2, 5, 4), "float32") for _ in range(3)], "float32")
+
+
 NEGATIVES = {
     "softmax_not_attention": lambda: _module(
         [_tensor("x", [5, 6]), _tensor("w", [6, 3])],
@@ -338,6 +351,7 @@ NEGATIVES = {
     "non_constant_scale": lambda: _scores_module(
         lambda bb, s, q, c: bb.emit(op.multiply(s, c)), extra=[_tensor("c", [])]
     ),
+    "temperature_unmasks_causal": lambda: _scores_module(lambda bb, s, q: _causal_then_temperature(bb, s, 1e-6)),
     "softmax_over_queries": lambda: _scores_module(lambda bb, s, q: s, axis=-2),
     "narrowing_cast": lambda: _scores_module(lambda bb, s, q: bb.emit(op.astype(s, "float16")), dtype="float32"),
     "probabilities_used_twice": lambda: _scores_module(lambda bb, s, q: s, probs_also_summed=True),
