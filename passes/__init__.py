@@ -18,6 +18,7 @@ from ..errors import FuselightError
 from .accumulate_matmul_fp32 import AccumulateMatmulFP32
 from .classify import Classify, classify_module
 from .fuse_attention import FuseAttention
+from .paged_attention import PagedAttentionKernels
 
 Slot = Literal["before_fuse_transpose_matmul", "after_graph_passes"]
 SLOTS: tuple[Slot, ...] = ("before_fuse_transpose_matmul", "after_graph_passes")
@@ -36,13 +37,14 @@ PASSES: dict[str, GraphPass] = {
         # Before accumulate_matmul_fp32, which rewrites the matmuls FuseAttention matches.
         GraphPass("fuse_attention", "before_fuse_transpose_matmul", FuseAttention),
         GraphPass("accumulate_matmul_fp32", "before_fuse_transpose_matmul", AccumulateMatmulFP32),
+        GraphPass("paged_attention", "after_graph_passes", PagedAttentionKernels),
     ]
 }
 
 
 def default() -> list[str]:
     """Names of the passes the fuselight pipeline runs by default, in order."""
-    return ["fuse_attention", "accumulate_matmul_fp32"]
+    return ["fuse_attention", "accumulate_matmul_fp32", "paged_attention"]
 
 
 def get(name: str) -> GraphPass:
@@ -51,4 +53,4 @@ def get(name: str) -> GraphPass:
     return PASSES[name]
 
 
-__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "Classify", "FuseAttention", "GraphPass", "Slot", "classify_module", "default", "get"]
+__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "Classify", "PagedAttentionKernels", "FuseAttention", "GraphPass", "Slot", "classify_module", "default", "get"]

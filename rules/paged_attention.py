@@ -20,13 +20,18 @@ from tvm.s_tir.dlight import ScheduleRule
 from fuselight.target import arch_of
 
 from .flash.decode import flash_decode_paged, load_decode_config
+from .flash.prefill import flash_prefill_ragged, load_prefill_config
 
-Kind = Literal["decode"]
+Kind = Literal["decode", "prefill_ragged"]
 _HALF = ("float16", "bfloat16")
 # TVM's batch_decode_paged_kv: Q, pages, page_table_indptr, page_table_values, length_info,
 # k_rope_pos_offset, q_rope_position, output, lse, then rotary_mode, rope_scale, rope_theta, sm_scale.
 _DECODE_RANKS = (3, 5, 1, 1, 1, 1, 1, 3, 2)
 _DECODE_SCALARS = ("int32", "float32", "float32", "float32")
+# TVM's batch_prefill_ragged_kv: q, q_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset,
+# output, lse, then causal, rotary_mode, rope_scale, rope_theta, sm_scale.
+_RAGGED_RANKS = (3, 1, 3, 3, 1, 1, 1, 3, 2)
+_RAGGED_SCALARS = ("int32", "int32", "float32", "float32", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +40,7 @@ class PagedAttentionDesc:
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
-    page_size: int
+    page_size: int  # 0 where the kernel reads no pages
     dtype: str
 
 
@@ -54,13 +59,20 @@ def _interface(func: tirx.PrimFunc) -> tuple[list, list[str]] | None:
 
 
 def analyze(func: tirx.PrimFunc) -> PagedAttentionDesc | None:
-    """The head layout of a TVM paged decode kernel (non-sliding-window), or None."""
+    """The kind and head layout of a TVM paged-KV attention kernel fuselight has a kernel for, or None."""
     found = _interface(func)
     if found is None:
         return None
     buffers, scalars = found
-    if tuple(len(b.shape) for b in buffers) != _DECODE_RANKS or tuple(scalars) != _DECODE_SCALARS:
-        return None
+    ranks = tuple(len(b.shape) for b in buffers)
+    if ranks == _DECODE_RANKS and tuple(scalars) == _DECODE_SCALARS:
+        return _analyze_decode(buffers)
+    if ranks == _RAGGED_RANKS and tuple(scalars) == _RAGGED_SCALARS:
+        return _analyze_ragged(buffers)
+    return None
+
+
+def _analyze_decode(buffers: list) -> PagedAttentionDesc | None:
     q, pages, *index_buffers, output, lse = buffers
     if any(str(b.dtype) != "int32" for b in index_buffers) or str(lse.dtype) != "float32":
         return None
@@ -74,13 +86,28 @@ def analyze(func: tirx.PrimFunc) -> PagedAttentionDesc | None:
     return PagedAttentionDesc("decode", h_qo, h_kv, d, page, dtype)
 
 
+def _analyze_ragged(buffers: list) -> PagedAttentionDesc | None:
+    q, q_indptr, k, v, kv_indptr, q_pos, k_offset, output, lse = buffers
+    if any(str(b.dtype) != "int32" for b in (q_indptr, kv_indptr, q_pos, k_offset)) or str(lse.dtype) != "float32":
+        return None
+    dtype = str(q.dtype)
+    h_qo, d = _static(q.shape[1]), _static(q.shape[2])
+    h_kv, d_k, h_v, d_v = _static(k.shape[1]), _static(k.shape[2]), _static(v.shape[1]), _static(v.shape[2])
+    if any(str(b.dtype) != dtype for b in (k, v, output)) or None in (h_qo, d, h_kv) or (d_k, h_v, d_v) != (d, h_kv, d):
+        return None
+    if h_qo % h_kv:
+        return None
+    return PagedAttentionDesc("prefill_ragged", h_qo, h_kv, d, 0, dtype)
+
+
 def supported(desc: PagedAttentionDesc) -> bool:
     """Where fuselight's kernel serves: half-precision caches with head dims 64 and 128."""
     return desc.dtype in _HALF and desc.head_dim in (64, 128)
 
 
 class PagedAttention(ScheduleRule):
-    """Replace TVM's paged-KV decode attention kernel with the split-KV one (rules/flash/decode.py)."""
+    """TVM's paged-KV decode kernel -> split-KV decode (rules/flash/decode.py); its ragged prefill
+    kernel -> tensor-core flash prefill (rules/flash/prefill.py)."""
 
     def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _tunable: bool) -> tirx.PrimFunc | None:
         if target.kind.name != "cuda":
@@ -88,5 +115,9 @@ class PagedAttention(ScheduleRule):
         desc = analyze(func)
         if desc is None or not supported(desc):
             return None
-        config = load_decode_config(arch_of(target))
-        return flash_decode_paged(desc.num_kv_heads, desc.num_qo_heads, desc.head_dim, desc.dtype, desc.page_size, config)
+        arch = arch_of(target)
+        if desc.kind == "decode":
+            config = load_decode_config(arch)
+            return flash_decode_paged(desc.num_kv_heads, desc.num_qo_heads, desc.head_dim, desc.dtype, desc.page_size, config)
+        config = load_prefill_config(arch, desc.head_dim)
+        return flash_prefill_ragged(desc.num_kv_heads, desc.num_qo_heads, desc.head_dim, desc.dtype, config)

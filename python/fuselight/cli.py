@@ -62,6 +62,20 @@ def cmd_bench_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_paged_build(args: argparse.Namespace) -> int:
+    from .bench.paged_attention import build_suite
+
+    print(f"paged-attention suite built: {build_suite(Path(args.out), arch=args.arch)}")
+    return 0
+
+
+def cmd_bench_paged_run(args: argparse.Namespace) -> int:
+    from .bench.paged_attention import run_suite
+
+    run_suite(Path(args.manifest), Path(args.output))
+    return 0
+
+
 def cmd_bench_e2e(args: argparse.Namespace) -> int:
     from .bench.e2e import run_e2e
 
@@ -126,6 +140,15 @@ def _parser() -> argparse.ArgumentParser:
     br.add_argument("-o", "--output", required=True, help="results JSON")
     br.add_argument("--cases", nargs="*", default=None)
     br.set_defaults(func=cmd_bench_run)
+    pb = bsub.add_parser("paged-build", help="compile the KV-cache attention kernels, TVM's and ours")
+    pb.add_argument("out", help="output directory")
+    pb.add_argument("--arch", default="sm_90")
+    pb.set_defaults(func=cmd_bench_paged_build)
+    pr = bsub.add_parser("paged-run", help="check and time the KV-cache attention kernels (GPU host)")
+    pr.add_argument("manifest", help="manifest.json written by 'bench paged-build'")
+    pr.add_argument("-o", "--output", required=True, help="results JSON")
+    pr.set_defaults(func=cmd_bench_paged_run)
+
     be = bsub.add_parser("e2e", help="end-to-end LLaMA suite (GPU host)")
     be.add_argument("--model", default="llama-3-8b")
     be.add_argument("--lib", action="append", default=[], help="IMPL=PATH, e.g. baseline=build/llama-baseline.so")

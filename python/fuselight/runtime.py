@@ -174,6 +174,16 @@ def register_aot(library: Path, meta: dict[str, Any]) -> None:
 
 def load_library(path: Path, device: str = "cuda") -> tuple[Any, Any, dict[str, Any]]:
     """Load a fuselight library on ``device`` ("cuda" or "cpu"): ``(VirtualMachine, Device, metadata)``."""
+    lib, dev, meta = load_module(path, device)
+    from tvm.runtime.vm import (
+        VirtualMachine,  # not imported by ``import tvm`` on a runtime-only host
+    )
+
+    return VirtualMachine(lib, dev), dev, meta
+
+
+def load_module(path: Path, device: str = "cuda") -> tuple[Any, Any, dict[str, Any]]:
+    """Load a fuselight library (a model, or bare kernels) on ``device``: ``(runtime Module, Device, metadata)``."""
     path = Path(path)
     if not path.is_file():
         raise FuselightError(f"library not found: {path}")
@@ -200,12 +210,7 @@ def load_library(path: Path, device: str = "cuda") -> tuple[Any, Any, dict[str, 
         if _STATE.error is not None:
             raise FuselightError(f"{path}: {_STATE.error}") from None
         raise FuselightError(f"{path}: cannot load library ({type(err).__name__}: {err})") from None
-    from tvm.runtime.vm import (
-        VirtualMachine,  # not imported by ``import tvm`` on a runtime-only host
-    )
-
-    vm = VirtualMachine(lib, dev)
-    return vm, dev, meta
+    return lib, dev, meta
 
 
 def release_memory() -> None:
