@@ -145,11 +145,11 @@ def _padding_mask(rng, batch: int, seq: int, kind: str, dtype: str) -> np.ndarra
 # ---------------------------------------------------------------- helpers
 
 
-def _run(mod: tvm.IRModule, args: list[np.ndarray], pipeline=None) -> np.ndarray:
+def _run(mod: tvm.IRModule, args: list[np.ndarray], pipeline=None, func: str = "main") -> np.ndarray:
     target = to_tvm(resolve("llvm"))
     executable = tvm.compile(mod, target=target, **({"relax_pipeline": pipeline} if pipeline else {}))
     vm = relax.VirtualMachine(executable, tvm.cpu())
-    return vm["main"](*[tvm.runtime.tensor(a) for a in args]).numpy()
+    return vm[func](*[tvm.runtime.tensor(a) for a in args]).numpy()
 
 
 def _specs(mod: tvm.IRModule) -> list[AttentionSpec]:
@@ -274,6 +274,37 @@ def test_masked_where_and_two_layers_share_one_kernel() -> None:
     assert _ops(fused).count("relax.call_tir") == 2 and "relax.nn.softmax" not in _ops(fused)
     rng = np.random.default_rng(7)
     _check_numerics(mod, fused, [_rand(rng, (1, 2, 5, 4), "float32") for _ in range(3)], "float32")
+
+
+def test_nn_frontend_vit_block() -> None:
+    """A ViT block written with ``tvm.relax.frontend.nn``: fused qkv projection split into heads."""
+    from tvm.relax.frontend import nn
+    from tvm.relax.frontend.nn import op as F
+
+    class Attention(nn.Module):
+        def __init__(self, hidden: int, heads: int) -> None:
+            self.heads, self.dim = heads, hidden // heads
+            self.qkv = nn.Linear(hidden, 3 * hidden)
+            self.proj = nn.Linear(hidden, hidden)
+
+        def forward(self, x: nn.Tensor) -> nn.Tensor:
+            b, s, _ = x.shape
+            qkv = F.permute_dims(F.reshape(self.qkv(x), (b, s, 3, self.heads, self.dim)), [2, 0, 3, 1, 4])
+            q, k, v = (F.squeeze(t, 0) for t in F.split(qkv, 3, axis=0))
+            scores = F.matmul(q, F.permute_dims(k, [0, 1, 3, 2])) * (self.dim**-0.5)
+            ctx = F.matmul(F.softmax(scores, axis=-1), v)
+            return self.proj(F.reshape(F.permute_dims(ctx, [0, 2, 1, 3]), (b, s, self.heads * self.dim)))
+
+    mod, params = Attention(32, 4).export_tvm({"forward": {"x": nn.spec.Tensor(["batch", "seq", 32], "float32")}})
+    fused = FuseAttention()(mod)
+    (spec,) = _specs(fused)
+    assert (spec.num_qo_heads, spec.head_dim, spec.layout) == (4, 8, "BHSD")
+    rng = np.random.default_rng(9)
+    weights = [_rand(rng, [int(d) for d in p.shape], "float32") * 0.3 for _, p in params]
+    args = [_rand(rng, (2, 7, 32), "float32"), *weights]
+    expected = _run(mod, args, func="forward")
+    assert np.abs(expected).max() > 0.1
+    np.testing.assert_allclose(_run(fused, args, func="forward"), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_fuselight_pipeline_on_llvm() -> None:
