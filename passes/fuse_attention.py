@@ -457,6 +457,8 @@ def _match(graph: _Graph, softmax_var: relax.Var, softmax: relax.Call) -> Attent
     scores = _trace_scores(graph, softmax.args[0])
     if scores is None or scores.causal and not scores.masked_value <= MASK_FLOOR:
         return None
+    if not all(_equal(a, b) for a, b in zip(_shape(scores.chain[0]), scores_shape)):
+        return None  # a mask broadcast the scores to more batches or heads than Q K^T has
     scores.softmax_dtype = _dtype(softmax_var)
     # Forward: softmax -> [astype] -> matmul(P, V), each intermediate used once.
     probs = softmax_var

@@ -379,6 +379,9 @@ NEGATIVES = {
     "mask_varies_over_heads": lambda: _scores_module(
         lambda bb, s, q, m: bb.emit(op.add(s, m)), extra=[_tensor("m", [1, 2, 5, 5])]
     ),
+    "mask_broadcasts_the_scores": lambda: _scores_module(
+        lambda bb, s, q, m: bb.emit(op.add(s, m)), extra=[_tensor("m", [3, 1, 5, 5])]
+    ),
     "non_constant_scale": lambda: _scores_module(
         lambda bb, s, q, c: bb.emit(op.multiply(s, c)), extra=[_tensor("c", [])]
     ),
