@@ -33,6 +33,8 @@ DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 LOG2E = math.log2(math.e)
 # Scores of masked positions: exp2 of it minus any real row max is exactly 0.
 MASKED = -1.0e30
+# lse of a query row that sees no key in TVM's KV-cache kernels (their initial row max, sum 1).
+EMPTY_LSE = -5.0e4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,14 +99,30 @@ def _check_args(
     return num_qo_heads // num_kv_heads
 
 
-def _make_core(
-    head_dim: int, group: int, dtype: str, cfg: PrefillConfig, with_mask: bool = False
-):
-    """The macros both templates share: the attention of one block's query tile, and its epilogue.
+def _strided_row(row, at):
+    """Element offset of K/V row ``row`` where ``at`` = (base, row stride): ragged and dense layouts."""
+    base, tok_stride = at
+    return base + row * tok_stride
 
-    Addresses are element offsets into the flat q/k/v/output buffers, given as a base plus a token
-    stride and a head stride, so one core serves the ragged and both dense layouts. ``with_mask``:
-    ``attend`` adds ``mask_flat[mask_base + token * kv_len + key]`` to the scaled scores.
+
+def _make_core(
+    head_dim: int,
+    group: int,
+    dtype: str,
+    cfg: PrefillConfig,
+    with_mask: bool = False,
+    kv_row=_strided_row,
+    empty_rows_zero: bool = False,
+):
+    """The macros all templates share: the attention of one block's query tile, and its epilogue.
+
+    Q/output addresses are element offsets into the flat buffers, given as a base plus a token
+    stride and a head stride. K/V row ``r`` of the block's sequence is at element offset
+    ``kv_row(r, at)`` of its buffer, where ``at`` is what the kernel passes ``attend`` as
+    ``k_at``/``v_at`` (a tuple of expressions): so one core serves ragged, paged and both dense
+    layouts. ``with_mask``: ``attend`` adds ``mask_flat[mask_base + token * kv_len + key]`` to the
+    scaled scores. ``empty_rows_zero``: a query row that sees no key gets output 0 and lse
+    ``EMPTY_LSE`` (TVM's KV-cache kernels' convention) instead of NaN.
     """
     from tvm.script import tirx as T
 
@@ -149,18 +167,19 @@ def _make_core(
             )  # fmt: skip
 
     @T.macro
-    def load_kv_rows(smem, src, tid, base, tok_stride, n_valid):
-        # cp.async of a K or V tile, 16 bytes per thread per step; rows past n_valid are zero-filled.
+    def load_kv_rows(smem, src, at, tid, kv_start, kv_len):
+        # cp.async of K/V rows kv_start.. of a tile, 16 bytes per thread per step; rows at or past
+        # kv_len are zero-filled (their address clamped to the last row, which kv_len > 0 makes real).
         for it in T.unroll(kv_loads):
             row = (it * threads + tid) // chunks
             c = (it * threads + tid) % chunks
             T.ptx.cp_async(
                 smem.access_ptr("w", offset=swz(row, c)),
                 src.access_ptr(
-                    "r", offset=base + T.min(row, n_valid - 1) * tok_stride + c * CHUNK
+                    "r", offset=kv_row(T.min(kv_start + row, kv_len - 1), at) + c * CHUNK
                 ),
                 16,
-                predicate=row < n_valid,
+                predicate=kv_start + row < kv_len,
                 fill_mode="zero",
             )
 
@@ -188,7 +207,7 @@ def _make_core(
     @T.macro
     def attend(
         q, k, v, Q_smem, K_smem, V_smem, Qf, Kf, Vf, S, Pf, O, m, l, row_max,
-        tid, LH_start, q_base, q_tok_stride, q_head_stride, kv_base, kv_tok_stride,
+        tid, LH_start, q_base, q_tok_stride, q_head_stride, k_at, v_at,
         q_len, kv_len, causal, sm_scale, mask_flat, mask_base,
     ):
     # fmt: on
@@ -212,7 +231,8 @@ def _make_core(
             Q_smem, q, tid, LH_start, q_base, q_tok_stride, q_head_stride, q_len
         )
         T.ptx.cp_async.commit_group()
-        load_kv_rows(K_smem, k, tid, kv_base, kv_tok_stride, kv_len)
+        if n_kv_tiles > 0:  # no key visible (or none at all): no K row to address
+            load_kv_rows(K_smem, k, k_at, tid, 0, kv_len)
         T.ptx.cp_async.commit_group()
         T.ptx.cp_async.wait_group(1)
         T.tvm_storage_sync("shared")
@@ -229,14 +249,7 @@ def _make_core(
             kv_start: T.let[T.int32] = j * tile_kv
             T.ptx.cp_async.wait_group(0)
             T.tvm_storage_sync("shared")
-            load_kv_rows(
-                V_smem,
-                v,
-                tid,
-                kv_base + kv_start * kv_tok_stride,
-                kv_tok_stride,
-                kv_len - kv_start,
-            )
+            load_kv_rows(V_smem, v, v_at, tid, kv_start, kv_len)
             T.ptx.cp_async.commit_group()
 
             # S = Q K^T for this warp's 16 rows.
@@ -308,14 +321,7 @@ def _make_core(
             T.ptx.cp_async.wait_group(0)
             T.tvm_storage_sync("shared")
             if j + 1 < n_kv_tiles:
-                load_kv_rows(
-                    K_smem,
-                    k,
-                    tid,
-                    kv_base + (kv_start + tile_kv) * kv_tok_stride,
-                    kv_tok_stride,
-                    kv_len - kv_start - tile_kv,
-                )
+                load_kv_rows(K_smem, k, k_at, tid, kv_start + tile_kv, kv_len)
                 T.ptx.cp_async.commit_group()
 
             # O += P V.
@@ -342,7 +348,10 @@ def _make_core(
         lane: T.let[T.int32] = tid % WARP
         for i in T.unroll(2):
             l[i] = T.cuda.warp_sum(l[i], 4)
-            inv: T.let[T.float32] = T.float32(1) / l[i]
+            if empty_rows_zero:
+                inv: T.let[T.float32] = T.if_then_else(l[i] > 0, T.float32(1) / l[i], T.float32(0))
+            else:
+                inv: T.let[T.float32] = T.float32(1) / l[i]
             for nt in T.unroll(o_tiles):
                 for e in T.unroll(2):
                     Q_smem[
@@ -403,53 +412,25 @@ def _alloc_fragments(head_dim: int, dtype: str, cfg: PrefillConfig):
     )
 
 
-def flash_prefill_ragged(
-    num_kv_heads: int,
-    num_qo_heads: int,
-    head_dim: int,
-    dtype: str,
-    config: PrefillConfig,
+def _make_kv_cache_blocks(
+    num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, cfg: PrefillConfig, kv_row, kv_of, kv_at
 ):
-    """Drop-in for TVM's ``batch_prefill_ragged_kv``: same parameters, shapes and results.
+    """The grid of the KV-cache prefill kernels, shared by the ragged and paged ones.
 
-    Sequence b's queries are rows ``q_indptr[b]:q_indptr[b+1]`` of q, its keys/values rows
-    ``kv_indptr[b]:kv_indptr[b+1]`` of k/v; with ``causal`` query i sees key j iff
-    ``j <= i + kv_len_b - q_len_b``. ``lse`` is base 2. RoPE inside attention (``rotary_mode`` 1)
-    is not supported: the function asserts ``rotary_mode == 0`` on the host.
+    Blocks walk the batch's query tiles (q rows ``q_indptr[b]:q_indptr[b+1]``, grouped heads
+    folded in); ``kv_of(kv_index, b)`` gives (first index, KV length) of sequence b and
+    ``kv_at(kv_index, first, by)`` the ``k_at``/``v_at`` of ``kv_row`` for KV head ``by``.
+    Rows that see no key get output 0 and lse ``EMPTY_LSE``, as in TVM's kernels.
     """
     from tvm.script import tirx as T
 
-    group = _check_args(num_qo_heads, num_kv_heads, head_dim, dtype, config)
-    attend, store_output = _make_core(head_dim, group, dtype, config)
-    h_q, h_kv, d, cfg = num_qo_heads, num_kv_heads, head_dim, config
+    group = _check_args(num_qo_heads, num_kv_heads, head_dim, dtype, cfg)
+    attend, store_output = _make_core(head_dim, group, dtype, cfg, kv_row=kv_row, empty_rows_zero=True)
+    h_q, h_kv, d = num_qo_heads, num_kv_heads, head_dim
 
     # fmt: off
-    @T.prim_func(s_tir=True)
-    def batch_prefill_ragged_kv(
-        var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle, var_v: T.handle, var_kv_indptr: T.handle,
-        var_q_rope_position: T.handle, var_k_rope_pos_offset: T.handle, var_output: T.handle, var_lse: T.handle,
-        causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.is_scheduled": True})
-        batch_size = T.int32()
-        qo_len = T.int32()
-        kv_len = T.int32()
-        q_indptr_elem_offset = T.int32()
-        kv_indptr_elem_offset = T.int32()
-        q_rope_position_elem_offset = T.int32()
-        k_rope_pos_offset_elem_offset = T.int32()
-        q = T.match_buffer(var_q, (qo_len, h_q, d), dtype)
-        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        k = T.match_buffer(var_k, (kv_len, h_kv, d), dtype)
-        v = T.match_buffer(var_v, (kv_len, h_kv, d), dtype)
-        kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
-        q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32", elem_offset=q_rope_position_elem_offset)  # noqa: F841 (TVM's signature)
-        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=k_rope_pos_offset_elem_offset)  # noqa: F841
-        output = T.match_buffer(var_output, (qo_len, h_q, d), dtype)
-        lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
-        assert rotary_mode == 0, "fuselight flash prefill: rotary_mode 1 (RoPE inside attention) is not supported"
-        out_flat = T.decl_buffer((qo_len * h_q * d,), dtype, data=output.data)
-
+    @T.macro
+    def prefill_blocks(q, q_indptr, k, v, kv_index, out_flat, lse, batch_size, qo_len, causal, sm_scale):
         # A sequence of n queries has ceil(n * group / tile_q) tiles; their sum over the batch is
         # below total / tile_q + batch_size, so that many blocks cover every tile.
         for bx in T.thread_binding(T.ceildiv(qo_len * group, cfg.tile_q) + batch_size, thread="blockIdx.x"):
@@ -473,13 +454,15 @@ def flash_prefill_ragged(
                             b: T.let[T.int32] = seq[0]
                             q_start: T.let[T.int32] = q_indptr[b]
                             q_n: T.let[T.int32] = q_indptr[b + 1] - q_start
-                            kv_n: T.let[T.int32] = kv_indptr[b + 1] - kv_indptr[b]
+                            kv_first: T.let[T.int32] = kv_of(kv_index, b)[0]
+                            kv_n: T.let[T.int32] = kv_of(kv_index, b)[1]
                             # Last tiles first: under a causal mask they have the most work.
                             LH_start: T.let[T.int32] = (T.ceildiv(q_n * group, cfg.tile_q) - 1 - tile[0]) * cfg.tile_q
                             q_base: T.let[T.int32] = (q_start * h_q + by * group) * d
                             attend(
                                 q, k, v, Q_smem, K_smem, V_smem, Qf, Kf, Vf, S, Pf, O, m, l, row_max,
-                                tid, LH_start, q_base, h_q * d, d, (kv_indptr[b] * h_kv + by) * d, h_kv * d,
+                                tid, LH_start, q_base, h_q * d, d,
+                                kv_at(kv_index, kv_first, by)[0], kv_at(kv_index, kv_first, by)[1],
                                 q_n, kv_n, causal, sm_scale, out_flat, 0,
                             )
                             store_output(out_flat, Q_smem, O, l, tid, LH_start, q_base, h_q * d, d, q_n)
@@ -487,9 +470,157 @@ def flash_prefill_ragged(
                                 for i in T.unroll(2):
                                     r: T.let[T.int32] = LH_start + (tid // WARP) * MMA_M + (tid % WARP) // 4 + i * 8
                                     if r // group < q_n:
-                                        lse[q_start + r // group, by * group + r % group] = m[i] + T.log2(l[i])
+                                        lse[q_start + r // group, by * group + r % group] = T.if_then_else(
+                                            l[i] > 0, m[i] + T.log2(l[i]), T.float32(EMPTY_LSE)
+                                        )
+    # fmt: on
+    return prefill_blocks
+
+
+RAGGED_SYMBOL = "fuselight_prefill_ragged_kv"
+PAGED_SYMBOL = "fuselight_prefill_paged_kv"
+ROTARY_ASSERT = "fuselight flash prefill: rotary_mode 1 (RoPE inside attention) is not supported"
+
+
+def flash_prefill_ragged(
+    num_kv_heads: int,
+    num_qo_heads: int,
+    head_dim: int,
+    dtype: str,
+    config: PrefillConfig,
+):
+    """Drop-in for TVM's ``batch_prefill_ragged_kv``: same parameters, shapes and results.
+
+    Sequence b's queries are rows ``q_indptr[b]:q_indptr[b+1]`` of q, its keys/values rows
+    ``kv_indptr[b]:kv_indptr[b+1]`` of k/v; with ``causal`` query i sees key j iff
+    ``j <= i + kv_len_b - q_len_b``. ``lse`` is base 2. RoPE inside attention (``rotary_mode`` 1)
+    is not supported: the function asserts ``rotary_mode == 0`` on the host.
+    """
+    from tvm.script import tirx as T
+
+    h_q, h_kv, d = num_qo_heads, num_kv_heads, head_dim
+
+    def kv_of(kv_index, b):
+        (kv_indptr,) = kv_index
+        return kv_indptr[b], kv_indptr[b + 1] - kv_indptr[b]
+
+    def kv_at(_kv_index, first, by):
+        at = ((first * h_kv + by) * d, h_kv * d)
+        return at, at
+
+    prefill_blocks = _make_kv_cache_blocks(h_kv, h_q, d, dtype, config, _strided_row, kv_of, kv_at)
+
+    # fmt: off
+    @T.prim_func(s_tir=True)
+    def batch_prefill_ragged_kv(
+        var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle, var_v: T.handle, var_kv_indptr: T.handle,
+        var_q_rope_position: T.handle, var_k_rope_pos_offset: T.handle, var_output: T.handle, var_lse: T.handle,
+        causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": RAGGED_SYMBOL})
+        batch_size = T.int32()
+        qo_len = T.int32()
+        kv_len = T.int32()
+        q_indptr_elem_offset = T.int32()
+        kv_indptr_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q = T.match_buffer(var_q, (qo_len, h_q, d), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
+        k = T.match_buffer(var_k, (kv_len, h_kv, d), dtype)
+        v = T.match_buffer(var_v, (kv_len, h_kv, d), dtype)
+        kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
+        q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32", elem_offset=q_rope_position_elem_offset)  # noqa: F841 (TVM's signature)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=k_rope_pos_offset_elem_offset)  # noqa: F841
+        output = T.match_buffer(var_output, (qo_len, h_q, d), dtype)
+        lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
+        assert rotary_mode == 0, ROTARY_ASSERT
+        out_flat = T.decl_buffer((qo_len * h_q * d,), dtype, data=output.data)
+        prefill_blocks(q, q_indptr, k, v, (kv_indptr,), out_flat, lse, batch_size, qo_len, causal, sm_scale)
     # fmt: on
     return batch_prefill_ragged_kv
+
+
+def flash_prefill_paged(
+    num_kv_heads: int,
+    num_qo_heads: int,
+    head_dim: int,
+    dtype: str,
+    page_size: int,
+    config: PrefillConfig,
+):
+    """Drop-in for TVM's ``batch_prefill_paged_kv`` (non-sliding-window): same parameters, shapes, results.
+
+    The KV cache calls it for a prefill chunk's attention over the tokens already in the cache.
+    Sequence b's queries are rows ``q_indptr[b]:q_indptr[b+1]`` of q; its KV row r is slot
+    ``r % page_size`` of page ``page_values[page_indptr[b] + r // page_size]`` of ``pages``
+    [max_num_pages, 2 (K, V), h_kv, page_size, d]; it has ``kv_len_b = (num_pages_b - 1) *
+    page_size + length_info[b]`` rows (0 without pages). With ``causal`` query i sees key j iff
+    ``j <= i + kv_len_b - q_len_b``. ``lse`` is base 2; a row that sees no key gets output 0 and
+    lse ``EMPTY_LSE``, as TVM's does. ``rotary_mode`` 1 is not supported (asserted on the host).
+    """
+    from tvm.script import tirx as T
+
+    if page_size <= 0:
+        raise FuselightError(f"paged prefill attention: page_size {page_size} must be positive")
+    h_q, h_kv, d = num_qo_heads, num_kv_heads, head_dim
+    page_elems = 2 * h_kv * page_size * d
+
+    def kv_row(row, at):
+        page_values, first, head_offset = at
+        page = T.Cast("int64", page_values[first + row // page_size])
+        return page * page_elems + head_offset + row % page_size * d
+
+    def kv_of(kv_index, b):
+        page_indptr, _, last_page_len = kv_index
+        n_pages = page_indptr[b + 1] - page_indptr[b]
+        return page_indptr[b], T.if_then_else(n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0)
+
+    def kv_at(kv_index, first, by):
+        page_values = kv_index[1]
+        return (page_values, first, by * page_size * d), (page_values, first, (h_kv + by) * page_size * d)
+
+    prefill_blocks = _make_kv_cache_blocks(h_kv, h_q, d, dtype, config, kv_row, kv_of, kv_at)
+
+    # fmt: off
+    @T.prim_func(s_tir=True)
+    def batch_prefill_paged_kv(
+        var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle, var_page_indptr: T.handle,
+        var_page_values: T.handle, var_length_info: T.handle, var_k_rope_pos_offset: T.handle,
+        var_q_rope_position: T.handle, var_output: T.handle, var_lse: T.handle,
+        causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": PAGED_SYMBOL})
+        batch_size = T.int32()
+        total_len = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        pages_elem_offset = T.int64()
+        q_indptr_elem_offset = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+        q = T.match_buffer(var_q, (total_len, h_q, d), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, d), dtype, elem_offset=pages_elem_offset)
+        page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset)
+        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=k_rope_pos_offset_elem_offset)  # noqa: F841 (TVM's signature)
+        q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32", elem_offset=q_rope_position_elem_offset)  # noqa: F841
+        output = T.match_buffer(var_output, (total_len, h_q, d), dtype)
+        lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
+        # Last page lengths; TVM's sliding-window variant has [3, batch_size] here (not supported).
+        length_info = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=length_info_elem_offset)
+        assert rotary_mode == 0, ROTARY_ASSERT
+        out_flat = T.decl_buffer((total_len * h_q * d,), dtype, data=output.data)
+        prefill_blocks(
+            q, q_indptr, pages, pages, (page_indptr, page_values, length_info), out_flat, lse,
+            batch_size, total_len, causal, sm_scale,
+        )
+    # fmt: on
+    return batch_prefill_paged_kv
 
 
 LAYOUTS = ("BSHD", "BHSD")
@@ -554,13 +685,16 @@ def flash_attention_dense(
                             q_base: T.let[T.int64] = (
                                 (bz * q_len * h_q + by * group) * d if bshd else (bz * h_q + by * group) * q_len * d
                             )
+                            kv_base: T.let[T.int64] = (
+                                (bz * kv_len * h_kv + by) * d if bshd else (bz * h_kv + by) * kv_len * d
+                            )
                             attend(
                                 q, k, v, Q_smem, K_smem, V_smem, Qf, Kf, Vf, S, Pf, O, m, l, row_max,
                                 tid, LH_start, q_base,
                                 h_q * d if bshd else d,
                                 d if bshd else q_len * d,
-                                (bz * kv_len * h_kv + by) * d if bshd else (bz * h_kv + by) * kv_len * d,
-                                h_kv * d if bshd else d,
+                                (kv_base, h_kv * d if bshd else d),
+                                (kv_base, h_kv * d if bshd else d),
                                 n_q, n_kv, is_causal, T.float32(sm_scale),
                                 mask_flat, T.if_then_else(mask_batch == 1, T.int64(0), bz) * q_len * kv_len,
                             )
