@@ -14,15 +14,18 @@ import dataclasses
 from typing import Literal
 
 import tvm
+from fuselight.target import arch_of
 from tvm import tirx
 from tvm.s_tir.dlight import ScheduleRule
 
-from fuselight.target import arch_of
-
 from .flash.decode import flash_decode_paged, load_decode_config
-from .flash.prefill import flash_prefill_ragged, load_prefill_config
+from .flash.prefill import (
+    flash_prefill_paged,
+    flash_prefill_ragged,
+    load_prefill_config,
+)
 
-Kind = Literal["decode", "prefill_ragged"]
+Kind = Literal["decode", "prefill_ragged", "prefill_paged"]
 _HALF = ("float16", "bfloat16")
 # TVM's batch_decode_paged_kv: Q, pages, page_table_indptr, page_table_values, length_info,
 # k_rope_pos_offset, q_rope_position, output, lse, then rotary_mode, rope_scale, rope_theta, sm_scale.
@@ -32,6 +35,10 @@ _DECODE_SCALARS = ("int32", "float32", "float32", "float32")
 # output, lse, then causal, rotary_mode, rope_scale, rope_theta, sm_scale.
 _RAGGED_RANKS = (3, 1, 3, 3, 1, 1, 1, 3, 2)
 _RAGGED_SCALARS = ("int32", "int32", "float32", "float32", "float32")
+# TVM's batch_prefill_paged_kv: q, q_indptr, pages, page_indptr, page_values, length_info,
+# k_rope_pos_offset, q_rope_position, output, lse, then the ragged kernel's scalars. length_info is
+# [batch] (last page lengths); the sliding-window variant's [3, batch] has another rank.
+_PAGED_PREFILL_RANKS = (3, 1, 5, 1, 1, 1, 1, 1, 3, 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +76,13 @@ def analyze(func: tirx.PrimFunc) -> PagedAttentionDesc | None:
         return _analyze_decode(buffers)
     if ranks == _RAGGED_RANKS and tuple(scalars) == _RAGGED_SCALARS:
         return _analyze_ragged(buffers)
+    if ranks == _PAGED_PREFILL_RANKS and tuple(scalars) == _RAGGED_SCALARS:
+        return _analyze_paged_prefill(buffers)
     return None
 
 
-def _analyze_decode(buffers: list) -> PagedAttentionDesc | None:
-    q, pages, *index_buffers, output, lse = buffers
+def _analyze_paged(kind: Kind, q, pages, output, lse, index_buffers: list) -> PagedAttentionDesc | None:
+    """q/output [n, h_qo, d], pages [max_pages, 2, h_kv, page_size, d], int32 indices, float32 lse."""
     if any(str(b.dtype) != "int32" for b in index_buffers) or str(lse.dtype) != "float32":
         return None
     dtype = str(q.dtype)
@@ -83,7 +92,17 @@ def _analyze_decode(buffers: list) -> PagedAttentionDesc | None:
         return None
     if h_qo % h_kv:
         return None
-    return PagedAttentionDesc("decode", h_qo, h_kv, d, page, dtype)
+    return PagedAttentionDesc(kind, h_qo, h_kv, d, page, dtype)
+
+
+def _analyze_decode(buffers: list) -> PagedAttentionDesc | None:
+    q, pages, *index_buffers, output, lse = buffers
+    return _analyze_paged("decode", q, pages, output, lse, index_buffers)
+
+
+def _analyze_paged_prefill(buffers: list) -> PagedAttentionDesc | None:
+    q, q_indptr, pages, *index_buffers, output, lse = buffers
+    return _analyze_paged("prefill_paged", q, pages, output, lse, [q_indptr, *index_buffers])
 
 
 def _analyze_ragged(buffers: list) -> PagedAttentionDesc | None:
@@ -106,8 +125,8 @@ def supported(desc: PagedAttentionDesc) -> bool:
 
 
 class PagedAttention(ScheduleRule):
-    """TVM's paged-KV decode kernel -> split-KV decode (rules/flash/decode.py); its ragged prefill
-    kernel -> tensor-core flash prefill (rules/flash/prefill.py)."""
+    """TVM's paged-KV decode kernel -> split-KV decode (rules/flash/decode.py); its ragged and paged
+    prefill kernels -> tensor-core flash prefill (rules/flash/prefill.py)."""
 
     def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _tunable: bool) -> tirx.PrimFunc | None:
         if target.kind.name != "cuda":
@@ -120,4 +139,8 @@ class PagedAttention(ScheduleRule):
             config = load_decode_config(arch)
             return flash_decode_paged(desc.num_kv_heads, desc.num_qo_heads, desc.head_dim, desc.dtype, desc.page_size, config)
         config = load_prefill_config(arch, desc.head_dim)
+        if desc.kind == "prefill_paged":
+            return flash_prefill_paged(
+                desc.num_kv_heads, desc.num_qo_heads, desc.head_dim, desc.dtype, desc.page_size, config
+            )
         return flash_prefill_ragged(desc.num_kv_heads, desc.num_qo_heads, desc.head_dim, desc.dtype, config)

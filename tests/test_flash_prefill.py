@@ -1,8 +1,9 @@
 """Flash-attention prefill templates build for sm_90 into tensor-core CUDA; bad configs fail cleanly.
 
 The numerics run on the GPU (the kernel benchmark suite); here: every supported head dim, dtype and
-GQA group builds, the CUDA uses mma.sync / ldmatrix / cp.async, nvcc accepts it, the ragged kernel
-keeps TVM's signature and refuses rotary_mode 1 on the host.
+GQA group builds, the CUDA uses mma.sync / ldmatrix / cp.async, nvcc accepts it, the ragged and
+paged kernels keep TVM's signatures, carry fuselight's symbols and refuse rotary_mode 1 on the host,
+and the PagedAttention rule swaps in the paged one for TVM's (not its sliding-window variant).
 """
 
 import dataclasses
@@ -15,15 +16,20 @@ from fuselight.rules.flash.prefill import (
     PrefillConfig,
     check_config,
     flash_attention_dense,
+    flash_prefill_paged,
     flash_prefill_ragged,
     load_prefill_config,
 )
+from fuselight.rules.paged_attention import PagedAttention, analyze
 from fuselight.target import resolve, to_tvm
 
 needs_nvcc = pytest.mark.skipif(
     shutil.which("nvcc") is None, reason="nvcc not installed"
 )
 ROTARY_MESSAGE = "rotary_mode 1 (RoPE inside attention) is not supported"
+
+
+CUDA = to_tvm(resolve("cuda", "sm_90"))
 
 
 def _build(func):
@@ -62,6 +68,23 @@ def test_ragged_builds_with_tensor_cores(head_dim, dtype, kv_heads):
     assert ROTARY_MESSAGE not in src
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kv_heads", [8, 32])
+def test_paged_builds_with_tensor_cores(head_dim, dtype, kv_heads):
+    func = flash_prefill_paged(
+        kv_heads, 32, head_dim, dtype, 16, load_prefill_config("sm_90", head_dim)
+    )
+    exe = _build(func)
+    src = _cuda(exe)
+    _assert_tensor_core(src)
+    assert "fuselight_prefill_paged_kv_kernel" in src
+    # K/V rows are found through the page table.
+    assert "page_values" in src
+    assert ROTARY_MESSAGE in exe.mod.inspect_source("ll")
+    assert ROTARY_MESSAGE not in src
+
+
 def _signature(func):
     """Parameter names, and for buffers dtype, shape (as text) and elem_offset kind."""
     import tvm
@@ -91,6 +114,38 @@ def test_ragged_is_a_drop_in_for_tvms_kernel():
     )
     assert _signature(ours) == _signature(tvms)
     assert str(ours.params[0].ty.shape[0]) == "qo_len"  # lengths stay symbolic
+    assert ours.attrs["global_symbol"] == "fuselight_prefill_ragged_kv"
+
+
+def _tvm_paged(h_kv=8, h_q=32, d=128, dtype="float16", sliding=False, page_size=16):
+    from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill
+
+    return _attention_prefill(h_kv, h_q, d, dtype, sliding, {}, CUDA, page_size)
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_paged_is_a_drop_in_for_tvms_kernel(page_size):
+    ours = flash_prefill_paged(
+        8, 32, 128, "float16", page_size, load_prefill_config("sm_90", 128)
+    )
+    tvms = _tvm_paged(page_size=page_size)
+    assert _signature(ours) == _signature(tvms)
+    assert [str(s) for s in ours.params[2].ty.shape] == ["max_num_pages", "2", "8", str(page_size), "128"]
+    assert ours.attrs["global_symbol"] == "fuselight_prefill_paged_kv"
+
+
+def test_rule_swaps_tvms_paged_prefill_but_not_its_sliding_window_variant():
+    desc = analyze(_tvm_paged(4, 16, 64, "bfloat16", page_size=32))
+    assert (desc.kind, desc.num_qo_heads, desc.num_kv_heads, desc.head_dim, desc.page_size, desc.dtype) == (
+        "prefill_paged", 16, 4, 64, 32, "bfloat16"
+    )
+    ours = PagedAttention().apply(_tvm_paged(), CUDA, False)
+    assert ours.attrs["global_symbol"] == "fuselight_prefill_paged_kv"
+    assert _signature(ours) == _signature(_tvm_paged())
+    sliding = _tvm_paged(sliding=True)
+    assert len(sliding.params[5].ty.shape) == 2  # length_info [3, batch]: what tells them apart
+    assert analyze(sliding) is None
+    assert PagedAttention().apply(sliding, CUDA, False) is None
 
 
 @pytest.mark.parametrize(
@@ -134,15 +189,18 @@ def test_dense_builds_with_tensor_cores(
 
 
 @needs_nvcc
-def test_nvcc_compiles_ragged_and_dense():
+def test_nvcc_compiles_ragged_paged_and_dense():
     ragged = flash_prefill_ragged(
         8, 32, 128, "float16", load_prefill_config("sm_90", 128)
+    )
+    paged = flash_prefill_paged(
+        8, 32, 64, "bfloat16", 16, load_prefill_config("sm_90", 64)
     )
     dense = flash_attention_dense(
         32, 32, 64, "bfloat16", causal=True, sm_scale=0.125, layout="BHSD", additive_mask=True,
         config=load_prefill_config("sm_90", 64),
     )  # fmt: skip
-    for func in (ragged, dense):
+    for func in (ragged, paged, dense):
         assert len(compile_cuda(_cuda(_build(func)), "sm_90")) > 0
 
 
@@ -181,6 +239,10 @@ def test_bad_arguments_fail_cleanly():
         flash_prefill_ragged(8, 32, 128, "float32", cfg)
     with pytest.raises(FuselightError, match="multiple"):
         flash_prefill_ragged(5, 32, 128, "float16", cfg)
+    with pytest.raises(FuselightError, match="page_size 0"):
+        flash_prefill_paged(8, 32, 128, "float16", 0, cfg)
+    with pytest.raises(FuselightError, match="multiple"):
+        flash_prefill_paged(5, 32, 128, "float16", 16, cfg)
     with pytest.raises(FuselightError, match="layout"):
         flash_attention_dense(
             32,
