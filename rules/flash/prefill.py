@@ -1,8 +1,10 @@
 """Tensor-core flash-attention prefill templates: TIR PrimFuncs, already scheduled.
 
 ``flash_prefill_ragged`` is a drop-in replacement for TVM's ``batch_prefill_ragged_kv`` (the KV
-cache's prefill over the new tokens' own K/V); ``flash_attention_dense`` is plain (non-paged)
-attention for graph-level fusion. Both run the same FlashAttention-2 core: each warp owns 16 query
+cache's prefill over the new tokens' own K/V), ``flash_prefill_paged`` for its
+``batch_prefill_paged_kv`` (the prefill over the tokens already in the cache's pages);
+``flash_attention_dense`` is plain (non-paged) attention for graph-level fusion. All run the same
+FlashAttention-2 core, differing only in how a K/V row is addressed: each warp owns 16 query
 rows, S = Q K^T and O += P V run on ``mma.sync.m16n8k16`` (fp16/bf16 in, fp32 accumulate) with
 operands loaded by ``ldmatrix`` from XOR-swizzled shared memory, the online-softmax state stays in
 registers, and the next K (or V) tile streams in by ``cp.async`` while the current one is used.
