@@ -5,8 +5,7 @@ attention kernels as PrimFuncs to ``vm.builtin.paged_attention_kv_cache_create``
 them. This pass offers each PrimFunc named in such a call to the ``PagedAttention`` rule and, where
 the rule returns a kernel (same interface, faster), adds it to the module under its own name and
 points the call at it. The built-in kernel stays wherever the rule declines (other dtypes, head
-dims, sliding window, prefill until fuselight has one) and is dropped by dead-code elimination
-otherwise. A cache that applies RoPE inside attention (``RopeMode.INLINE``) is left alone: ours
+dims, sliding window) and is removed from the module otherwise. A cache that applies RoPE inside attention (``RopeMode.INLINE``) is left alone: ours
 expect rotated keys in the cache.
 
 Runs on the target in scope (``tvm.target.Target.current()``); on targets the rule does not serve
@@ -53,16 +52,19 @@ def _rope_inline(call: relax.Call) -> bool:
     return not isinstance(arg, tirx.IntImm) or int(arg.value) == int(RopeMode.INLINE)
 
 
-def _kernels(call: relax.Call) -> list[tvm.ir.GlobalVar]:
+def _global_vars(expr: relax.Expr) -> list[tvm.ir.GlobalVar]:
     found: list[tvm.ir.GlobalVar] = []
 
-    def visit(expr: relax.Expr) -> None:
-        if isinstance(expr, tvm.ir.GlobalVar) and expr not in found:
-            found.append(expr)
+    def visit(e: relax.Expr) -> None:
+        if isinstance(e, tvm.ir.GlobalVar) and e not in found:
+            found.append(e)
 
-    for arg in call.args[1:]:
-        relax.analysis.post_order_visit(arg, visit)
+    relax.analysis.post_order_visit(expr, visit)
     return found
+
+
+def _kernels(call: relax.Call) -> list[tvm.ir.GlobalVar]:
+    return [gv for arg in call.args[1:] for gv in _global_vars(arg)]
 
 
 @tvm.transform.module_pass(opt_level=0, name="PagedAttentionKernels")
@@ -88,7 +90,15 @@ class PagedAttentionKernels:
                     new_gv = rewriter.builder_.add_func(ours, str(ours.attrs["global_symbol"]))
                     rewriter.builder_.update_func(new_gv, ours.with_attr("global_symbol", new_gv.name_hint))
                     rewriter.replaced[gv] = new_gv
-        return rewriter.transform() if rewriter.replaced else mod
+        if not rewriter.replaced:
+            return mod
+        out = rewriter.transform()
+        # TVM's kernels are referenced by the create call only: drop the ones no longer referenced
+        still_used = {gv for func in out.functions.values() if isinstance(func, relax.Function) for gv in _global_vars(func)}
+        for gv in rewriter.replaced:
+            if gv not in still_used:
+                del out[gv]
+        return out
 
 
 @mutator

@@ -144,6 +144,10 @@ def test_pass_points_the_kv_cache_at_fuselight_kernels():
     assert "batch_decode_paged_kv)" not in script
     assert "batch_decode_paged_kv_sliding_window" in script  # left to TVM
     assert out.get_global_var("fuselight_decode_paged_kv") is not None
+    names = {gv.name_hint for gv in out.get_global_vars()}
+    assert "batch_decode_paged_kv" not in names  # replaced kernels leave the module
+    assert "batch_decode_paged_kv_sliding_window" in names
+    assert int(out["fuselight_decode_paged_kv"].attrs["fuselight.kernel_launches"]) == 2  # split + merge
     # the original module is untouched
     assert "fuselight" not in _cache_kernels(mod)
 

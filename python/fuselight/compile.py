@@ -19,9 +19,11 @@ from .errors import FuselightError
 from .target import TargetSpec
 
 PIPELINES = ("baseline", "fuselight")
-# TVM's paged KV cache launches these kernels for one decode attention call of one layer:
-# q/k rotary split, K/V append into pages, the decode attention kernel.
-KV_CACHE_KERNELS_PER_DECODE_ATTENTION = 3
+# TVM's paged KV cache launches these kernels for one decode attention call of one layer besides the
+# attention kernel itself: q/k rotary split, K/V append into pages.
+KV_CACHE_KERNELS_PER_DECODE_ATTENTION = 2
+# A kernel PrimFunc that launches more than one kernel says how many in this attribute.
+KERNEL_LAUNCHES_ATTR = "fuselight.kernel_launches"
 # Format of a library's metadata sidecar.
 METADATA_FORMAT = 1
 _ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
@@ -74,6 +76,17 @@ def lower(mod: Any, tvm_target: Any, pipeline: Any) -> tuple[Any, Any]:
     return lowered, tvm.compile(lowered, target=tvm_target, relax_pipeline=None)
 
 
+def _decode_attention_launches(mod: Any) -> int:
+    """Launches of the decode attention kernel the module's KV cache uses (1 if it says nothing)."""
+    from tvm import tirx
+
+    for gv, func in mod.functions.items():
+        if isinstance(func, tirx.PrimFunc) and "decode_paged_kv" in gv.name_hint and "sliding" not in gv.name_hint:
+            if func.attrs is not None and KERNEL_LAUNCHES_ATTR in func.attrs:
+                return int(func.attrs[KERNEL_LAUNCHES_ATTR])
+    return 1
+
+
 def kernel_stats(mod: Any) -> KernelStats:
     """Count PrimFuncs and the kernel launches one call of ``decode`` makes."""
     from tvm import relax, tirx
@@ -99,7 +112,8 @@ def kernel_stats(mod: Any) -> KernelStats:
     relax.analysis.post_order_visit(decode, visit)
     return KernelStats(
         kernels=len(prims),
-        launches_per_decode_step=len(calls) + KV_CACHE_KERNELS_PER_DECODE_ATTENTION * attention_calls,
+        launches_per_decode_step=len(calls)
+        + (KV_CACHE_KERNELS_PER_DECODE_ATTENTION + _decode_attention_launches(mod)) * attention_calls,
         decode_kernels=tuple(calls),
     )
 

@@ -86,7 +86,7 @@ def flash_decode_paged(
         rope_theta: T.float32,
         sm_scale: T.float32,
     ):
-        T.func_attr({"tirx.is_scheduled": True, "global_symbol": GLOBAL_SYMBOL})
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": GLOBAL_SYMBOL, "fuselight.kernel_launches": 2})
         B = T.int32()
         nnz_pages = T.int32()
         max_num_pages = T.int32()
