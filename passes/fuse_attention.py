@@ -21,7 +21,8 @@ What is recognised, walking the dataflow bindings back and forth from each ``R.n
   and/or an additive mask tensor that does not vary over heads and is not computed from Q, K or V.
 
 Anything else is left unchanged: a softmax not between two such matmuls, masks of other shapes or
-diagonals, non-constant or non-scalar scales, a scale applied after an additive mask tensor, a
+diagonals (or that broadcast the scores), non-constant or non-scalar scales, a scale after an
+additive mask tensor, or after a causal mask if it lifts masked positions above ``MASK_FLOOR``, a
 narrowing ``astype`` of the scores, mixed dtypes, symbolic head counts or head dims, and chains
 whose intermediate results (scores, probabilities) have other users. Batch and sequence lengths
 stay symbolic.
@@ -44,13 +45,11 @@ from tvm.relax.expr_functor import mutator
 from ..relax_rewrite import FunctionRewriter
 
 ATTENTION_ATTR = "fuselight.attention"
-LAYOUTS = ("BSHD", "BHSD")
 # Additive values at or below this count as "masked out": exp() of them underflows to 0 in float32
 # against any score of moderate size (Hugging Face uses the dtype's lowest value, -65504 in fp16).
 MASK_FLOOR = -1.0e4
 ACCUMULATE_DTYPE = "float32"
-HALF_DTYPES = ("float16", "bfloat16")
-FLOAT_DTYPES = (*HALF_DTYPES, "float32")
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 # TVM's op pattern for functions FuseOps must not fuse into (so the rule sees the kernel as built here).
 OPAQUE_OP_PATTERN = 8
 # Ranks of the first matmul's output and the labels of its batch dims.
@@ -64,14 +63,14 @@ class AttentionSpec:
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
-    scale: float
+    scale: float  # the product of the constant scales on Q, K and the scores
     causal: bool  # key j is seen by query i iff j <= i
     additive_mask: bool
     layout: str  # "BSHD" or "BHSD", for q, k, v and out
     dtype: str  # of q, k, v and out
     softmax_dtype: str  # the dtype the graph took the softmax in
     mask_dtype: str = ""  # "" without an additive mask
-    same_length: bool = False  # Sq and Skv are one symbolic value
+    same_length: bool = False  # Sq == Skv is known (one symbolic value, or equal constants)
 
     def to_attr(self) -> dict:
         return dataclasses.asdict(self)
