@@ -13,7 +13,6 @@ rules schedule the reference function instead.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import tvm
 import tvm_ffi
@@ -23,8 +22,8 @@ from tvm.target import Target
 
 from ..errors import FuselightError
 from ..passes.fuse_attention import ATTENTION_ATTR, AttentionSpec, attention_prim_func
+from .flash.prefill import flash_attention_dense, load_prefill_config
 
-TEMPLATE_MODULE = "fuselight.rules.flash.prefill"
 # Attributes of the reference function the scheduled kernel keeps (the template sets its own others).
 KEPT_ATTRS = ("target", ATTENTION_ATTR)
 
@@ -74,10 +73,6 @@ class FlashAttention(GPUScheduleRule):
     @staticmethod
     def schedule(desc: AttentionDesc, target: Target) -> s_tir.Schedule | None:
         """The flash-attention template for ``desc`` on ``target``, or None where it does not serve."""
-        try:
-            prefill = importlib.import_module(TEMPLATE_MODULE)
-        except ImportError:
-            return None
         spec = desc.spec
         if spec.causal and not spec.same_length:
             # Ours: key j seen by query i iff j <= i; the template's diagonal ends at the last key
@@ -85,16 +80,13 @@ class FlashAttention(GPUScheduleRule):
             return None
         if spec.additive_mask and spec.mask_dtype != spec.dtype:
             return None
-        if spec.dtype not in prefill.DTYPES or spec.head_dim not in prefill.HEAD_DIMS:
-            return None
-        arch = str(target.attrs.get("arch", ""))
         try:
-            config = prefill.load_prefill_config(arch, spec.head_dim)
+            config = load_prefill_config(str(target.attrs.get("arch", "")), spec.head_dim)
+            kernel = flash_attention_dense(
+                spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype,
+                causal=spec.causal, sm_scale=spec.scale, layout=spec.layout,
+                additive_mask=spec.additive_mask, config=config,
+            )
         except FuselightError:
-            return None  # no tile config for this arch: DLight's rules take it
-        kernel = prefill.flash_attention_dense(
-            spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype,
-            causal=spec.causal, sm_scale=spec.scale, layout=spec.layout,
-            additive_mask=spec.additive_mask, config=config,
-        )
+            return None  # no tile config for this arch or head dim, or a dtype it does not take
         return s_tir.Schedule(kernel.without_attr("global_symbol"))
