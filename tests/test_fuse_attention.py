@@ -119,6 +119,33 @@ def _gqa_bhsd(q_len, kv_len, *, causal_where: bool = False, heads: int = 6, kv_h
     return _module([q, k, v], body)
 
 
+def _hf_llama(heads: int = 4, kv_heads: int = 2, dim: int = 16, dtype: str = "float16") -> tvm.IRModule:
+    """Hugging Face's eager LLaMA attention after the projections: heads split off [B, S, H*D] and
+    moved first, repeat_kv, ``* D^-0.5``, the causal mask as ``triu(full(lowest), 1)`` added, softmax
+    in float32, heads moved back and joined."""
+    b, s = tirx.Var("batch", "int64"), tirx.Var("seq", "int64")
+    group = heads // kv_heads
+    params = [_tensor("q", [b, s, heads * dim], dtype), *(_tensor(n, [b, s, kv_heads * dim], dtype) for n in "kv")]
+
+    def body(bb, q, k, v):
+        def split(t, n):
+            return bb.emit(op.permute_dims(bb.emit(op.reshape(t, [b, s, n, dim])), [0, 2, 1, 3]))
+
+        def repeat_kv(t):
+            t = bb.emit(op.broadcast_to(bb.emit(op.expand_dims(t, 2)), [b, kv_heads, group, s, dim]))
+            return bb.emit(op.reshape(t, [b, heads, s, dim]))
+
+        qh, kh, vh = split(q, heads), repeat_kv(split(k, kv_heads)), repeat_kv(split(v, kv_heads))
+        scores = bb.emit(op.multiply(op.matmul(qh, bb.emit(op.permute_dims(kh, [0, 1, 3, 2]))),
+                                     relax.const(dim**-0.5, dtype)))
+        causal = bb.emit(op.triu(op.full((s, s), relax.const(float(np.finfo(dtype).min), dtype)), 1))
+        probs = bb.emit(op.astype(op.nn.softmax(op.astype(bb.emit(op.add(scores, causal)), "float32")), dtype))
+        ctx = bb.emit(op.permute_dims(bb.emit(op.matmul(probs, vh)), [0, 2, 1, 3]))
+        return op.reshape(ctx, [b, s, heads * dim])
+
+    return _module(params, body)
+
+
 def _rand(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
     return rng.standard_normal(shape).astype(dtype)
 
@@ -243,6 +270,18 @@ def test_other_diagonal_is_an_additive_mask() -> None:
     assert spec.additive_mask and not spec.causal
     rng = np.random.default_rng(6)
     _check_numerics(mod, fused, [_rand(rng, (1, 2, 5, 4), "float32") for _ in range(3)], "float32")
+
+
+def test_hf_llama_eager_attention() -> None:
+    mod = _hf_llama()
+    fused, spec = _fuse(mod)
+    assert (spec.num_qo_heads, spec.num_kv_heads, spec.layout, spec.causal) == (4, 2, "BSHD", True)
+    # Heads split off and joined back, K/V shared by reshapes of broadcasts: no copies left.
+    assert not {"relax.permute_dims", "relax.broadcast_to"} & set(_ops(fused)), _ops(fused)
+    rng = np.random.default_rng(10)
+    for batch, seq in ((2, 7), (1, 1)):
+        args = [_rand(rng, (batch, seq, 64), "float16"), *(_rand(rng, (batch, seq, 32), "float16") for _ in range(2))]
+        _check_numerics(mod, fused, args, "float16")
 
 
 def test_masked_where_and_two_layers_share_one_kernel() -> None:
