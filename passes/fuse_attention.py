@@ -143,7 +143,6 @@ class _Graph:
     def __init__(self, func: relax.Function) -> None:
         self.bindings: dict[relax.Var, relax.Expr] = {}
         self.uses: dict[relax.Var, int] = {}
-        self.func = func
         for block in func.body.blocks:
             for binding in block.bindings:
                 if isinstance(binding, relax.VarBinding):
@@ -232,17 +231,18 @@ def _int(expr) -> int | None:
 # ---------------------------------------------------------------- operands (Q, K, V), walking back
 
 
-def _trace_operand(graph: _Graph, expr: relax.Expr, labels: tuple[str, ...]) -> list[Operand]:
-    """The points on the chain of transparent ops above ``expr`` whose dims all have one role,
-    nearest first; each carries the product of the scales between it and ``expr``."""
-    points: list[Operand] = []
+def _trace_operand(graph: _Graph, expr: relax.Expr, labels: tuple[str, ...]) -> Operand | None:
+    """The farthest point up the chain of transparent ops above ``expr`` (the original tensor,
+    before any layout shuffling) whose dims all have one role, with the product of the scales
+    between it and ``expr``; None if there is none."""
+    farthest = None
     scale = 1.0
     while True:
         if _valid_labels(labels):
-            points.append(Operand(expr, labels, scale))
+            farthest = Operand(expr, labels, scale)
         step = _step_back(graph, expr, labels)
         if step is None:
-            return points
+            return farthest
         expr, labels, factor = step
         scale *= factor
 
@@ -482,13 +482,11 @@ def _match(graph: _Graph, softmax_var: relax.Var, softmax: relax.Call) -> Attent
     rank = len(scores_shape)
     if len(_shape(q_arg) or []) != rank or not (2 <= k_rank <= rank and 2 <= v_rank <= rank):
         return None  # unknown ranks, or a matrix-vector product
-    q_points = _trace_operand(graph, q_arg, (*batch_labels, "S", "D"))
-    k_points = _trace_operand(graph, k_arg, (*batch_labels[len(batch_labels) + 2 - k_rank:], "D", "S"))
-    v_points = _trace_operand(graph, v_arg, (*batch_labels[len(batch_labels) + 2 - v_rank:], "S", "D"))
-    if not (q_points and k_points and v_points):
+    q = _trace_operand(graph, q_arg, (*batch_labels, "S", "D"))
+    k = _trace_operand(graph, k_arg, (*batch_labels[len(batch_labels) + 2 - k_rank:], "D", "S"))
+    v = _trace_operand(graph, v_arg, (*batch_labels[len(batch_labels) + 2 - v_rank:], "S", "D"))
+    if q is None or k is None or v is None:
         return None
-    # The farthest points: the original tensors, before any layout shuffling.
-    q, k, v = q_points[-1], k_points[-1], v_points[-1]
     dtype = _dtype(q.expr)
     if dtype not in FLOAT_DTYPES or _dtype(k.expr) != dtype or _dtype(v.expr) != dtype:
         return None
