@@ -494,8 +494,8 @@ def _match(graph: _Graph, softmax_var: relax.Var, softmax: relax.Call) -> Attent
         return None
 
     dims = {}
-    for name, op in (("q", q), ("k", k), ("v", v)):
-        dims[name] = {label: _size(op.expr, op.labels, label) for label in ("B", "H", "S", "D")}
+    for name, operand in (("q", q), ("k", k), ("v", v)):
+        dims[name] = {label: _size(operand.expr, operand.labels, label) for label in ("B", "H", "S", "D")}
     logical_heads = scores_shape[batch_labels.index("H")] if "H" in batch_labels else tirx.IntImm("int64", 1)
     heads = [dims[n]["H"] for n in ("q", "k", "v")]
     head_dim = dims["q"]["D"]
@@ -541,7 +541,7 @@ def _mask_operand(graph: _Graph, mask: relax.Expr, scores_shape: list, batch_lab
     for label, dim, full in zip(labels, shape, scores_shape[len(scores_shape) - len(shape):]):
         if label == "H" and not _is_one(dim) or not (_is_one(dim) or _equal(dim, full)):
             return None
-    forbidden = set().union(*(graph.ancestors(op.expr) for op in inputs))
+    forbidden = set().union(*(graph.ancestors(operand.expr) for operand in inputs))
     if graph.ancestors(mask) & forbidden:
         return None
     return Operand(mask, tuple(labels))
