@@ -29,7 +29,7 @@ stay symbolic.
 
 Q, K, V, the mask and the output take one layout, ``BSHD`` ([batch, seq, heads, dim]) or ``BHSD``
 (the one Q already has, so that reshapes adding a unit batch dim are the only glue), mask
-``[B, 1, Sq, Skv]``; the PrimFunc's parameters are ``(q, k, v[, mask], out)``.
+``[MB, 1, Sq, Skv]`` (MB = 1 or B); the PrimFunc's parameters are ``(q, k, v[, mask], out)``.
 """
 
 from __future__ import annotations
@@ -608,7 +608,9 @@ def attention_prim_func(spec: AttentionSpec) -> tirx.PrimFunc:
     q = te.placeholder(shape(q_len, hq), spec.dtype, "q")
     k = te.placeholder(shape(kv_len, hkv), spec.dtype, "k")
     v = te.placeholder(shape(kv_len, hkv), spec.dtype, "v")
-    mask = te.placeholder((batch, 1, q_len, kv_len), spec.mask_dtype, "mask") if spec.additive_mask else None
+    # The mask's batch is 1 (shared) or the batch.
+    mask_batch = tirx.Var("mask_batch", "int64")
+    mask = te.placeholder((mask_batch, 1, q_len, kv_len), spec.mask_dtype, "mask") if spec.additive_mask else None
     rd = te.reduce_axis((0, dim), "rd")
     score = te.compute(
         (batch, hq, q_len, kv_len),
@@ -619,7 +621,7 @@ def attention_prim_func(spec: AttentionSpec) -> tirx.PrimFunc:
     def logit_of(b, h, i, j):
         x = score[b, h, i, j] * tirx.const(spec.scale, acc)
         if mask is not None:
-            x = x + mask[b, 0, i, j].astype(acc)
+            x = x + mask[tirx.if_then_else(mask_batch == 1, tirx.const(0, "int64"), b), 0, i, j].astype(acc)
         return tirx.if_then_else(j <= i, x, te.min_value(acc)) if spec.causal else x
 
     logit = te.compute((batch, hq, q_len, kv_len), logit_of, name="logit")
@@ -702,11 +704,12 @@ class _Rewriter(FunctionRewriter):
         args = [canonical(p.q, p.q_len, spec.num_qo_heads), canonical(p.k, p.kv_len, spec.num_kv_heads),
                 canonical(p.v, p.kv_len, spec.num_kv_heads)]
         if p.mask is not None:
-            # [B, 1, Sq, Skv]: the mask's own sizes first (1 where it broadcasts), then broadcast.
+            # [MB, 1, Sq, Skv]: the mask's own sizes first (1 where it broadcasts), then broadcast
+            # over the queries and keys; a mask shared by the batch (MB = 1) stays shared.
             labels = tuple("1" if label == "H" else label for label in p.mask.labels)
             own = [_size(p.mask.expr, labels, label) for label in ("B", "H", "Sq", "Skv")]
             mask = _relabel(bb, self.visit_expr(p.mask.expr), labels, ("B", "H", "Sq", "Skv"), own)
-            full = [p.batch, tirx.IntImm("int64", 1), p.q_len, p.kv_len]
+            full = [own[0], tirx.IntImm("int64", 1), p.q_len, p.kv_len]
             if not all(_equal(a, b) for a, b in zip(own, full)):
                 mask = bb.emit(relax.op.broadcast_to(mask, full))
             args.append(mask)

@@ -52,10 +52,11 @@ def _suite_module(op_name: str) -> tvm.IRModule:
 
 def _bert(mask_shape: str, dtype: str = "float32", heads: int = 4, dim: int = 16):
     """BERT self-attention after the projections: [B, S, H*D] -> BHSD, ``/ sqrt(D)``, additive
-    mask ``[B, 1, 1, S]`` or ``[B, 1, S, S]``, back to [B, S, H*D]."""
+    mask ``[B, 1, 1, S]`` ("row"), ``[B, 1, S, S]`` ("full") or ``[1, 1, S, S]`` ("shared" by the
+    batch), back to [B, S, H*D]."""
     b, s = tirx.Var("batch", "int64"), tirx.Var("seq", "int64")
     x = [_tensor(n, [b, s, heads * dim], dtype) for n in "qkv"]
-    mask = _tensor("mask", [b, 1, 1, s] if mask_shape == "row" else [b, 1, s, s], dtype)
+    mask = _tensor("mask", _MASK_SHAPES[mask_shape](b, s), dtype)
 
     def body(bb, q, k, v, m):
         def heads_first(t):
@@ -150,9 +151,16 @@ def _rand(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
     return rng.standard_normal(shape).astype(dtype)
 
 
+_MASK_SHAPES = {
+    "row": lambda b, s: [b, 1, 1, s],
+    "full": lambda b, s: [b, 1, s, s],
+    "shared": lambda b, s: [1, 1, s, s],
+}
+
+
 def _padding_mask(rng, batch: int, seq: int, kind: str, dtype: str) -> np.ndarray:
     """0 for kept keys, a large negative value for padded ones; every row keeps its first key."""
-    shape = (batch, 1, 1, seq) if kind == "row" else (batch, 1, seq, seq)
+    shape = tuple(_MASK_SHAPES[kind](batch, seq))
     padded = rng.random(shape) < 0.3
     padded[..., 0] = False
     return np.where(padded, np.finfo(dtype).min, rng.standard_normal(shape) * 0.1).astype(dtype)
@@ -227,7 +235,7 @@ def test_suite_decode_one_query() -> None:
         _check_numerics(mod, fused, args, "float16")
 
 
-@pytest.mark.parametrize("mask_shape", ["row", "full"])
+@pytest.mark.parametrize("mask_shape", sorted(_MASK_SHAPES))
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_bert_additive_mask(mask_shape: str, dtype: str) -> None:
     mod, make_args = _bert(mask_shape, dtype)
@@ -235,6 +243,8 @@ def test_bert_additive_mask(mask_shape: str, dtype: str) -> None:
     assert spec.additive_mask and not spec.causal and spec.mask_dtype == dtype
     # The heads are split off [B, S, H*D] and joined back: BSHD, no copies of Q, K, V or the output.
     assert spec.layout == "BSHD" and "relax.permute_dims" not in _ops(fused)
+    # Only a mask of one row per sequence is broadcast to [B, 1, Sq, Skv]; a shared one stays [1, 1, Sq, Skv].
+    assert ("relax.broadcast_to" in _ops(fused)) == (mask_shape == "row")
     rng = np.random.default_rng(2)
     for batch, seq in ((2, 7), (1, 13)):
         _check_numerics(mod, fused, make_args(rng, batch, seq), dtype)
@@ -514,16 +524,23 @@ def _cuda_build(mod: tvm.IRModule, schedule_rules) -> str:
     return "\n".join(cuda_sources(executable))
 
 
+GPU_GRAPHS = {
+    "suite_prefill": lambda: _suite_module("attention_prefill"),
+    "bert_shared_mask": lambda: _bert("shared", "float16", heads=2, dim=64)[0],
+}
+
+
 @needs_nvcc
+@pytest.mark.parametrize("graph", sorted(GPU_GRAPHS))
 @pytest.mark.parametrize("which", ["fuselight", "dlight"])
-def test_sm90_build_compiles(which: str) -> None:
-    """The fused suite graph builds for sm_90 with fuselight's rules, and with DLight's alone (the
-    reference function scheduled stage by stage), and nvcc compiles the CUDA."""
+def test_sm90_build_compiles(which: str, graph: str) -> None:
+    """Fused graphs build for sm_90 with fuselight's rules, and with DLight's alone (the reference
+    function scheduled stage by stage), and nvcc compiles the CUDA."""
     from fuselight.cuda_compile import compile_cuda
 
     target = to_tvm(resolve("cuda", "sm_90"))
     schedule_rules = rules.default(target) if which == "fuselight" else rules.dlight_defaults(target)
-    source = _cuda_build(_suite_module("attention_prefill"), schedule_rules)
+    source = _cuda_build(GPU_GRAPHS[graph](), schedule_rules)
     assert "fused_attention" in source
     # The flash kernel keeps the scores on chip; the reference passes them between its stages.
     assert ("score_ptr" in source) == (which == "dlight")
