@@ -7,7 +7,9 @@ replaces it with the tensor-core flash-attention template ``fuselight.rules.flas
 .flash_attention_dense`` (same parameters ``(q, k, v[, mask], out)``, same layouts), which keeps
 the scores on chip. Where the template cannot serve (head dims, dtypes, arches it has no config
 for, a causal mask whose diagonal it does not share), ``apply`` returns None and DLight's default
-rules schedule the reference function instead.
+rules schedule the reference function instead. The template tiles queries (times the GQA group)
+per block and walks all keys in each: decode-shaped calls (one query) get B x Hkv blocks, which
+leaves most of a large GPU idle at long contexts; a split-KV dense kernel would serve them better.
 """
 
 from __future__ import annotations
