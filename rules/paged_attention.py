@@ -20,6 +20,7 @@ from tvm.s_tir.dlight import ScheduleRule
 
 from .flash.decode import flash_decode_paged, load_decode_config
 from .flash.prefill import (
+    HEAD_DIMS,
     flash_prefill_paged,
     flash_prefill_ragged,
     load_prefill_config,
@@ -121,7 +122,7 @@ def _analyze_ragged(buffers: list) -> PagedAttentionDesc | None:
 
 def supported(desc: PagedAttentionDesc) -> bool:
     """Where fuselight's kernel serves: half-precision caches with head dims 64 and 128."""
-    return desc.dtype in _HALF and desc.head_dim in (64, 128)
+    return desc.dtype in _HALF and desc.head_dim in HEAD_DIMS
 
 
 class PagedAttention(ScheduleRule):

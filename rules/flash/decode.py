@@ -20,6 +20,7 @@ from tvm.script import tirx as T
 from fuselight.errors import FuselightError
 
 from .config import load_arch_config
+from .paging import paged_kv_len
 
 GLOBAL_SYMBOL = "fuselight_decode_paged_kv"
 # TVM's kernels use this finite "minus infinity" for running maxima, and as an empty sequence's lse.
@@ -135,11 +136,11 @@ def flash_decode_paged(
                                 md_smem = T.sblock_alloc_buffer((BDY, G, 2), "float32", scope="shared")
 
                                 page_begin: T.let[T.int32] = page_table_indptr[bz]
-                                page_end: T.let[T.int32] = page_table_indptr[bz + 1]
-                                kv_len: T.let[T.int32] = T.if_then_else(page_begin != page_end, (page_end - page_begin - 1) * PAGE + length_info[bz], 0)
+                                kv_len: T.let[T.int32] = paged_kv_len(page_table_indptr, length_info, bz, PAGE)
                                 # in registers, not lets: TVM would inline the divisions into every use
-                                bounds[0] = bx * _split_rows(kv_len, _num_splits(B), MIN_ROWS)
-                                bounds[1] = T.min(bounds[0] + _split_rows(kv_len, _num_splits(B), MIN_ROWS), kv_len)
+                                bounds[0] = _split_rows(kv_len, _num_splits(B), MIN_ROWS)
+                                bounds[1] = T.min((bx + 1) * bounds[0], kv_len)
+                                bounds[0] = bx * bounds[0]
                                 row_begin: T.let[T.int32] = bounds[0]
                                 row_end: T.let[T.int32] = bounds[1]
                                 if T.tvm_thread_invariant(row_begin < row_end):
@@ -216,9 +217,7 @@ def flash_decode_paged(
                         acc = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
                         mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         w = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        page_begin: T.let[T.int32] = page_table_indptr[bz]
-                        page_end: T.let[T.int32] = page_table_indptr[bz + 1]
-                        kv_len: T.let[T.int32] = T.if_then_else(page_begin != page_end, (page_end - page_begin - 1) * PAGE + length_info[bz], 0)
+                        kv_len: T.let[T.int32] = paged_kv_len(page_table_indptr, length_info, bz, PAGE)
                         used: T.let[T.int32] = T.ceildiv(kv_len, _split_rows(kv_len, _num_splits(B), MIN_ROWS))
                         mx[0] = T.float32(_NEG)
                         for sp in T.serial(used):

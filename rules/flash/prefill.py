@@ -21,6 +21,7 @@ import math
 from fuselight.errors import FuselightError
 
 from .config import load_arch_config
+from .paging import paged_kv_len
 
 # mma.sync.m16n8k16: a warp's row block, the k step, the n width of one accumulator tile.
 MMA_M, MMA_K, MMA_N = 16, 16, 8
@@ -575,8 +576,7 @@ def flash_prefill_paged(
 
     def kv_of(kv_index, b):
         page_indptr, _, last_page_len = kv_index
-        n_pages = page_indptr[b + 1] - page_indptr[b]
-        return page_indptr[b], T.if_then_else(n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0)
+        return page_indptr[b], paged_kv_len(page_indptr, last_page_len, b, page_size)
 
     def kv_at(kv_index, first, by):
         page_values = kv_index[1]

@@ -1,0 +1,11 @@
+"""How TVM's paged KV cache lays a sequence out: the one length formula its kernels share."""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+
+def paged_kv_len(page_indptr, last_page_len, b, page_size: int):
+    """KV rows of sequence ``b``: full pages plus the used part of its last page (0 without pages)."""
+    n_pages = page_indptr[b + 1] - page_indptr[b]
+    return T.if_then_else(n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0)
