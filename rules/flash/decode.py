@@ -19,7 +19,7 @@ from tvm.script import tirx as T
 
 from fuselight.errors import FuselightError
 
-from .config import load_arch_config
+from ..arch_config import load_arch_config
 from .paging import paged_kv_len
 
 GLOBAL_SYMBOL = "fuselight_decode_paged_kv"
@@ -40,7 +40,7 @@ class DecodeConfig:
 
 
 def load_decode_config(arch: str) -> DecodeConfig:
-    return load_arch_config("decode", arch, DecodeConfig)
+    return load_arch_config("attention", "decode", arch, DecodeConfig)
 
 
 def _split_rows(kv_len, num_splits, min_rows: int):

@@ -20,7 +20,7 @@ import math
 
 from fuselight.errors import FuselightError
 
-from .config import load_arch_config
+from ..arch_config import load_arch_config
 from .paging import paged_kv_len
 
 # mma.sync.m16n8k16: a warp's row block, the k step, the n width of one accumulator tile.
@@ -58,7 +58,7 @@ class PrefillConfig:
 
 def load_prefill_config(arch: str, head_dim: int) -> PrefillConfig:
     """The config for ``arch`` (e.g. ``sm_90``) and ``head_dim`` from ``configs/attention/prefill.json``."""
-    cfg = load_arch_config("prefill", arch, PrefillConfig, str(head_dim))
+    cfg = load_arch_config("attention", "prefill", arch, PrefillConfig, str(head_dim))
     check_config(cfg, head_dim)
     return cfg
 

@@ -1,4 +1,4 @@
-"""Reading a template's tile config for a target arch from ``configs/attention/<name>.json``."""
+"""Reading a kernel template's tile config for a target arch from ``configs/<family>/<name>.json``."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ from fuselight.paths import config_dir
 C = TypeVar("C")
 
 
-def load_arch_config(name: str, arch: str, cls: type[C], *keys: str) -> C:
-    """``cls`` built from ``configs/attention/<name>.json`` at ``[arch][keys...]``; every field a positive int."""
-    path = config_dir() / "attention" / f"{name}.json"
-    node: Any = read_json_object(path, missing=f"attention config not found: {path}")
+def load_arch_config(family: str, name: str, arch: str, cls: type[C], *keys: str) -> C:
+    """``cls`` built from ``configs/<family>/<name>.json`` at ``[arch][keys...]``; every field a positive int.
+
+    family: the template family (``attention``, ``gemm``); name: the config file in it.
+    """
+    path = config_dir() / family / f"{name}.json"
+    node: Any = read_json_object(path, missing=f"{family} config not found: {path}")
     where = str(path)
     for key in (arch, *keys):
         if not isinstance(node, dict) or key not in node:

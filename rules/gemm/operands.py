@@ -1,0 +1,54 @@
+"""The contract between the Matmul rule's analysis and the GEMM templates.
+
+A template computes, for every row ``r < m`` and column ``c < n``::
+
+    acc = sum_k float32(A[r, k]) * float32(B[c, k])      (b_layout "NT"; "NN": B[k, c])
+    out.buffer[out.index(r, c)] = out.value(r, c, acc)
+
+A is addressed as row-major ``m x k`` (all leading dimensions of the analysed A folded into its
+rows), B as row-major ``n x k`` ("NT") or ``k x n`` ("NN"); both through flat element offsets, so
+a template only needs ``access_ptr``. ``out.value`` is the fused epilogue (casts, bias, residual,
+activation) as an expression of the fp32 accumulator; it may read other buffers of the function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+B_LAYOUTS = ("NT", "NN")
+DTYPES = ("float16", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    """Where and what a template writes for output element (row, col)."""
+
+    buffer: Any  # tvm.tirx.Buffer
+    index: Callable[[Any, Any], tuple]  # (row, col) -> the buffer's indices
+    value: Callable[[Any, Any, Any], Any]  # (row, col, fp32 accumulator) -> value in buffer.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmOperands:
+    """One GEMM over the analysed function's buffers."""
+
+    a: Any  # tvm.tirx.Buffer, dtype ``dtype``, contiguous row-major, rows = m
+    b: Any  # tvm.tirx.Buffer, dtype ``dtype``, contiguous row-major, n x k or k x n
+    m: Any  # PrimExpr (int or symbolic)
+    n: int
+    k: int
+    b_layout: str  # one of B_LAYOUTS
+    dtype: str  # one of DTYPES
+    out: Epilogue
+
+    def a_offset(self, row: Any, col: Any) -> Any:
+        """Flat element offset of A[row, col]."""
+        return row * self.k + col
+
+    def b_offset(self, n_index: Any, k_index: Any) -> Any:
+        """Flat element offset of the B element multiplying A[:, k_index] into column n_index."""
+        if self.b_layout == "NT":
+            return n_index * self.k + k_index
+        return k_index * self.n + n_index
