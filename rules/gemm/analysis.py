@@ -1,0 +1,272 @@
+"""Recognise a matmul PrimFunc with its fused elementwise epilogue: the Matmul rule's analysis.
+
+The functions FuseTIR leaves for a linear layer are a reduction stage followed by elementwise
+stages, each a perfect loop nest over one block::
+
+    C[v..., vn] += cast(A[v..., vk]) * cast(B[vn, vk])        (or B[vk, vn])
+    E1[v..., vn] = f1(C[v..., vn], params...)
+    ...
+    Out[v..., vn] = fk(E{k-1}[v..., vn], params...)
+
+``analyze_matmul`` returns the GEMM (A's leading dimensions folded into M, B a 2-D weight, N and K
+static) and the epilogue as one expression of the fp32 accumulator, composed through the chain, so
+a template can write ``Out`` directly and the intermediates vanish. Anything else (another stage
+shape, an intermediate read twice or by a later stage, strided buffers, other dtypes) gives None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tvm import arith, tirx
+from tvm.tirx import stmt_functor
+
+from .operands import DTYPES, Epilogue, GemmOperands
+
+_DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulDesc:
+    """A matmul function as recognised."""
+
+    operands: GemmOperands
+    out_dtype: str
+    epilogue_stages: tuple[str, ...]  # names of the elementwise blocks folded into the epilogue
+    m_static: int | None  # M when known at compile time
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+    block: tirx.SBlock
+    extents: tuple[Any, ...]  # of the block's iter vars, in order
+    store: tirx.BufferStore
+
+
+def _stages(func: tirx.PrimFunc) -> tuple[list[_Stage], list[tirx.Buffer]] | None:
+    """The root's child blocks, each required to sit alone in a perfect loop nest over its iter vars."""
+    root = func.body
+    if not isinstance(root, tirx.SBlockRealize):
+        return None
+    body = root.block.body
+    stmts = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
+    stages = []
+    for stmt in stmts:
+        loops = []
+        while isinstance(stmt, tirx.For):
+            if stmt.kind != tirx.ForKind.SERIAL or not _is_const(stmt.min, 0) or stmt.thread_binding is not None:
+                return None
+            loops.append(stmt)
+            stmt = stmt.body
+        if not isinstance(stmt, tirx.SBlockRealize) or not _is_const(stmt.predicate, 1):
+            return None
+        block = stmt.block
+        if len(loops) != len(block.iter_vars) or block.alloc_buffers or block.match_buffers:
+            return None
+        for loop, value, iv in zip(loops, stmt.iter_values, block.iter_vars):
+            if not value.same_as(loop.loop_var) or not _is_const(iv.dom.min, 0):
+                return None
+            if not _equal(iv.dom.extent, loop.extent):
+                return None
+        if not isinstance(block.body, tirx.BufferStore):
+            return None
+        stages.append(_Stage(block, tuple(iv.dom.extent for iv in block.iter_vars), block.body))
+    return stages, list(root.block.alloc_buffers)
+
+
+def _dtype(expr: Any) -> str:
+    return str(expr.ty)
+
+
+def _is_const(expr: Any, value: int) -> bool:
+    return isinstance(expr, tirx.IntImm) and int(expr.value) == value
+
+
+def _equal(a: Any, b: Any) -> bool:
+    return bool(arith.Analyzer().can_prove_equal(a, b))
+
+
+def _strip_cast(expr: Any, dtype: str) -> Any:
+    if isinstance(expr, tirx.Cast) and _dtype(expr) == dtype:
+        return expr.value
+    return expr
+
+
+def _same_vars(indices: Any, vars_: list[tirx.Var]) -> bool:
+    return len(indices) == len(vars_) and all(i.same_as(v) for i, v in zip(indices, vars_))
+
+
+def _plain(buffer: tirx.Buffer) -> bool:
+    return not buffer.strides and _is_const(buffer.elem_offset, 0)
+
+
+def _matmul(stage: _Stage) -> tuple[tirx.Buffer, tirx.Buffer, tirx.Buffer, str] | None:
+    """(A, B, C, b_layout) of a ``C[v..., vn] += A[v..., vk] * B[vn, vk]`` stage (or B[vk, vn])."""
+    block, store = stage.block, stage.store
+    kinds = [int(iv.iter_type) for iv in block.iter_vars]
+    if kinds.count(_COMM_REDUCE) != 1 or kinds[-1] != _COMM_REDUCE or any(
+        k not in (_DATA_PAR, _COMM_REDUCE) for k in kinds
+    ):
+        return None
+    spatial = [iv.var for iv in block.iter_vars[:-1]]
+    vk = block.iter_vars[-1].var
+    c = store.buffer
+    init = block.init
+    if not (
+        isinstance(init, tirx.BufferStore)
+        and init.buffer.same_as(c)
+        and _same_vars(init.indices, spatial)
+        and isinstance(init.value, tirx.FloatImm)
+        and float(init.value.value) == 0.0
+    ):
+        return None
+    value = store.value
+    if not (
+        _same_vars(store.indices, spatial)
+        and isinstance(value, tirx.Add)
+        and isinstance(value.a, tirx.BufferLoad)
+        and value.a.buffer.same_as(c)
+        and _same_vars(value.a.indices, spatial)
+        and isinstance(value.b, tirx.Mul)
+    ):
+        return None
+    acc = str(c.dtype)
+    x, y = _strip_cast(value.b.a, acc), _strip_cast(value.b.b, acc)
+    if not (isinstance(x, tirx.BufferLoad) and isinstance(y, tirx.BufferLoad)):
+        return None
+    rows, vn = spatial[:-1], spatial[-1]
+    for a, b in ((x, y), (y, x)):
+        if not _same_vars(a.indices, [*rows, vk]) or len(b.indices) != 2:
+            continue
+        if _same_vars(b.indices, [vn, vk]):
+            return a.buffer, b.buffer, c, "NT"
+        if _same_vars(b.indices, [vk, vn]):
+            return a.buffer, b.buffer, c, "NN"
+    return None
+
+
+def _elementwise(
+    stage: _Stage, prev: tirx.Buffer, older: list[tirx.Buffer], extents: tuple[Any, ...]
+) -> bool:
+    """Whether ``stage`` is ``Out[v...] = f(prev[v...], ...)`` over ``extents``, reading none of the
+    ``older`` intermediates (the chain writes only its last stage's output)."""
+    block, store = stage.block, stage.store
+    if block.init is not None or any(int(iv.iter_type) != _DATA_PAR for iv in block.iter_vars):
+        return False
+    vars_ = [iv.var for iv in block.iter_vars]
+    if len(stage.extents) != len(extents) or not all(_equal(a, b) for a, b in zip(stage.extents, extents)):
+        return False
+    if not _same_vars(store.indices, vars_) or store.buffer.same_as(prev):
+        return False
+    loads: list[tirx.BufferLoad] = []
+    stmt_functor.post_order_visit(
+        store.value, lambda n: loads.append(n) if isinstance(n, tirx.BufferLoad) else None
+    )
+    reads_prev = False
+    for load in loads:
+        if load.buffer.same_as(store.buffer) or any(load.buffer.same_as(o) for o in older):
+            return False
+        if load.buffer.same_as(prev):
+            if not _same_vars(load.indices, vars_):
+                return False
+            reads_prev = True
+    return reads_prev
+
+
+def _replace_loads(expr: Any, buffer: tirx.Buffer, value: Any) -> Any:
+    def post(node: Any) -> Any:
+        if isinstance(node, tirx.BufferLoad) and node.buffer.same_as(buffer):
+            return value
+        return None
+
+    return stmt_functor.ir_transform(tirx.Evaluate(expr), None, post, ["tirx.BufferLoad"]).value
+
+
+def _row_indices(row: Any, extents: tuple[Any, ...], dtype: str) -> list[Any]:
+    """Indices over ``extents`` of flat row ``row < prod(extents)`` (row-major), in ``dtype``."""
+    row = tirx.Cast(dtype, row) if _dtype(row) != dtype else row
+    outer = next((i for i, e in enumerate(extents) if not _is_const(e, 1)), len(extents))
+    out: list[Any] = []
+    stride: Any = tirx.IntImm(dtype, 1)
+    for i in reversed(range(len(extents))):
+        e = extents[i]
+        q = row if _is_const(stride, 1) else tirx.floordiv(row, stride)
+        if _is_const(e, 1):
+            out.append(tirx.IntImm(dtype, 0))
+        else:
+            # The outermost non-unit index needs no wrap: rows stay below the product.
+            out.append(q if i == outer else tirx.floormod(q, e))
+        stride = stride * e
+    return out[::-1]
+
+
+def analyze_matmul(func: tirx.PrimFunc) -> MatmulDesc | None:
+    """The GEMM and fused epilogue ``func`` computes, or None (see the module docstring)."""
+    found = _stages(func)
+    if found is None or not found[0]:
+        return None
+    stages, allocs = found
+    mm = _matmul(stages[0])
+    if mm is None:
+        return None
+    a, b, c, b_layout = mm
+    dtype = str(a.dtype)
+    if dtype not in DTYPES or str(b.dtype) != dtype or str(c.dtype) not in ("float32", dtype):
+        return None
+    if any(not _plain(buf) for buf in (a, b)) or any(buf.same_as(x) for buf in (a, b) for x in allocs):
+        return None
+    n, k = c.shape[-1], a.shape[-1]
+    if not isinstance(n, tirx.IntImm) or not isinstance(k, tirx.IntImm):
+        return None
+    n, k = int(n), int(k)
+    if [int(x) for x in b.shape] != ([n, k] if b_layout == "NT" else [k, n]):
+        return None
+    extents = stages[0].extents[:-1]  # C's
+    row_extents = extents[:-1]
+    m: Any = tirx.IntImm(_dtype(row_extents[0]) if row_extents else "int64", 1)
+    for e in row_extents:
+        m = m * e
+    m = arith.Analyzer().simplify(m)
+
+    # The chain: each stage reads the previous one's output, which must be an intermediate.
+    prev = c
+    chain: list[_Stage] = []
+    for stage in stages[1:]:
+        older = [c, *(s.store.buffer for s in chain)][:-1]
+        if not any(prev.same_as(x) for x in allocs) or not _elementwise(stage, prev, older, extents):
+            return None
+        chain.append(stage)
+        prev = stage.store.buffer
+    out = prev
+    if any(out.same_as(x) for x in allocs) or not _plain(out):
+        return None
+    def value(row: Any, col: Any, acc: Any) -> Any:
+        v = acc if str(c.dtype) == "float32" else tirx.Cast(str(c.dtype), acc)
+        src = c
+        for stage in chain:
+            vars_ = [iv.var for iv in stage.block.iter_vars]
+            idx = _indices(row, col, vars_)
+            expr = _replace_loads(stage.store.value, src, v)
+            v = stmt_functor.substitute(expr, dict(zip(vars_, idx)))
+            src = stage.store.buffer
+        return v
+
+    def _indices(row: Any, col: Any, vars_: list[tirx.Var]) -> list[Any]:
+        dt = _dtype(vars_[-1])
+        col = tirx.Cast(dt, col) if _dtype(col) != dt else col
+        return [*_row_indices(row, row_extents, dt), col]
+
+    def index(row: Any, col: Any) -> tuple:
+        return tuple(_indices(row, col, [tirx.Var("i", _dtype(x)) for x in extents]))
+
+    operands = GemmOperands(
+        a=a, b=b, m=m, n=n, k=k, b_layout=b_layout, dtype=dtype, out=Epilogue(out, index, value)
+    )
+    return MatmulDesc(
+        operands=operands,
+        out_dtype=str(out.dtype),
+        epilogue_stages=tuple(s.block.name_hint for s in chain),
+        m_static=int(m) if isinstance(m, tirx.IntImm) else None,
+    )
+
