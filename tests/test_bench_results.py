@@ -112,7 +112,7 @@ def test_full_suite_matches_llama_shapes():
     assert sorted((c.dims["n"], c.dims["k"]) for c in gemms) == sorted(
         [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
     )
-    assert all(c.sweep == (1, 2, 4, 8, 16, 33, 128, 255, 512, 1000, 2048, 4095, 8192) for c in gemms)
+    assert all(c.sweep == (1, 2, 4, 8, 16, 17, 33, 64, 128, 255, 256, 512, 1000, 2048, 4095, 4096, 8192) for c in gemms)
     assert {
         "rmsnorm-4096",
         "softmax-4096",
