@@ -1,0 +1,109 @@
+"""The Hopper wgmma GEMM template builds for sm_90 into wgmma CUDA that nvcc accepts; bad tiles fail cleanly.
+
+Numerics and speed are checked on the GPU; here: the body binds to a matmul PrimFunc with a symbolic
+token count (fp16 and bf16), the CUDA issues wgmma.mma_async from 128-byte-swizzled shared memory
+filled by cp.async, nvcc compiles it for sm_90a, and every tile or operand the template cannot
+handle is refused with a FuselightError naming it.
+"""
+
+import dataclasses
+import shutil
+
+import pytest
+from fuselight.cuda_compile import compile_cuda
+from fuselight.errors import FuselightError
+from fuselight.rules.gemm.operands import Epilogue, GemmOperands
+from fuselight.rules.gemm.wgmma import (
+    WgmmaTile,
+    check_tile,
+    load_wgmma_tile,
+    wgmma_gemm,
+)
+from fuselight.target import resolve, to_tvm
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+N, K = 512, 256
+TILE = load_wgmma_tile("sm_90")
+
+
+def _matmul(dtype: str, n: int = N, k: int = K):
+    """out[0, i, j] = sum_k A[0, i, k] * B[j, k], with the token count seq_len symbolic (int64)."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def matmul(var_a: T.handle, b: T.Buffer((n, k), dtype), var_out: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        seq_len = T.int64()
+        a = T.match_buffer(var_a, (1, seq_len, k), dtype)
+        out = T.match_buffer(var_out, (1, seq_len, n), dtype)
+        for i, j, kk in T.grid(seq_len, n, k):
+            with T.sblock("matmul"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, kk])
+                with T.init():
+                    out[0, vi, vj] = T.Cast(dtype, 0)
+                out[0, vi, vj] = out[0, vi, vj] + a[0, vi, vk] * b[vj, vk]
+
+    return matmul
+
+
+def _operands(func, elem_dtype: str, **changes) -> GemmOperands:
+    from tvm.script import tirx as T
+
+    a, b, out = func.params
+    ops = GemmOperands(
+        a=a, b=b, m=a.shape[1], n=int(b.shape[0]), k=int(b.shape[1]), b_layout="NT", dtype=elem_dtype,
+        out=Epilogue(buffer=out, index=lambda r, c: (0, r, c), value=lambda r, c, acc: T.Cast(elem_dtype, acc)),
+    )  # fmt: skip
+    return dataclasses.replace(ops, **changes)
+
+
+def _build_cuda(dtype: str, tile: WgmmaTile = TILE) -> str:
+    import tvm
+
+    func = _matmul(dtype)
+    stmt = wgmma_gemm(_operands(func, dtype), tile)
+    bound = tvm.tirx.PrimFunc(func.params, stmt, func.ret_type, func.attrs).with_attr("tirx.is_scheduled", True)
+    assert str(bound.params[0].shape[1]) == "seq_len"  # M stays symbolic
+    exe = tvm.compile(tvm.IRModule({"main": bound}), target=to_tvm(resolve("cuda", "sm_90")))
+    return exe.mod.imports[0].inspect_source("cuda")
+
+
+@pytest.mark.parametrize("dtype,ptx", [("float16", "f16"), ("bfloat16", "bf16")])
+def test_builds_wgmma_from_swizzled_shared_memory(dtype, ptx):
+    src = _build_cuda(dtype)
+    assert f"wgmma.mma_async.sync.aligned.m64n{TILE.block_n}k16.f32.{ptx}.{ptx}" in src
+    assert "ptx_wgmma_encode_matrix_descriptor" in src and "cp.async" in src
+    assert "wgmma.wait_group.sync.aligned 0" in src
+    # 128-byte swizzle: piece c of row r lands at c ^ (r % 8).
+    assert "^" in src and "& 7" in src
+
+
+@needs_nvcc
+def test_nvcc_compiles_for_sm90a():
+    assert compile_cuda(_build_cuda("float16"), arch="sm_90")
+
+
+def test_config_tile_is_valid():
+    check_tile(TILE, _operands(_matmul("float16", 4096, 4096), "float16"))
+    with pytest.raises(FuselightError, match="no entry 'sm_80'"):
+        load_wgmma_tile("sm_80")
+
+
+@pytest.mark.parametrize(
+    "tile_changes,op_changes,match",
+    [
+        ({"block_n": 100}, {}, "block_n 100 must be a multiple of 8"),
+        ({"block_n": 512}, {"n": 1024}, "block_n 512 must be a multiple of 8 up to 256"),
+        ({"stages": 2}, {}, "stages 2 must be at least 3"),
+        ({"stages": 8}, {}, "need 393216 bytes of shared memory"),
+        ({"block_n": 8}, {"n": 8}, "cannot load the 8x64 B tile"),
+        ({}, {"n": 640}, "n 640 is not a multiple of block_n"),
+        ({}, {"k": 200}, "k 200 is not a multiple of 64"),
+        ({}, {"b_layout": "NN"}, "B layout 'NN' unsupported"),
+        ({}, {"dtype": "float32"}, "dtype 'float32' unsupported"),
+    ],
+)
+def test_bad_tiles_and_operands_rejected(tile_changes, op_changes, match):
+    ops = _operands(_matmul("float16"), "float16", **op_changes)
+    with pytest.raises(FuselightError, match=match):
+        wgmma_gemm(ops, dataclasses.replace(TILE, **tile_changes))
