@@ -1,0 +1,193 @@
+"""Tile plans of the mma.sync GEMM template: what one block computes, and how M is covered.
+
+A ``GemmTile`` is one block's ``block_m x block_n`` output tile, accumulated over ``block_k``-wide
+slices of K streamed through ``stages`` shared-memory buffers by ``warps_m x warps_n`` warps, each
+owning a ``block_m / warps_m x block_n / warps_n`` piece. A ``GemmPlan`` covers a GEMM whose M is
+only known at run time: ``main`` tiles over the whole multiples of ``main.block_m`` and ``rest``
+tiles over the remaining rows, in one launch; or, with no ``rest``, ``main`` tiles over all rows,
+the last one predicated. ``split_k`` > 1 splits K over blocks (small M, where the output tiles
+alone cannot fill the GPU). N and K are static and must be multiples of the tiles' ``block_n`` and
+``block_k * split_k``: the template specialises them and predicates nothing but M.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fuselight.errors import FuselightError
+from fuselight.jsonfile import read_json_object
+from fuselight.paths import config_dir
+
+from .operands import DTYPES, GemmOperands
+
+# mma.sync.m16n8k16: a warp's row block, the k step, the n width of one accumulator tile. A warp's
+# piece spans whole 16 x 16 blocks (one ldmatrix.x4 of A, or of B for two n tiles).
+MMA_M, MMA_K, MMA_N = 16, 16, 8
+WARP = 32
+MAX_THREADS = 1024
+# One cp.async / ldmatrix row piece: 16 bytes = 8 halves; an fp32 output row piece: 8 floats.
+CHUNK = 8
+# block_k: a power of two from one mma k step to 16 pieces a row (the XOR swizzle's range).
+BLOCK_K_CHOICES = (16, 32, 64, 128)
+# Shared memory a block may opt in to on sm_90 (dynamic shared memory, 227 KiB).
+MAX_SHARED_BYTES = 232448
+# Accumulators a thread holds; more spill out of the 255 registers a thread can have.
+MAX_ACCUMULATORS = 128
+# The fp32 output tile staged in shared memory has rows padded by this many floats (32 bytes), so
+# the accumulator layout's 8 rows x 8 bytes writes of a warp fall in different banks.
+EPILOGUE_ROW_PAD = 8
+ELEMENT_BYTES = 2
+SUPPORTED_B_LAYOUTS = ("NT",)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmTile:
+    """One block's tile: ``block_m x block_n`` outputs, K in ``block_k`` slices, ``stages`` buffers."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps_m: int
+    warps_n: int
+    stages: int
+
+    @property
+    def threads(self) -> int:
+        return WARP * self.warps_m * self.warps_n
+
+    @property
+    def warp_m(self) -> int:
+        return self.block_m // self.warps_m
+
+    @property
+    def warp_n(self) -> int:
+        return self.block_n // self.warps_n
+
+    @property
+    def pipeline_halves(self) -> int:
+        """Elements of the A and B stage buffers."""
+        return self.stages * (self.block_m + self.block_n) * self.block_k
+
+    @property
+    def epilogue_floats(self) -> int:
+        """Elements of the fp32 output tile staged for the epilogue (rows padded)."""
+        return self.block_m * (self.block_n + EPILOGUE_ROW_PAD)
+
+    @property
+    def shared_bytes(self) -> int:
+        # The epilogue reuses the pipeline's buffers once the last slice is consumed.
+        return max(self.pipeline_halves * ELEMENT_BYTES, self.epilogue_floats * 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """How a GEMM is covered: ``main`` tiles, ``rest`` tiles for the rows past the last whole main
+    tile (None: main tiles, the last predicated), K split over ``split_k`` blocks."""
+
+    main: GemmTile
+    rest: GemmTile | None = None
+    split_k: int = 1
+
+
+def check_tile(tile: GemmTile, what: str = "tile") -> None:
+    """FuselightError naming the field if ``tile`` is not a valid mma.sync tile (any shape)."""
+    for field in dataclasses.fields(GemmTile):
+        v = getattr(tile, field.name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise FuselightError(f"gemm {what}: {field.name} must be a positive integer, got {v!r}")
+    if tile.block_m % (MMA_M * tile.warps_m):
+        raise FuselightError(
+            f"gemm {what}: block_m {tile.block_m} must be a multiple of {MMA_M} x warps_m ({tile.warps_m})"
+        )
+    if tile.block_n % (2 * MMA_N * tile.warps_n):
+        raise FuselightError(
+            f"gemm {what}: block_n {tile.block_n} must be a multiple of {2 * MMA_N} x warps_n ({tile.warps_n})"
+        )
+    if tile.block_k not in BLOCK_K_CHOICES:
+        raise FuselightError(f"gemm {what}: block_k {tile.block_k} must be one of {BLOCK_K_CHOICES}")
+    if tile.stages < 2:
+        raise FuselightError(f"gemm {what}: stages {tile.stages} must be at least 2")
+    if tile.threads > MAX_THREADS:
+        raise FuselightError(
+            f"gemm {what}: warps_m x warps_n = {tile.warps_m * tile.warps_n} warps exceed {MAX_THREADS} threads"
+        )
+    chunks = tile.block_k // CHUNK
+    for name, rows in (("block_m", tile.block_m), ("block_n", tile.block_n)):
+        if rows * chunks % tile.threads:
+            raise FuselightError(
+                f"gemm {what}: {name} {rows} x block_k {tile.block_k}: {tile.threads} threads cannot load "
+                "it in whole 16-byte pieces"
+            )
+    if tile.block_m * tile.block_n // CHUNK % tile.threads:
+        raise FuselightError(
+            f"gemm {what}: block_m x block_n {tile.block_m}x{tile.block_n}: {tile.threads} threads cannot "
+            "store it in whole 16-byte pieces"
+        )
+    accumulators = tile.warp_m * tile.warp_n // WARP
+    if accumulators > MAX_ACCUMULATORS:
+        raise FuselightError(
+            f"gemm {what}: a warp's {tile.warp_m}x{tile.warp_n} piece needs {accumulators} accumulators a "
+            f"thread (at most {MAX_ACCUMULATORS}): raise warps_m or warps_n"
+        )
+    if tile.shared_bytes > MAX_SHARED_BYTES:
+        raise FuselightError(
+            f"gemm {what}: stages {tile.stages} of {tile.block_m}x{tile.block_n}x{tile.block_k} need "
+            f"{tile.shared_bytes} bytes of shared memory (at most {MAX_SHARED_BYTES})"
+        )
+
+
+def check_plan(plan: GemmPlan, ops: GemmOperands) -> None:
+    """FuselightError naming the field (or the operand) if ``plan`` cannot tile ``ops``."""
+    if ops.dtype not in DTYPES:
+        raise FuselightError(f"gemm: dtype {ops.dtype!r} unsupported (supported: {', '.join(DTYPES)})")
+    if ops.b_layout not in SUPPORTED_B_LAYOUTS:
+        raise FuselightError(
+            f"mma.sync gemm: b_layout {ops.b_layout!r} unsupported (supported: {', '.join(SUPPORTED_B_LAYOUTS)})"
+        )
+    if isinstance(ops.m, int) and ops.m <= 0:
+        raise FuselightError(f"gemm: m must be positive, got {ops.m}")
+    if not isinstance(plan.split_k, int) or isinstance(plan.split_k, bool) or plan.split_k < 1:
+        raise FuselightError(f"gemm plan: split_k must be a positive integer, got {plan.split_k!r}")
+    tiles = [("main", plan.main)] + ([("rest", plan.rest)] if plan.rest is not None else [])
+    for what, tile in tiles:
+        check_tile(tile, f"plan {what} tile")
+        if ops.n % tile.block_n:
+            raise FuselightError(f"gemm plan {what} tile: n {ops.n} is not a multiple of block_n {tile.block_n}")
+        if ops.k % (tile.block_k * plan.split_k):
+            raise FuselightError(
+                f"gemm plan {what} tile: k {ops.k} is not a multiple of block_k {tile.block_k} x split_k {plan.split_k}"
+            )
+    if plan.rest is not None:
+        if plan.rest.threads != plan.main.threads:
+            raise FuselightError(
+                f"gemm plan: rest tile has {plan.rest.threads} threads, main tile {plan.main.threads} "
+                "(one launch runs both)"
+            )
+        if plan.rest.block_m >= plan.main.block_m:
+            raise FuselightError(
+                f"gemm plan: rest tile block_m {plan.rest.block_m} must be below main's {plan.main.block_m}"
+            )
+
+
+def load_tiles(arch: str) -> dict[str, GemmTile]:
+    """The named candidate tiles for ``arch`` (e.g. ``sm_90``) from ``configs/gemm/mma_sync.json``."""
+    path = config_dir() / "gemm" / "mma_sync.json"
+    data = read_json_object(path, missing=f"gemm config not found: {path}")
+    if arch not in data:
+        raise FuselightError(f"{path}: no entry {arch!r} (unsupported target arch)")
+    entries = data[arch]
+    if not isinstance(entries, dict) or not entries:
+        raise FuselightError(f"{path}[{arch!r}]: must be a non-empty object of named tiles")
+    names = [f.name for f in dataclasses.fields(GemmTile)]
+    tiles = {}
+    for name, fields in entries.items():
+        where = f"{path}[{arch!r}][{name!r}]"
+        if not isinstance(fields, dict) or set(fields) != set(names):
+            raise FuselightError(f"{where}: must have exactly the fields {', '.join(names)}")
+        tile = GemmTile(**fields)
+        try:
+            check_tile(tile, name)
+        except FuselightError as err:
+            raise FuselightError(f"{where}: {err}") from None
+        tiles[name] = tile
+    return tiles
