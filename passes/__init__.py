@@ -19,6 +19,7 @@ from .accumulate_matmul_fp32 import AccumulateMatmulFP32
 from .classify import Classify, classify_module
 from .fuse_attention import FuseAttention
 from .paged_attention import PagedAttentionKernels
+from .property_rewrite import PropertyRewrite
 
 Slot = Literal["before_fuse_transpose_matmul", "after_graph_passes"]
 SLOTS: tuple[Slot, ...] = ("before_fuse_transpose_matmul", "after_graph_passes")
@@ -37,6 +38,8 @@ PASSES: dict[str, GraphPass] = {
         # Before accumulate_matmul_fp32, which rewrites the matmuls FuseAttention matches.
         GraphPass("fuse_attention", "before_fuse_transpose_matmul", FuseAttention),
         GraphPass("accumulate_matmul_fp32", "before_fuse_transpose_matmul", AccumulateMatmulFP32),
+        # Moves scales across R.matmul, which FuseTransposeMatmul lowers to TIR; not in default() until measured.
+        GraphPass("property_rewrite", "before_fuse_transpose_matmul", PropertyRewrite),
         GraphPass("paged_attention", "after_graph_passes", PagedAttentionKernels),
     ]
 }
@@ -53,4 +56,4 @@ def get(name: str) -> GraphPass:
     return PASSES[name]
 
 
-__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "Classify", "PagedAttentionKernels", "FuseAttention", "GraphPass", "Slot", "classify_module", "default", "get"]
+__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "Classify", "PagedAttentionKernels", "PropertyRewrite", "FuseAttention", "GraphPass", "Slot", "classify_module", "default", "get"]

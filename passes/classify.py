@@ -166,6 +166,11 @@ class OpInfo:
         flops, read, written = (_evaluate(e, bindings) for e in self._exprs)
         return flops, None if read is None or written is None else read + written
 
+    def cost_exprs(self) -> tuple[tvm.ir.Expr | None, tvm.ir.Expr | None]:
+        """``(flops, bytes_read + bytes_written)`` as expressions over the symbolic dims (``None`` if unknown)."""
+        flops, read, written = self._exprs
+        return flops, None if read is None or written is None else read + written
+
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
 
@@ -177,6 +182,12 @@ def classify_module(mod: tvm.IRModule) -> dict[str, list[OpInfo]]:
         for gv, func in mod.functions_items()
         if isinstance(func, relax.Function)
     }
+
+
+def classify_binding(binding: relax.Binding, mod: tvm.IRModule | None = None) -> OpInfo:
+    """One binding on its own (``mod`` holds the PrimFuncs a ``call_tir`` calls); no inputs are marked
+    as weights or constants, as that needs the function around it."""
+    return _classify_binding(mod if mod is not None else tvm.IRModule(), binding, set(), set())
 
 
 @tvm.transform.module_pass(opt_level=0, name="Classify")

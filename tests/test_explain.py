@@ -8,10 +8,18 @@ from fuselight.cli import main
 def test_explain_json(capsys):
     assert main(["explain", "--model", "tiny-llama", "--json", "--prompt-len", "37"]) == 0
     report = json.loads(capsys.readouterr().out)
-    for key in ("model", "functions", "rewrites_available", "rewrites_applied", "groups", "note"):
+    for key in ("model", "functions", "rewrites_available", "rewrites_applied", "after_rewrite", "groups", "note"):
         assert key in report, key
     assert report["model"] == "tiny-llama"
-    assert (report["rewrites_available"], report["rewrites_applied"], report["groups"]) == ([], [], [])
+    assert report["groups"] == []
+    available = report["rewrites_available"]
+    assert len(available) >= 15 and all(set(r) == {"name", "law", "precision"} for r in available)
+    # Our model's only rewrites: the two reshape pairs around attention, per layer and entry point.
+    assert report["rewrites_applied"] == [{"name": "reshape_reshape", "count": 8}]
+    for name in ("prefill", "decode"):
+        after, before = report["after_rewrite"][name], report["functions"][name]
+        assert after["operators"] == len(before["operators"]) - 4, name
+        assert (after["est_flops"], after["est_bytes"]) == (before["est_flops"], before["est_bytes"]), name
     functions = report["functions"]
     assert list(functions) == ["embed", "prefill", "decode"]
     for name, fn in functions.items():
@@ -34,6 +42,7 @@ def test_explain_text(capsys):
     assert main(["explain", "--model", "tiny-llama"]) == 0
     out = capsys.readouterr().out
     assert "decode  [kv_len=128]" in out and "relax.nn.rms_norm" in out and "many-to-many" in out
+    assert "applied: reshape_reshape x8" in out
 
 
 def test_explain_bad_input(capsys):
