@@ -24,7 +24,8 @@ What is provable is rewritten, nothing else:
   refused).
 
 The pass records what it applied, ``{name: count}``, in the module attribute ``APPLIED_ATTR`` and
-in ``PropertyRewrite.applied``. It belongs in the ``before_fuse_transpose_matmul`` slot: moving
+in ``PropertyRewrite.applied``, and the matches it left alone at the end (no proposal provably no
+worse, or one changing dtype or shape) in ``REFUSED_ATTR`` and ``PropertyRewrite.refused``. It belongs in the ``before_fuse_transpose_matmul`` slot: moving
 scales across ``R.matmul`` needs the matmul before FuseTransposeMatmul lowers linear layers to TIR,
 and none of the rewrites breaks the ``matmul(x, permute_dims(w))`` form that pass looks for.
 """
@@ -44,6 +45,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from .classify import classify_binding
 
 APPLIED_ATTR = "fuselight.rewrites_applied"
+REFUSED_ATTR = "fuselight.rewrites_refused"
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 WIDE_RANGE_DTYPES = ("bfloat16", "float32", "float64")
 # astype(astype(x, wide), dtype) == x: every value of dtype is exact in wide.
@@ -450,7 +452,8 @@ def catalogue() -> list[dict[str, str]]:
 
 @tvm.transform.module_pass(opt_level=0, name="PropertyRewrite")
 class PropertyRewrite:
-    """Apply ``CATALOGUE`` (or the named subset) where no worse; ``self.applied`` counts by name."""
+    """Apply ``CATALOGUE`` (or the named subset) where no worse; ``self.applied`` and
+    ``self.refused`` count by name."""
 
     def __init__(self, names: Sequence[str] | None = None) -> None:
         from ..errors import FuselightError
@@ -461,9 +464,10 @@ class PropertyRewrite:
             raise FuselightError(f"unknown rewrite(s) {', '.join(unknown)}: expected names from {', '.join(known)}")
         self.rewrites = [known[n] for n in names] if names is not None else list(CATALOGUE)
         self.applied: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        self.applied = Counter()
+        self.applied, self.refused = Counter(), Counter()
         by_op: dict[str, list[Rewrite]] = {}
         for r in self.rewrites:
             for op in r.ops:
@@ -471,15 +475,18 @@ class PropertyRewrite:
         out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
-                out[gv] = _rewrite_function(func, by_op, self.applied)
-        applied = {name: count for name, count in self.applied.items() if count}
-        return out.with_attr(APPLIED_ATTR, applied)
+                out[gv] = _rewrite_function(func, by_op, self.applied, self.refused)
+        out = out.with_attr(APPLIED_ATTR, dict(self.applied))
+        return out.with_attr(REFUSED_ATTR, dict(self.refused))
 
 
-def _rewrite_function(func: relax.Function, by_op: dict[str, list[Rewrite]], applied: Counter) -> relax.Function:
+def _rewrite_function(
+    func: relax.Function, by_op: dict[str, list[Rewrite]], applied: Counter, refused: Counter
+) -> relax.Function:
     for _ in range(MAX_ROUNDS):
         graph = _Graph(func)
         chosen: dict[relax.Var, relax.Expr] = {}
+        left: list[str] = []  # rewrites that matched but were not applied, this round
         for block in func.body.blocks:
             if not isinstance(block, relax.DataflowBlock):
                 continue  # outside dataflow, calls may have effects
@@ -489,13 +496,19 @@ def _rewrite_function(func: relax.Function, by_op: dict[str, list[Rewrite]], app
                     continue
                 if not isinstance(value.op, tvm.ir.Op):
                     continue
+                matched = []
                 for rewrite in by_op.get(value.op.name, ()):
-                    best = _cheapest(graph, binding, rewrite.propose(graph, value), rewrite.strict)
+                    candidates = rewrite.propose(graph, value)
+                    best = _cheapest(graph, binding, candidates, rewrite.strict)
                     if best is not None:
                         chosen[binding.var] = best
                         applied[rewrite.name] += 1
                         break
+                    matched += [rewrite.name] if candidates else []
+                else:
+                    left += matched
         if not chosen:
+            refused.update(left)  # the final state: what stays matched but unapplied
             break
         func = _canonical(relax.analysis.remove_all_unused(_Replace(chosen).visit_expr(func)))
     return func

@@ -16,6 +16,7 @@ def test_explain_json(capsys):
     assert len(available) >= 15 and all(set(r) == {"name", "law", "precision"} for r in available)
     # Our model's only rewrites: the two reshape pairs around attention, per layer and entry point.
     assert report["rewrites_applied"] == [{"name": "reshape_reshape", "count": 8}]
+    assert report["rewrites_refused"] == []
     for name in ("prefill", "decode"):
         after, before = report["after_rewrite"][name], report["functions"][name]
         assert after["operators"] == len(before["operators"]) - 4, name

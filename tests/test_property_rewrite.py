@@ -13,6 +13,7 @@ from fuselight.passes.classify import classify_module
 from fuselight.passes.property_rewrite import (
     APPLIED_ATTR,
     CATALOGUE,
+    REFUSED_ATTR,
     PropertyRewrite,
     catalogue,
 )
@@ -365,6 +366,35 @@ def test_catalogue_case(name):
     assert counts == applied
     assert sorted(_ops(after)) == sorted(ops)
     assert dict(after.attrs[APPLIED_ATTR]) == applied
+
+
+def test_refusals_are_recorded():
+    p = PropertyRewrite()
+    after = p(_case("scale_out_costs_more"))
+    assert dict(p.refused) == dict(after.attrs[REFUSED_ATTR]) == {"scale_out_of_matmul": 1}
+    assert dict(after.attrs[APPLIED_ATTR]) == {}
+    # A match that is applied in the end is not a refusal.
+    assert dict(_rewrite_refused(_case("mul_const_assoc"))) == {}
+
+
+def _rewrite_refused(mod):
+    return PropertyRewrite()(mod).attrs[REFUSED_ATTR]
+
+
+def test_lowered_and_effectful_code_left_alone():
+    """``call_tir`` (a graph another pipeline already lowered) and bindings outside dataflow blocks."""
+    lowered = relax.transform.LegalizeOps()(_case("mul_const_assoc"))
+    after, counts = _rewrite(lowered)
+    assert counts == {}
+    tvm.ir.assert_structural_equal(after["main"], lowered["main"])
+    x = _x()
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        t = bb.emit(O.multiply(x, _c(2.0)))
+        out = bb.emit(O.multiply(t, _c(3.0)))
+        bb.emit_func_output(out)
+    after, counts = _rewrite(bb.get())
+    assert counts == {} and _ops(after) == ["multiply", "multiply"]
 
 
 def test_catalogue_cases_same_results():

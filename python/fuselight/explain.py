@@ -7,7 +7,8 @@ and the cached length ``kv_len`` seen by attention are set to ``prompt_len``; ``
 then reads as the step after a ``prompt_len``-token prompt.
 
 ``rewrites_available`` is ``PropertyRewrite``'s catalogue (name, law, exact or tolerance);
-``rewrites_applied`` what it applies to the graph (name, count), and ``after_rewrite`` each
+``rewrites_applied`` what it applies to the graph (name, count), ``rewrites_refused`` the matches it
+leaves alone because no proposal is provably no worse (name, count), and ``after_rewrite`` each
 function's operator count and costs once it has. Fusion groups come with a later pass: ``groups``
 is empty for now.
 """
@@ -32,7 +33,7 @@ def explain(config: ModelConfig, prompt_len: int) -> dict[str, Any]:
     from .errors import FuselightError
     from .model.llama import export_module
     from .passes.classify import KV_LEN, MAPPINGS, NON_CALL_OPS, classify_module
-    from .passes.property_rewrite import APPLIED_ATTR, PropertyRewrite, catalogue
+    from .passes.property_rewrite import APPLIED_ATTR, REFUSED_ATTR, PropertyRewrite, catalogue
     from .target import resolve, to_tvm
 
     if prompt_len < 1:
@@ -71,13 +72,16 @@ def explain(config: ModelConfig, prompt_len: int) -> dict[str, Any]:
         "prompt_len": prompt_len,
         "functions": functions,
         "rewrites_available": catalogue(),
-        "rewrites_applied": [
-            {"name": name, "count": int(count)} for name, count in sorted(rewritten.attrs[APPLIED_ATTR].items())
-        ],
+        "rewrites_applied": _counts(rewritten.attrs[APPLIED_ATTR]),
+        "rewrites_refused": _counts(rewritten.attrs[REFUSED_ATTR]),
         "after_rewrite": after_rewrite,
         "groups": [],
         "note": NOTE,
     }
+
+
+def _counts(attr) -> list[dict[str, Any]]:
+    return [{"name": str(name), "count": int(count)} for name, count in sorted(attr.items())]
 
 
 def _total(values) -> int | None:
