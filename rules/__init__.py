@@ -21,15 +21,26 @@ def flash_attention_rule() -> ScheduleRule:
     return FlashAttention()
 
 
+def matmul_rule() -> ScheduleRule:
+    from .matmul import Matmul
+
+    return Matmul()
+
+
 # Factories of fuselight's rules, most specific first: FlashAttention only takes functions tagged
 # by FuseAttention (and checked to be exactly that computation), which DLight's Reduction and
 # Fallback rules would otherwise accept and schedule as separate, S x S-materialising stages.
-FUSELIGHT_RULES: list[Callable[[], ScheduleRule]] = [flash_attention_rule]
+FUSELIGHT_RULES: list[Callable[[], ScheduleRule]] = [flash_attention_rule, matmul_rule]
+
+
+def fuselight_rules() -> list[ScheduleRule]:
+    """fuselight's rules alone (each returns None for targets it does not serve)."""
+    return [make() for make in FUSELIGHT_RULES]
 
 
 def default(target: tvm.target.Target | None = None) -> list[ScheduleRule]:
     """fuselight's rules followed by DLight's defaults for ``target`` (the current target if None)."""
-    return [make() for make in FUSELIGHT_RULES] + dlight_defaults(target)
+    return fuselight_rules() + dlight_defaults(target)
 
 
 def dlight_defaults(target: tvm.target.Target | None = None) -> list[ScheduleRule]:

@@ -167,12 +167,14 @@ def test_baseline_passes_table_matches_stages(llvm, cuda) -> None:
 
 
 def test_fuselight_stages_add_passes_and_rules(cuda) -> None:
-    stages = pl.stages(cuda, use_mlc=False, graph_passes=["accumulate_matmul_fp32"], rules=rules.default(cuda))
+    stages = pl.stages(cuda, use_mlc=False, graph_passes=["accumulate_matmul_fp32"], rules=rules.fuselight_rules())
     names = [s.name for s in stages]
     assert names[names.index("accumulate_matmul_fp32") + 1] == "FuseTransposeMatmul"
     assert names.count("accumulate_matmul_fp32") == 1
+    # Our rules see every function before LowBatchGemvSpecialize schedules dynamic-M matmuls.
+    assert names[names.index("ApplyFuselightRules") + 1] == "LowBatchGemvSpecialize"
     baseline = [s.name for s in pl.stages(cuda, use_mlc=False)]
-    assert [n for n in names if n != "accumulate_matmul_fp32"] == baseline
+    assert [n for n in names if n not in ("accumulate_matmul_fp32", "ApplyFuselightRules")] == baseline
 
 
 def test_rules_default_puts_fuselight_rules_first(monkeypatch, llvm, cuda) -> None:

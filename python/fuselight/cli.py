@@ -105,6 +105,34 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shape(text: str) -> tuple[int, int]:
+    n, sep, k = text.partition("x")
+    if not sep or not n.isdigit() or not k.isdigit():
+        raise argparse.ArgumentTypeError(f"expected NxK such as 4096x14336, got {text!r}")
+    return int(n), int(k)
+
+
+def cmd_tune_gemm_build(args: argparse.Namespace) -> int:
+    from .tune.gemm import build
+
+    print(f"manifest written: {build(Path(args.out), args.arch, args.shapes)}")
+    return 0
+
+
+def cmd_tune_gemm_run(args: argparse.Namespace) -> int:
+    from .tune.gemm import run
+
+    result = run(Path(args.manifest), Path(args.output))
+    return 1 if result["failures"] else 0
+
+
+def cmd_tune_gemm_table(args: argparse.Namespace) -> int:
+    from .tune.gemm import table
+
+    table(Path(args.results), args.arch, write=args.write)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fuselight", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -162,6 +190,23 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--prompt-len", type=int, default=128, help="length the symbolic dims are evaluated at")
     e.add_argument("--json", action="store_true", help="print JSON instead of tables")
     e.set_defaults(func=cmd_explain)
+
+    t = sub.add_parser("tune", help="measure kernel variants and write the configs the rules read")
+    tsub = t.add_subparsers(dest="tune_command", required=True)
+    tb = tsub.add_parser("gemm-build", help="compile every GEMM plan for the LLaMA weight shapes")
+    tb.add_argument("out", help="output directory")
+    tb.add_argument("--arch", default="sm_90")
+    tb.add_argument("--shapes", nargs="*", type=_shape, default=None, help="NxK weight shapes (default: the suite's)")
+    tb.set_defaults(func=cmd_tune_gemm_build)
+    tr = tsub.add_parser("gemm-run", help="check and time every GEMM plan at every M (GPU host)")
+    tr.add_argument("manifest", help="manifest.json written by 'tune gemm-build'")
+    tr.add_argument("-o", "--output", required=True, help="timings JSON")
+    tr.set_defaults(func=cmd_tune_gemm_run)
+    tt = tsub.add_parser("gemm-table", help="measured plan ranges from the timings, vs the analytic choice")
+    tt.add_argument("results", help="timings JSON written by 'tune gemm-run'")
+    tt.add_argument("--arch", default="sm_90")
+    tt.add_argument("--write", action="store_true", help="store them in configs/gemm/dispatch.json")
+    tt.set_defaults(func=cmd_tune_gemm_table)
 
     r = sub.add_parser("report", help="Markdown table and plots from a results JSON")
     r.add_argument("results")

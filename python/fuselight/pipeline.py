@@ -14,8 +14,9 @@ functions and no pipeline parallelism, in MLC's order and phases:
 MLC-LLM's own pass objects are used when ``fuselight.mlc.import_mlc_llm()`` finds MLC-LLM, and
 fuselight's equivalents (``fuselight.baseline``) otherwise; ``BASELINE_PASSES`` says which MLC passes
 have an equivalent and which do not apply. The fuselight pipeline is the baseline plus fuselight's
-graph passes in phase 1 (``fuselight.passes``) and fuselight's schedule rules ahead of DLight's in
-phase 4 (``fuselight.rules``).
+graph passes in phase 1 (``fuselight.passes``) and fuselight's schedule rules first in phase 4
+(``fuselight.rules``): ahead of LowBatchGemvSpecialize, which would otherwise schedule every
+dynamic-M matmul with DLight's Matmul before any rule of ours saw it.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ from .baseline.debug_dump import DebugDump
 from .errors import FuselightError
 from .passes import default as default_passes
 from .passes import get as get_graph_pass
-from .rules import default as default_rules
-from .rules import dlight_defaults
+from .rules import dlight_defaults, fuselight_rules
 
 if TYPE_CHECKING:
     from tvm.s_tir.dlight import ScheduleRule
@@ -171,8 +171,9 @@ def stages(
 ) -> list[Stage]:
     """The passes a pipeline runs for ``target``, in order.
 
-    ``graph_passes`` (names from ``fuselight.passes``) go into phase 1 at their slot; ``rules``
-    replaces DLight's defaults in phase 4 (None: DLight's defaults, the baseline).
+    ``graph_passes`` (names from ``fuselight.passes``) go into phase 1 at their slot; ``rules`` are
+    tried first in phase 4, before LowBatchGemvSpecialize and DLight's defaults (None or empty: the
+    baseline's phase 4).
     """
     from_mlc = use_mlc_passes(use_mlc)
     ours = [get_graph_pass(name) for name in graph_passes]
@@ -187,7 +188,6 @@ def stages(
     def slot(which: str) -> list[tuple[int, str, tvm.transform.Pass]]:
         return [(1, p.name, p.make()) for p in ours if p.slot == which]
 
-    schedule_rules = list(rules) if rules is not None else dlight_defaults(target)
     rt = relax.transform
     passes: list[tuple[int, str, tvm.transform.Pass] | None] = [
         (0, "AttachVariableBounds", equivalent("AttachVariableBounds", dict(variable_bounds or {}))),
@@ -208,8 +208,9 @@ def stages(
         (2, "FuseTIR", rt.FuseTIR()),
         (3, "DeadCodeElimination", rt.DeadCodeElimination()),
         (3, "CleanUpTIRAttrs", equivalent("CleanUpTIRAttrs", ["op_pattern"])),
+        (4, "ApplyFuselightRules", dl.ApplyDefaultSchedule(*rules)) if rules else None,
         (4, "LowBatchGemvSpecialize", equivalent("LowBatchGemvSpecialize")),
-        (4, "ApplyDefaultSchedule", dl.ApplyDefaultSchedule(*schedule_rules)),
+        (4, "ApplyDefaultSchedule", dl.ApplyDefaultSchedule(*dlight_defaults(target))),
         (5, "LiftTIRGlobalBufferAlloc", equivalent("LiftTIRGlobalBufferAlloc")) if gpu else None,
         (5, "ForceNarrowIndexToInt32", tvm.tirx.transform.ForceNarrowIndexToInt32())
         if target.kind.name != "cuda" else None,
@@ -268,7 +269,7 @@ def fuselight_pipeline(
     """The baseline with fuselight's graph passes in phase 1 and its schedule rules first in phase 4.
 
     passes: names from ``fuselight.passes`` (None: ``fuselight.passes.default()``).
-    rules: the complete phase-4 rule list (None: ``fuselight.rules.default(target)``).
+    rules: the rules tried first in phase 4, DLight's defaults following (None: ``fuselight.rules.fuselight_rules()``).
     Other arguments as for ``baseline_pipeline``.
     """
     use_mlc_passes(use_mlc)
@@ -278,7 +279,7 @@ def fuselight_pipeline(
 
     def make(bound: tvm.target.Target) -> list[Stage]:
         return stages(bound, use_mlc=use_mlc, graph_passes=graph_passes,
-                      rules=rules if rules is not None else default_rules(bound),
+                      rules=rules if rules is not None else fuselight_rules(),
                       variable_bounds=variable_bounds, cuda_graph_capture_hints=cuda_graph_capture_hints)
 
     return _pipeline("fuselight", target, make, debug_dump)

@@ -4,3 +4,19 @@
 the templates); the templates write a kernel body over the analysed function's own buffers, so the
 rule keeps the function's signature and any fused epilogue.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+from .mma_sync import mma_sync_gemm
+from .operands import GemmOperands
+from .plan import GemmPlan
+from .wgmma import WgmmaTile, wgmma_gemm
+
+
+def gemm_body(ops: GemmOperands, plan: GemmPlan | WgmmaTile) -> Any:
+    """The kernel body (a ``tvm.tirx.Stmt``) of ``plan``'s template for ``ops``."""
+    if isinstance(plan, WgmmaTile):
+        return wgmma_gemm(ops, plan)
+    return mma_sync_gemm(ops, plan)

@@ -323,12 +323,14 @@ def mma_sync_gemm(ops: GemmOperands, plan: GemmPlan) -> Any:
                     if idx < m * (n // CHUNK):
                         row: T.let[T.int32] = idx // (n // CHUNK)
                         col: T.let[T.int32] = idx % (n // CHUNK) * CHUNK
-                        for e in T.vectorized(CHUNK):
+                        # Unrolled, not vectorised: once M is bounded (a dispatch range) TVM would make
+                        # ``total`` a float32x8, which its CUDA codegen cannot store.
+                        for e in T.unroll(CHUNK):
                             total[e] = part[wide(row) * n + col + e]
                         for s in T.unroll(1, split_k):
-                            for e in T.vectorized(CHUNK):
+                            for e in T.unroll(CHUNK):
                                 total[e] = total[e] + part[wide(s * m + row) * n + col + e]
-                        for e in T.vectorized(CHUNK):
+                        for e in T.unroll(CHUNK):
                             out_buf[ops.out.index(wide(row), wide(col + e))] = ops.out.value(wide(row), wide(col + e), total[e])
 
     @T.prim_func(s_tir=True, check_well_formed=False)

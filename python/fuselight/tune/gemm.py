@@ -1,0 +1,203 @@
+"""Measure the GEMM plans on the GPU and turn the timings into the dispatch table.
+
+``build`` (build host) compiles, for each LLaMA weight shape of the kernel suite, one function per
+candidate plan of ``rules.gemm.dispatch`` (wgmma, and every mma.sync tile with every split-K; no
+rest tiles: their gain is left to the analytic function) over a symbolic M. ``run`` (GPU host) checks every
+plan at every M of the dispatch grid against PyTorch and times it, L2 flushed. ``table`` picks the
+fastest plan per M, merges neighbours into ranges as the dispatcher does, and reports how close
+the analytic function's choices come to the measured best (the ratio of their measured times), so
+both stay measurable; with ``write`` it stores the ranges as the ``measured`` entries of
+``configs/gemm/dispatch.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import FuselightError
+from ..jsonfile import read_json_object
+from ..paths import config_dir
+
+SUITE = "gemm_tune"
+MANIFEST_NAME = "manifest.json"
+DTYPE = "float16"
+
+
+def _matmul_func(n: int, k: int, dtype: str) -> Any:
+    """``out[1, m, n] = cast(x[1, m, k] @ w[n, k]^T)``, fp32 accumulate, M symbolic: the prefill linear layer."""
+    from tvm.script import tirx as T
+
+    # fmt: off
+    @T.prim_func(private=True, s_tir=True)
+    def func(a: T.handle, w: T.Buffer((T.int64(n), T.int64(k)), dtype), o: T.handle):
+        m = T.int64()
+        A = T.match_buffer(a, (T.int64(1), m, T.int64(k)), dtype)
+        O = T.match_buffer(o, (T.int64(1), m, T.int64(n)), dtype)
+        C = T.sblock_alloc_buffer((T.int64(1), m, T.int64(n)))
+        for i0, i1, i2, kk in T.grid(T.int64(1), m, T.int64(n), T.int64(k)):
+            with T.sblock("NT_matmul"):
+                v0, v1, v2, vk = T.axis.remap("SSSR", [i0, i1, i2, kk])
+                with T.init():
+                    C[v0, v1, v2] = T.float32(0)
+                C[v0, v1, v2] = C[v0, v1, v2] + T.Cast("float32", A[v0, v1, vk]) * T.Cast("float32", w[v2, vk])
+        for i0, i1, i2 in T.grid(T.int64(1), m, T.int64(n)):
+            with T.sblock("cast"):
+                v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
+                O[v0, v1, v2] = T.Cast(dtype, C[v0, v1, v2])
+    # fmt: on
+    return func
+
+
+def _plans(ops: Any, d: Any) -> list[Any]:
+    """The plans timed: every candidate but those with a rest tile (the estimate prices those)."""
+    from fuselight.rules.gemm.dispatch import candidates
+
+    return [p for p in candidates(ops, d) if getattr(p, "rest", None) is None]
+
+
+def _shapes() -> list[tuple[int, int]]:
+    from ..bench.kernels import load_suite
+
+    return [(c.dims["n"], c.dims["k"]) for c in load_suite("full") if c.op == "gemm"]
+
+
+def build(out_dir: Path, arch: str = "sm_90", shapes: list[tuple[int, int]] | None = None) -> Path:
+    """Compile every candidate plan for each shape into ``out_dir``; returns the manifest path."""
+    import tvm
+    from fuselight.rules.gemm import gemm_body
+    from fuselight.rules.gemm.analysis import analyze_matmul
+    from fuselight.rules.gemm.dispatch import load_dispatch, plan_name
+
+    from ..bench.results import git_commit
+    from ..compile import library_metadata, write_library
+    from ..target import resolve, to_tvm
+
+    spec = resolve("cuda", arch)
+    target = to_tvm(spec)
+    d = load_dispatch(arch)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    libraries = {}
+    for n, k in shapes or _shapes():
+        start = time.perf_counter()
+        funcs, plans = {}, {}
+        for i, plan in enumerate(_plans(analyze_matmul(_matmul_func(n, k, DTYPE)).operands, d)):
+            func = _matmul_func(n, k, DTYPE)  # fresh buffers for each kernel
+            ops = analyze_matmul(func).operands
+            body = gemm_body(ops, plan)
+            name = f"plan{i}"
+            funcs[name] = tvm.tirx.PrimFunc(func.params, body, func.ret_type, func.attrs).with_attr(
+                "global_symbol", name
+            )
+            plans[name] = plan_name(plan, d)
+        lib = tvm.compile(tvm.IRModule(funcs), target=target)
+        file = f"gemm-{n}x{k}.so"
+        write_library(lib, out_dir / file, library_metadata(spec, "fuselight", "none"), spec)
+        libraries[f"{n}x{k}"] = {"library": file, "plans": plans}
+        print(f"{n}x{k}: {len(plans)} plans in {time.perf_counter() - start:.0f} s", flush=True)
+    manifest = out_dir / MANIFEST_NAME
+    manifest.write_text(json.dumps({"suite": SUITE, "arch": arch, "dtype": DTYPE, "m_grid": list(d.m_grid),
+                                    "git_commit": git_commit(), "libraries": libraries}, indent=1))
+    return manifest
+
+
+def run(manifest: Path, out_json: Path) -> dict[str, Any]:
+    """Check and time every plan at every M on the GPU; write ``out_json``: shape -> M -> plan -> microseconds."""
+    from ..bench import bench_config
+    from ..bench.kernels_run import relative_error
+    from ..bench.timing import device_name, time_fn
+    from ..runtime import init_tvm, load_module
+
+    manifest = Path(manifest)
+    raw = read_json_object(manifest, missing=f"gemm tuning manifest not found: {manifest}")
+    if raw.get("suite") != SUITE:
+        raise FuselightError(f"{manifest}: not a {SUITE} manifest")
+    tvm = init_tvm()
+    import torch
+
+    dev = torch.device("cuda:0")
+    gen = torch.Generator(device=dev).manual_seed(bench_config()["seed"])
+    tolerance = bench_config()["relerr_tolerance"][raw["dtype"]]
+    grid = [int(m) for m in raw["m_grid"]]
+    timings: dict[str, Any] = {}
+    failures = []
+    for shape, entry in raw["libraries"].items():
+        n, k = (int(x) for x in shape.split("x"))
+        lib = load_module(manifest.parent / entry["library"], "cuda")[0]
+        a = torch.randn((1, max(grid), k), generator=gen, device=dev).to(torch.float16)
+        w = (torch.randn((n, k), generator=gen, device=dev) * k**-0.5).to(torch.float16)
+        out = torch.empty((1, max(grid), n), dtype=torch.float16, device=dev)
+        timings[shape] = {}
+        for m in grid:
+            a_m, out_m = a[:, :m], out[:, :m]  # leading rows: contiguous, same (aligned) base
+            ref = (a_m[0].double() @ w.double().T)
+            args = [tvm.runtime.from_dlpack(x) for x in (a_m, w, out_m)]
+            row = {}
+            for name, key in entry["plans"].items():
+                func = lib[name]
+                out_m.fill_(float("nan"))
+                func(*args)
+                torch.cuda.synchronize()
+                err = relative_error(torch, out_m[0], ref)
+                if not err <= tolerance:
+                    failures.append(f"{shape} m={m} {key}: error {err:.1e}")
+                    continue
+                row[key] = time_fn(lambda f=func: f(*args), device="cuda").median_us
+            row["torch"] = time_fn(lambda: torch.matmul(a_m, w.T), device="cuda").median_us
+            timings[shape][str(m)] = row
+            best = min((v, p) for p, v in row.items() if p != "torch")
+            print(f"{shape} m={m}: best {best[1]} {best[0]:.1f} us, torch {row['torch']:.1f} us", flush=True)
+    result = {"suite": SUITE, "device": device_name("cuda"), "manifest": str(manifest),
+              "git_commit": raw.get("git_commit"), "timings": timings, "failures": failures}
+    Path(out_json).write_text(json.dumps(result, indent=1))
+    for failure in failures:
+        print(f"MISMATCH {failure}")
+    return result
+
+
+def table(results_json: Path, arch: str = "sm_90", write: bool = False) -> dict[str, list[list[Any]]]:
+    """Measured ranges per shape from a ``run`` result; prints the analytic choice vs the measured best."""
+    from fuselight.rules.gemm.dispatch import best_plan, load_dispatch, plan_name
+    from fuselight.rules.gemm.operands import GemmOperands
+
+    raw = read_json_object(Path(results_json), missing=f"gemm tuning results not found: {results_json}")
+    d = load_dispatch(arch)
+    analytic = dataclasses.replace(d, measured={})
+    measured: dict[str, list[list[Any]]] = {}
+    ratios = []
+    print(f"{'shape':>12} {'M':>6} {'measured best':>28} {'us':>8} {'analytic':>28} {'us':>8} {'torch us':>8}")
+    for shape, by_m in raw["timings"].items():
+        n, k = (int(x) for x in shape.split("x"))
+        ops = GemmOperands(a=None, b=None, m=0, n=n, k=k, b_layout="NT", dtype=DTYPE, out=None)
+        ranges: list[list[Any]] = []
+        for m_text, row in sorted(by_m.items(), key=lambda kv: int(kv[0])):
+            m = int(m_text)
+            timed = {p: v for p, v in row.items() if p != "torch"}
+            best = min(timed, key=timed.get)
+            if ranges and timed.get(ranges[-1][1], math.inf) <= (1 + d.keep_within) * timed[best]:
+                best = ranges[-1][1]
+            if ranges and ranges[-1][1] == best:
+                ranges[-1][0] = m
+            else:
+                ranges.append([m, best])
+            choice = plan_name(best_plan(ops, m, analytic), d)
+            if choice in timed:
+                ratios.append(timed[choice] / min(timed.values()))
+            print(f"{shape:>12} {m:>6} {best:>28} {timed[best]:8.1f} {choice:>28} "
+                  f"{timed.get(choice, math.nan):8.1f} {row['torch']:8.1f}")
+        measured[shape] = ranges
+    if ratios:
+        geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        print(f"analytic choice vs measured best: geometric mean {geo:.3f}x the best time, worst {max(ratios):.2f}x")
+    if write:
+        path = config_dir() / "gemm" / "dispatch.json"
+        data = read_json_object(path, missing=f"gemm dispatch config not found: {path}")
+        data[arch]["measured"] = measured
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        print(f"wrote measured ranges to {path}")
+    return measured

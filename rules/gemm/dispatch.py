@@ -1,0 +1,229 @@
+"""Which GEMM plan serves which M: an analytic performance function, no search at compile time.
+
+A plan is either a ``GemmPlan`` of the mma.sync template (tiles, rest tile, split-K: it fills the
+GPU at small M) or the ``WgmmaTile`` of the Hopper wgmma template (one 128 x 256 tile: the fastest
+at large M). ``estimate_us`` prices a plan for (M, N, K) from the device numbers and per-tile
+efficiencies in ``configs/gemm/dispatch.json``: tensor-core time per block wave (a wave is every
+SM running its resident blocks; the last one partly idle), the DRAM floor (weights, A and the
+output moved once), the split-K partials and one launch gap per kernel. ``plan_ranges`` evaluates it over an M grid
+and merges neighbours with the same best plan into ``(largest M, plan)`` ranges, which the Matmul
+rule turns into a host-side branch. A measured table (``fuselight tune gemm``) checks the function
+against the GPU: ``measured`` entries, where present for a shape, override the estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any
+
+from tvm import tirx
+
+from fuselight.errors import FuselightError
+from fuselight.jsonfile import read_json_object
+from fuselight.paths import config_dir
+
+from .operands import GemmOperands
+from .plan import GemmPlan, GemmTile, check_plan, load_tiles
+from .wgmma import WgmmaTile, check_tile, load_wgmma_tile
+
+Plan = GemmPlan | WgmmaTile
+WGMMA = "wgmma"  # the wgmma plan's name in tables
+
+ACC_BYTES = 4  # a split-K partial is fp32
+IN_BYTES = 2  # fp16 / bf16 operands and outputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    """The dispatch config of one arch (see ``configs/gemm/dispatch.json``)."""
+
+    sms: int
+    smem_per_sm: int  # bytes
+    threads_per_sm: int
+    peak_tflops: float  # mma.sync fp16 with fp32 accumulate, whole GPU
+    wgmma_peak_tflops: float  # wgmma, the same
+    dram_gbps: float
+    launch_us: float
+    min_static_m: int  # static M below this is a GEMV: left to the next rule
+    m_grid: tuple[int, ...]  # M values the ranges are decided at
+    split_k: tuple[int, ...]  # split-K factors tried
+    keep_within: float  # a range keeps the previous plan while it is this close to the best (0.05: 5%)
+    efficiency: dict[str, float]  # tile name -> fraction of the per-SM peak a block sustains
+    tiles: dict[str, GemmTile]
+    wgmma: WgmmaTile | None  # None: the arch has no wgmma config
+    measured: dict[str, list[tuple[int, Plan]]]  # "NxK" -> measured best (largest M, plan)
+
+
+def load_dispatch(arch: str) -> Dispatch:
+    """The dispatch config for ``arch`` (``sm_90``); FuselightError when it has none."""
+    path = config_dir() / "gemm" / "dispatch.json"
+    node: Any = read_json_object(path, missing=f"gemm dispatch config not found: {path}")
+    if arch not in node:
+        raise FuselightError(f"{path}: no entry {arch!r} (no GEMM dispatch for this arch)")
+    cfg = node[arch]
+    tiles = load_tiles(arch)
+    try:
+        efficiency = {str(k): float(v) for k, v in cfg["efficiency"].items()}
+        wgmma = load_wgmma_tile(arch) if WGMMA in efficiency else None
+        unknown = sorted(set(efficiency) - set(tiles) - {WGMMA})
+        if unknown:
+            raise FuselightError(f"{path}[{arch!r}]: efficiency for unknown tiles {unknown}")
+        measured = {
+            shape: [(int(upper), _plan(tiles, wgmma, str(name))) for upper, name in table]
+            for shape, table in cfg.get("measured", {}).items()
+        }
+        return Dispatch(
+            sms=int(cfg["sms"]),
+            smem_per_sm=int(cfg["smem_per_sm"]),
+            threads_per_sm=int(cfg["threads_per_sm"]),
+            peak_tflops=float(cfg["peak_tflops"]),
+            wgmma_peak_tflops=float(cfg["wgmma_peak_tflops"]),
+            dram_gbps=float(cfg["dram_gbps"]),
+            launch_us=float(cfg["launch_us"]),
+            min_static_m=int(cfg["min_static_m"]),
+            m_grid=tuple(int(m) for m in cfg["m_grid"]),
+            split_k=tuple(int(s) for s in cfg["split_k"]),
+            keep_within=float(cfg["keep_within"]),
+            efficiency=efficiency,
+            tiles={name: tiles[name] for name in efficiency if name != WGMMA},
+            wgmma=wgmma,
+            measured=measured,
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise FuselightError(f"{path}[{arch!r}]: malformed dispatch config ({err!r})") from None
+
+
+def plan_name(plan: Plan, d: Dispatch) -> str:
+    """A plan's name in tables: ``wgmma``, or ``<main tile>[+<rest tile>][/sk<split>]``."""
+    if isinstance(plan, WgmmaTile):
+        return WGMMA
+    names = {t: name for name, t in d.tiles.items()}
+    key = names[plan.main] + (f"+{names[plan.rest]}" if plan.rest is not None else "")
+    return key + (f"/sk{plan.split_k}" if plan.split_k > 1 else "")
+
+
+def _plan(tiles: dict[str, GemmTile], wgmma: WgmmaTile | None, name: str) -> Plan:
+    """The plan ``plan_name`` gives ``name``."""
+    if name == WGMMA:
+        if wgmma is None:
+            raise FuselightError(f"measured plan {WGMMA!r} without a wgmma efficiency")
+        return wgmma
+    main, _, split = name.partition("/sk")
+    main, _, rest = main.partition("+")
+    return GemmPlan(main=tiles[main], rest=tiles[rest] if rest else None, split_k=int(split or 1))
+
+
+def _resident(tile: GemmTile | WgmmaTile, smem: int, d: Dispatch) -> int:
+    return max(1, min(d.smem_per_sm // smem, d.threads_per_sm // tile.threads))
+
+
+def _name(tile: GemmTile, d: Dispatch) -> str:
+    return next(name for name, t in d.tiles.items() if t == tile)
+
+
+def _waves_us(block_m: int, block_n: int, blocks: int, k: float, resident: int, tflops_per_sm: float, sms: int) -> float:
+    """Time of ``blocks`` blocks of ``block_m x block_n x k`` over ``sms`` SMs, ``resident`` sharing each."""
+    block_us = 2 * block_m * block_n * k / (tflops_per_sm * 1e6)
+    return math.ceil(blocks / (sms * resident)) * resident * block_us
+
+
+def estimate_us(plan: Plan, m: int, n: int, k: int, d: Dispatch) -> float:
+    """Estimated microseconds of ``plan`` for an ``m x n x k`` GEMM (see the module docstring)."""
+    moved = (n * k + m * k + m * n) * IN_BYTES
+    if isinstance(plan, WgmmaTile):
+        blocks = math.ceil(m / plan.block_m) * math.ceil(n / plan.block_n)
+        per_sm = d.wgmma_peak_tflops * d.efficiency[WGMMA] / d.sms
+        compute = _waves_us(plan.block_m, plan.block_n, blocks, k, _resident(plan, plan.smem_bytes, d), per_sm, d.sms)
+        return max(compute, moved / (d.dram_gbps * 1e3)) + d.launch_us
+    main, rest = plan.main, plan.rest or plan.main
+    whole = m // main.block_m if plan.rest is not None else 0
+    left = m - whole * main.block_m
+    compute = 0.0
+    for tile, rows_tiles in ((main, whole), (rest, math.ceil(left / rest.block_m))):
+        if rows_tiles == 0:
+            continue
+        blocks = rows_tiles * math.ceil(n / tile.block_n) * plan.split_k
+        per_sm = d.peak_tflops * d.efficiency[_name(tile, d)] / d.sms
+        compute += _waves_us(tile.block_m, tile.block_n, blocks, k / plan.split_k,
+                             _resident(tile, tile.shared_bytes, d), per_sm, d.sms)
+    reduce_us = 0.0
+    if plan.split_k > 1:
+        # The GEMM writes fp32 partials; a second kernel reads them and runs the epilogue.
+        partials = plan.split_k * m * n * ACC_BYTES
+        moved += partials
+        reduce_us = (partials + m * n * IN_BYTES) / (d.dram_gbps * 1e3) + d.launch_us
+    return max(compute, moved / (d.dram_gbps * 1e3)) + d.launch_us + reduce_us
+
+
+def candidates(ops: GemmOperands, d: Dispatch) -> list[Plan]:
+    """Every plan the config allows that can tile ``ops``."""
+    tiles = list(d.tiles.values())
+    plans: list[Plan] = []
+    if d.wgmma is not None:
+        try:
+            check_tile(d.wgmma, ops)
+            plans.append(d.wgmma)
+        except FuselightError:
+            pass
+    for main, rest, split in itertools.product(tiles, [None, *tiles], d.split_k):
+        if rest is not None and (rest.block_m >= main.block_m or rest.block_n != main.block_n):
+            continue
+        plan = GemmPlan(main=main, rest=rest, split_k=split)
+        try:
+            check_plan(plan, ops)
+        except FuselightError:
+            continue
+        plans.append(plan)
+    return plans
+
+
+def best_plan(
+    ops: GemmOperands, m: int, d: Dispatch, plans: list[Plan] | None = None, lowest_m: int | None = None
+) -> Plan | None:
+    """The plan for ``m`` rows: the measured one for this shape if the table has it, else the cheapest estimate.
+
+    lowest_m: the smallest M the plan will serve (default ``m``); a plan with a rest tile needs at
+    least one whole main tile there.
+    """
+    table = d.measured.get(f"{ops.n}x{ops.k}")
+    if table:
+        return next((plan for upper, plan in table if m <= upper), table[-1][1])
+    lowest = m if lowest_m is None else lowest_m
+    plans = [
+        p for p in (candidates(ops, d) if plans is None else plans)
+        if isinstance(p, WgmmaTile) or p.rest is None or lowest >= p.main.block_m
+    ]
+    if not plans:
+        return None
+    return min(plans, key=lambda p: estimate_us(p, m, ops.n, ops.k, d))
+
+
+def plan_ranges(ops: GemmOperands, d: Dispatch) -> list[tuple[int, Plan]]:
+    """``(largest M, plan)`` in increasing M; the last range also serves every larger M. Empty: no plan fits.
+
+    A range keeps the previous range's plan while that is within ``d.keep_within`` of the best, so
+    a function compiles a few kernels, not one per grid point.
+    """
+    plans = candidates(ops, d)
+    grid = [int(ops.m)] if _static(ops.m) else list(d.m_grid)
+    ranges: list[tuple[int, Plan]] = []
+    for i, m in enumerate(grid):
+        lowest = grid[i - 1] + 1 if i else 1
+        plan = best_plan(ops, m, d, plans, lowest)
+        if plan is None:
+            return []
+        if ranges:
+            prev = ranges[-1][1]
+            if estimate_us(prev, m, ops.n, ops.k, d) <= (1 + d.keep_within) * estimate_us(plan, m, ops.n, ops.k, d):
+                plan = prev
+        if ranges and ranges[-1][1] == plan:
+            ranges[-1] = (m, plan)
+        else:
+            ranges.append((m, plan))
+    return ranges
+
+
+def _static(m: Any) -> bool:
+    return isinstance(m, (int, tirx.IntImm))

@@ -1,0 +1,68 @@
+"""Matmul: schedule linear-layer PrimFuncs (dynamic M) with fuselight's tensor-core GEMM templates.
+
+``analyze`` (``rules.gemm.analysis``) recognises a matmul with its fused elementwise epilogue and
+folds the epilogue into one expression of the fp32 accumulator. ``schedule`` asks the dispatcher
+(``rules.gemm.dispatch``) which plan serves which range of M (the mma.sync template with split-K
+where M is too small to fill the GPU, the Hopper wgmma template above) and writes the template's
+body for each,
+behind a host-side branch on M, over the function's own buffers: the signature, the parameters
+and the epilogue stay, the intermediates vanish. Functions whose M is a small constant (decode
+GEMVs, below ``min_static_m`` of the dispatch config) and targets without a config are left to the
+next rule.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
+from tvm.target import Target
+
+from ..errors import FuselightError
+from ..target import arch_of
+from .gemm.analysis import MatmulDesc, analyze_matmul
+from .gemm.dispatch import load_dispatch, plan_ranges
+from .gemm import gemm_body
+
+
+class Matmul(GPUScheduleRule):
+    """Swap matmul functions for the tensor-core GEMM template (see the module docstring)."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        desc = self.analyze(func)
+        if desc is None:
+            return None
+        body = self.schedule(desc, target)
+        if body is None:
+            return None
+        kernel = tirx.PrimFunc(func.params, body, func.ret_type, func.attrs)
+        # As MLC's LowBatchGemvSpecialize marks its host-side branch between kernels.
+        return s_tir.Schedule(kernel.with_attrs({"tirx.is_scheduled": True, "tirx.HoistIfThenElseExprWithBlock": 1}))
+
+    @staticmethod
+    def analyze(func: tirx.PrimFunc) -> MatmulDesc | None:
+        """The GEMM and fused epilogue ``func`` computes, or None."""
+        return analyze_matmul(func)
+
+    @staticmethod
+    def schedule(desc: MatmulDesc, target: Target) -> tirx.Stmt | None:
+        """The kernel body for ``desc`` on ``target``, or None where the templates do not serve it."""
+        try:
+            dispatch = load_dispatch(arch_of(target))
+        except FuselightError:
+            return None  # no GEMM config for this arch
+        if desc.m_static is not None and desc.m_static < dispatch.min_static_m:
+            return None
+        ops = desc.operands
+        ranges = plan_ranges(ops, dispatch)
+        if not ranges:
+            return None
+        # Host-side branch on M: the last range serves every larger M. Thread-invariant conditions,
+        # so TVM places the kernels' shared-memory syncs inside them.
+        body = gemm_body(ops, ranges[-1][1])
+        for upper, plan in reversed(ranges[:-1]):
+            body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(ops.m <= upper), gemm_body(ops, plan), body)
+        if desc.m_static is None:
+            body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(ops.m > 0), body, None)  # no empty grids
+        return tirx.SBlockRealize([], True, tirx.SBlock([], [], [], "root", body))

@@ -1,0 +1,142 @@
+"""The Matmul rule and its dispatcher: which functions it schedules, that the result builds for sm_90
+and nvcc compiles it, and that the dispatch ranges come from the config (numerics run on the GPU:
+``fuselight tune gemm-run`` and the kernel suite)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import tvm
+from fuselight.errors import FuselightError
+from fuselight.rules.gemm import dispatch
+from fuselight.rules.gemm.analysis import analyze_matmul
+from fuselight.rules.gemm.operands import GemmOperands
+from fuselight.rules.matmul import Matmul
+from fuselight.target import resolve, to_tvm
+from fuselight.tune.gemm import _matmul_func
+from tvm import tirx
+from tvm.script import tirx as T
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    return to_tvm(resolve("cuda", "sm_90"))
+
+
+def _ops(n: int, k: int, m=None) -> GemmOperands:
+    return GemmOperands(a=None, b=None, m=m if m is not None else tirx.Var("m", "int64"), n=n, k=k,
+                        b_layout="NT", dtype="float16", out=None)
+
+
+def _cuda_source(func: tirx.PrimFunc, target) -> str:
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
+    return lib.mod.imports[0].inspect_source("cuda")
+
+
+@pytest.mark.parametrize("n,k", LLAMA_SHAPES)
+def test_dispatch_covers_every_m_with_valid_plans(n, k):
+    d = dispatch.load_dispatch("sm_90")
+    ranges = dispatch.plan_ranges(_ops(n, k), d)
+    assert ranges
+    uppers = [u for u, _ in ranges]
+    assert uppers == sorted(uppers) and len(set(uppers)) == len(uppers)
+    for upper, plan in ranges:
+        if isinstance(plan, dispatch.WgmmaTile):
+            dispatch.check_tile(plan, _ops(n, k))
+            continue
+        dispatch.check_plan(plan, _ops(n, k))
+        assert plan.rest is None or upper > plan.main.block_m  # a rest tile only follows whole main tiles
+
+
+def test_static_m_gets_one_plan():
+    d = dispatch.load_dispatch("sm_90")
+    assert len(dispatch.plan_ranges(_ops(4096, 4096, tirx.IntImm("int64", 300)), d)) == 1
+
+
+def test_estimate_prefers_large_tiles_at_large_m_and_fills_the_gpu_at_small_m():
+    d = dispatch.load_dispatch("sm_90")
+    assert dispatch.best_plan(_ops(4096, 4096), 8192, d) == d.wgmma
+    small = dispatch.best_plan(_ops(4096, 4096), 32, d)
+    # 32 rows x 4096 columns are 16 wgmma tiles; the small-M plan spreads them over the GPU
+    assert -(-32 // small.main.block_m) * (4096 // small.main.block_n) * small.split_k >= 32
+
+
+def test_measured_table_overrides_the_estimate():
+    d = dispatch.load_dispatch("sm_90")
+    tile = next(iter(d.tiles.values()))
+    forced = dataclasses.replace(d, measured={"4096x4096": [(10**9, dispatch.GemmPlan(tile, None, 2))]})
+    assert dispatch.best_plan(_ops(4096, 4096), 4000, forced) == dispatch.GemmPlan(tile, None, 2)
+    # other shapes keep the estimate
+    assert dispatch.best_plan(_ops(6144, 4096), 4000, forced) == dispatch.best_plan(_ops(6144, 4096), 4000, d)
+
+
+def test_bad_dispatch_config_names_the_problem(tmp_path, monkeypatch):
+    from fuselight import paths
+
+    src = paths.config_dir()
+    (tmp_path / "gemm").mkdir()
+    shutil.copy(src / "gemm" / "mma_sync.json", tmp_path / "gemm" / "mma_sync.json")
+    cfg = json.loads((src / "gemm" / "dispatch.json").read_text())
+    cfg["sm_90"]["efficiency"]["no-such-tile"] = 0.5
+    (tmp_path / "gemm" / "dispatch.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(dispatch, "config_dir", lambda: tmp_path)
+    with pytest.raises(FuselightError, match="unknown tiles"):
+        dispatch.load_dispatch("sm_90")
+    with pytest.raises(FuselightError, match="sm_75"):
+        dispatch.load_dispatch("sm_75")
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096)])
+def test_rule_schedules_dynamic_m_matmuls_for_sm90(n, k, cuda):
+    func = _matmul_func(n, k, "float16").with_attr("target", cuda)
+    sch = Matmul().apply(func, cuda, False)
+    assert sch is not None
+    kernel = sch.mod["main"]
+    assert [p.name for p in kernel.params] == [p.name for p in func.params]  # the signature stays
+    source = _cuda_source(kernel, cuda)
+    assert "mma.sync.aligned.m16n8k16" in source and "ldmatrix" in source and "cp.async" in source
+    # one kernel (two with split-K) per dispatch range, chosen on the host
+    assert source.count("__global__") >= 2 * len(dispatch.plan_ranges(analyze_matmul(func).operands,
+                                                                       dispatch.load_dispatch("sm_90")))
+
+
+@needs_nvcc
+def test_nvcc_compiles_the_scheduled_matmul(cuda):
+    from fuselight.cuda_compile import compile_cuda
+
+    func = _matmul_func(4096, 14336, "float16").with_attr("target", cuda)
+    assert compile_cuda(_cuda_source(Matmul().apply(func, cuda, False).mod["main"], cuda), "sm_90")
+
+
+# fmt: off
+@T.prim_func(private=True, s_tir=True)
+def gemv(A: T.Buffer((T.int64(1), T.int64(1), T.int64(4096)), "float16"), W: T.Buffer((T.int64(4096), T.int64(4096)), "float16"), O: T.Buffer((T.int64(1), T.int64(1), T.int64(4096)), "float16")):
+    C = T.sblock_alloc_buffer((T.int64(1), T.int64(1), T.int64(4096)))
+    for i0, i1, i2, k in T.grid(T.int64(1), T.int64(1), T.int64(4096), T.int64(4096)):
+        with T.sblock("NT_matmul"):
+            v0, v1, v2, vk = T.axis.remap("SSSR", [i0, i1, i2, k])
+            with T.init():
+                C[v0, v1, v2] = T.float32(0)
+            C[v0, v1, v2] = C[v0, v1, v2] + T.Cast("float32", A[v0, v1, vk]) * T.Cast("float32", W[v2, vk])
+    for i0, i1, i2 in T.grid(T.int64(1), T.int64(1), T.int64(4096)):
+        with T.sblock("cast"):
+            v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
+            O[v0, v1, v2] = T.Cast("float16", C[v0, v1, v2])
+# fmt: on
+
+
+def test_rule_leaves_gemv_and_cpu_to_the_next_rule(cuda):
+    assert analyze_matmul(gemv) is not None  # recognised, but M = 1 is below min_static_m
+    assert Matmul().apply(gemv.with_attr("target", cuda), cuda, False) is None
+    assert Matmul().apply(_matmul_func(4096, 4096, "float16"), tvm.target.Target("llvm"), False) is None
+
+
+def test_rule_leaves_shapes_no_plan_tiles(cuda):
+    # N = 4100 is no multiple of any tile's block_n: the template does not predicate N.
+    assert Matmul().apply(_matmul_func(4100, 4096, "float16").with_attr("target", cuda), cuda, False) is None
