@@ -45,6 +45,7 @@ class Dispatch:
     peak_tflops: float  # mma.sync fp16 with fp32 accumulate, whole GPU
     wgmma_peak_tflops: float  # wgmma, the same
     dram_gbps: float
+    sm_gbps: float  # operand streaming rate of one SM (cp.async pipeline), bounds small-M GEMMs
     launch_us: float
     min_static_m: int  # static M below this is a GEMV: left to the next rule
     m_grid: tuple[int, ...]  # M values the ranges are decided at
@@ -81,6 +82,7 @@ def load_dispatch(arch: str) -> Dispatch:
             peak_tflops=float(cfg["peak_tflops"]),
             wgmma_peak_tflops=float(cfg["wgmma_peak_tflops"]),
             dram_gbps=float(cfg["dram_gbps"]),
+            sm_gbps=float(cfg["sm_gbps"]),
             launch_us=float(cfg["launch_us"]),
             min_static_m=int(cfg["min_static_m"]),
             m_grid=tuple(int(m) for m in cfg["m_grid"]),
@@ -123,10 +125,13 @@ def _name(tile: GemmTile, d: Dispatch) -> str:
     return next(name for name, t in d.tiles.items() if t == tile)
 
 
-def _waves_us(block_m: int, block_n: int, blocks: int, k: float, resident: int, tflops_per_sm: float, sms: int) -> float:
-    """Time of ``blocks`` blocks of ``block_m x block_n x k`` over ``sms`` SMs, ``resident`` sharing each."""
-    block_us = 2 * block_m * block_n * k / (tflops_per_sm * 1e6)
-    return math.ceil(blocks / (sms * resident)) * resident * block_us
+def _waves_us(block_m: int, block_n: int, blocks: int, k: float, resident: int, tflops_per_sm: float,
+              d: Dispatch) -> float:
+    """Time of ``blocks`` blocks of ``block_m x block_n x k``, ``resident`` sharing an SM: a block
+    takes the longer of its tensor-core work and streaming its operands at one SM's rate."""
+    compute_us = 2 * block_m * block_n * k / (tflops_per_sm * 1e6)
+    stream_us = (block_m + block_n) * k * IN_BYTES / (d.sm_gbps * 1e3)
+    return math.ceil(blocks / (d.sms * resident)) * resident * max(compute_us, stream_us)
 
 
 def estimate_us(plan: Plan, m: int, n: int, k: int, d: Dispatch) -> float:
@@ -135,7 +140,7 @@ def estimate_us(plan: Plan, m: int, n: int, k: int, d: Dispatch) -> float:
     if isinstance(plan, WgmmaTile):
         blocks = math.ceil(m / plan.block_m) * math.ceil(n / plan.block_n)
         per_sm = d.wgmma_peak_tflops * d.efficiency[WGMMA] / d.sms
-        compute = _waves_us(plan.block_m, plan.block_n, blocks, k, _resident(plan, plan.smem_bytes, d), per_sm, d.sms)
+        compute = _waves_us(plan.block_m, plan.block_n, blocks, k, _resident(plan, plan.smem_bytes, d), per_sm, d)
         return max(compute, moved / (d.dram_gbps * 1e3)) + d.launch_us
     main, rest = plan.main, plan.rest or plan.main
     whole = m // main.block_m if plan.rest is not None else 0
@@ -147,7 +152,7 @@ def estimate_us(plan: Plan, m: int, n: int, k: int, d: Dispatch) -> float:
         blocks = rows_tiles * math.ceil(n / tile.block_n) * plan.split_k
         per_sm = d.peak_tflops * d.efficiency[_name(tile, d)] / d.sms
         compute += _waves_us(tile.block_m, tile.block_n, blocks, k / plan.split_k,
-                             _resident(tile, tile.shared_bytes, d), per_sm, d.sms)
+                             _resident(tile, tile.shared_bytes, d), per_sm, d)
     reduce_us = 0.0
     if plan.split_k > 1:
         # The GEMM writes fp32 partials; a second kernel reads them and runs the epilogue.

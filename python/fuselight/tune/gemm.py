@@ -173,7 +173,6 @@ def table(results_json: Path, arch: str = "sm_90", write: bool = False) -> dict[
     print(f"{'shape':>12} {'M':>6} {'measured best':>28} {'us':>8} {'analytic':>28} {'us':>8} {'torch us':>8}")
     for shape, by_m in raw["timings"].items():
         n, k = (int(x) for x in shape.split("x"))
-        ops = GemmOperands(a=None, b=None, m=0, n=n, k=k, b_layout="NT", dtype=DTYPE, out=None)
         ranges: list[list[Any]] = []
         for m_text, row in sorted(by_m.items(), key=lambda kv: int(kv[0])):
             m = int(m_text)
@@ -185,6 +184,7 @@ def table(results_json: Path, arch: str = "sm_90", write: bool = False) -> dict[
                 ranges[-1][0] = m
             else:
                 ranges.append([m, best])
+            ops = GemmOperands(a=None, b=None, m=m, n=n, k=k, b_layout="NT", dtype=DTYPE, out=None)
             choice = plan_name(best_plan(ops, m, analytic), d)
             if choice in timed:
                 ratios.append(timed[choice] / min(timed.values()))
@@ -198,6 +198,7 @@ def table(results_json: Path, arch: str = "sm_90", write: bool = False) -> dict[
         path = config_dir() / "gemm" / "dispatch.json"
         data = read_json_object(path, missing=f"gemm dispatch config not found: {path}")
         data[arch]["measured"] = measured
+        data[arch]["measured_on"] = f"{raw.get('device')}, fuselight tune gemm-run at {raw.get('git_commit')}"
         path.write_text(json.dumps(data, indent=2) + "\n")
         print(f"wrote measured ranges to {path}")
     return measured
