@@ -4,6 +4,9 @@
 ``"before_fuse_transpose_matmul"`` for rewrites of ``R.matmul`` itself (MLC's FuseTransposeMatmul
 turns linear layers into TIR kernels), ``"after_graph_passes"`` for the rest, after MLC's graph
 passes. ``default()`` is the list the fuselight pipeline runs when none is given.
+
+``MergeSiblingMatmuls`` is not among them: it changes the weights a function takes, so its caller
+must transform the weights too (see its module).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from ..errors import FuselightError
 from .accumulate_matmul_fp32 import AccumulateMatmulFP32
 from .classify import Classify, classify_module
 from .fuse_attention import FuseAttention
+from .merge_sibling_matmuls import MergeSiblingMatmuls
 from .paged_attention import PagedAttentionKernels
 from .property_rewrite import PropertyRewrite
 
@@ -56,4 +60,4 @@ def get(name: str) -> GraphPass:
     return PASSES[name]
 
 
-__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "Classify", "PagedAttentionKernels", "PropertyRewrite", "FuseAttention", "GraphPass", "Slot", "classify_module", "default", "get"]
+__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "Classify", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "FuseAttention", "GraphPass", "Slot", "classify_module", "default", "get"]

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -161,7 +161,8 @@ def _commuted(call: relax.Call) -> list[tuple[relax.Expr, relax.Expr]]:
     return [(a, b), (b, a)]
 
 
-def _matmul_out_dtype(call: relax.Call) -> str | None:
+def matmul_out_dtype(call: relax.Call) -> str | None:
+    """A matmul's ``out_dtype`` attribute, None when it takes the operands' dtype."""
     out = call.attrs.out_dtype
     return None if out is None or str(out) in ("", "void") else str(out)
 
@@ -308,7 +309,7 @@ def _scale_out_of_matmul(g: _Graph, call: relax.Call) -> list[Candidate]:
         if not _scale_moves(out_dtype, s, later=True):
             continue
         args = [y, b] if i == 0 else [a, y]
-        product = relax.op.matmul(*args, out_dtype=_matmul_out_dtype(call))
+        product = relax.op.matmul(*args, out_dtype=matmul_out_dtype(call))
         s_out = _const(np.array(s, "float64"), out_dtype)  # exact: s was in the narrower in_dtype
         if s_out is not None:
             found.append((relax.op.multiply(product, s_out), (operand,)))
@@ -330,7 +331,7 @@ def _scale_into_matmul(g: _Graph, call: relax.Call) -> list[Candidate]:
     s_in = _const(np.array(s, "float64"), in_dtype)
     if s_in is None or float(s_in.data.numpy()) != s:  # s must be exact in the operands' dtype
         return []
-    out_dtype = _matmul_out_dtype(mm)
+    out_dtype = matmul_out_dtype(mm)
     return [
         (relax.op.matmul(relax.op.multiply(a, s_in), b, out_dtype=out_dtype), (y,)),
         (relax.op.matmul(a, relax.op.multiply(b, s_in), out_dtype=out_dtype), (y,)),
@@ -358,7 +359,7 @@ def _matmul_factor_common(g: _Graph, call: relax.Call) -> list[Candidate]:
         return []
     p, q = call.args
     mp, mq = g.call(p, "relax.matmul"), g.call(q, "relax.matmul")
-    if mp is None or mq is None or _matmul_out_dtype(mp) != _matmul_out_dtype(mq):
+    if mp is None or mq is None or matmul_out_dtype(mp) != matmul_out_dtype(mq):
         return []
     if any(_dtype(x) != _dtype(call) for x in (*mp.args, *mq.args)):  # no accumulation in a wider dtype
         return []
@@ -528,11 +529,11 @@ def _cheapest(
     old = _cost([binding] + [relax.VarBinding(v, graph.value[v]) for v in _freed(graph, binding.var, candidates)])
     best, best_cost = None, None
     for expr, _through in candidates:
-        emitted = _emit(expr)
+        emitted = emit_bindings(expr)
         if emitted is None or not _same_type(emitted[-1].var, binding.var):
             continue
         new = _cost(emitted)
-        if _no_worse(new, old, strict) and (best_cost is None or _no_worse(new, best_cost)):
+        if no_worse(new, old, strict) and (best_cost is None or no_worse(new, best_cost)):
             best, best_cost = expr, new
     return best
 
@@ -554,7 +555,7 @@ def _freed(graph: _Graph, root: relax.Var, candidates: list[Candidate]) -> list[
     return sorted(freed, key=lambda v: v.name)
 
 
-def _emit(expr: relax.Expr) -> list[relax.VarBinding] | None:
+def emit_bindings(expr: relax.Expr) -> list[relax.VarBinding] | None:
     """The bindings ``expr`` normalizes to (the last binds its value); None if TVM refuses it."""
     bb = relax.BlockBuilder()
     bb._begin_dataflow_block()
@@ -578,19 +579,26 @@ def _cost(bindings: list[relax.VarBinding]) -> tuple[tirx.PrimExpr, tirx.PrimExp
     return flops, nbytes
 
 
-def _no_worse(new, old, strict: bool = False) -> bool:
-    """Provably ``new <= old`` in FLOPs and in bytes for every symbolic dim >= 1 (``strict``: and
-    ``new < old`` in one of them)."""
+def no_worse(
+    new: Sequence[tirx.PrimExpr] | None,
+    old: Sequence[tirx.PrimExpr] | None,
+    strict: bool = False,
+    bounds: Mapping[str, int] | None = None,
+) -> bool:
+    """Provably ``new <= old`` in every component (FLOPs, bytes) for every symbolic dim >= 1 and at
+    most its bound in ``bounds`` (``tir_var_upper_bound``) (``strict``: and ``new < old`` in one)."""
     if new is None or old is None:
         return False
     analyzer = arith.Analyzer()
     free: dict[str, tirx.Var] = {}
     for e in (*new, *old):
         tirx.stmt_functor.post_order_visit(e, lambda n: free.setdefault(n.name, n) if isinstance(n, tirx.Var) else None)
-    positive = tirx.const(True, "bool")
-    for v in free.values():
-        positive = tirx.And(positive, v >= 1)
-    with analyzer.constraint_scope(positive):
+    domain = tirx.const(True, "bool")
+    for name, v in free.items():
+        domain = tirx.And(domain, v >= 1)
+        if bounds and name in bounds:
+            domain = tirx.And(domain, v <= int(bounds[name]))
+    with analyzer.constraint_scope(domain):
         no_worse = all(analyzer.can_prove(n <= o) for n, o in zip(new, old))
         return no_worse and (not strict or any(analyzer.can_prove(n < o) for n, o in zip(new, old)))
 
