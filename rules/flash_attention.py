@@ -18,12 +18,12 @@ import dataclasses
 
 import tvm
 import tvm_ffi
-from tvm import s_tir, tirx
-from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
+from tvm import tirx
 from tvm.target import Target
 
 from ..errors import FuselightError
 from ..passes.fuse_attention import ATTENTION_ATTR, AttentionSpec, attention_prim_func
+from .base import AnalyzeScheduleRule
 from .flash.prefill import flash_attention_dense, load_prefill_config
 
 # Attributes of the reference function the scheduled kernel keeps (the template sets its own others).
@@ -37,23 +37,8 @@ class AttentionDesc:
     spec: AttentionSpec
 
 
-class FlashAttention(GPUScheduleRule):
+class FlashAttention(AnalyzeScheduleRule):
     """Swap fused attention functions for the flash-attention template (see the module docstring)."""
-
-    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
-        desc = self.analyze(func)
-        if desc is None:
-            return None
-        sch = self.schedule(desc, target)
-        if sch is None:
-            return None
-        kernel = sch.mod["main"]
-        for key in KEPT_ATTRS:
-            if key in func.attrs:
-                kernel = kernel.with_attr(key, func.attrs[key])
-        return s_tir.Schedule(kernel)
 
     @staticmethod
     def analyze(func: tirx.PrimFunc) -> AttentionDesc | None:
@@ -72,9 +57,9 @@ class FlashAttention(GPUScheduleRule):
             return None
         return AttentionDesc(spec)
 
-    @staticmethod
-    def schedule(desc: AttentionDesc, target: Target) -> s_tir.Schedule | None:
-        """The flash-attention template for ``desc`` on ``target``, or None where it does not serve."""
+    def schedule(self, func: tirx.PrimFunc, desc: AttentionDesc, target: Target) -> tirx.PrimFunc | None:
+        """The flash-attention template for ``desc`` on ``target`` (keeping ``func``'s target and
+        attention attributes), or None where it does not serve."""
         spec = desc.spec
         if spec.causal and not spec.same_length:
             # Ours: key j seen by query i iff j <= i; the template's diagonal ends at the last key
@@ -91,4 +76,8 @@ class FlashAttention(GPUScheduleRule):
             )
         except FuselightError:
             return None  # no tile config for this arch or head dim, or a dtype it does not take
-        return s_tir.Schedule(kernel.without_attr("global_symbol"))
+        kernel = kernel.without_attr("global_symbol")
+        for key in KEPT_ATTRS:
+            if key in func.attrs:
+                kernel = kernel.with_attr(key, func.attrs[key])
+        return kernel

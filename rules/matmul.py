@@ -13,41 +13,28 @@ next rule.
 
 from __future__ import annotations
 
-from tvm import s_tir, tirx
-from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
+from tvm import tirx
 from tvm.target import Target
 
 from ..errors import FuselightError
 from ..target import arch_of
+from .base import AnalyzeScheduleRule
 from .gemm.analysis import MatmulDesc, analyze_matmul
 from .gemm.dispatch import load_dispatch, plan_ranges
 from .gemm import gemm_body
 
 
-class Matmul(GPUScheduleRule):
-    """Swap matmul functions for the tensor-core GEMM template (see the module docstring)."""
-
-    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
-        desc = self.analyze(func)
-        if desc is None:
-            return None
-        body = self.schedule(desc, target)
-        if body is None:
-            return None
-        kernel = tirx.PrimFunc(func.params, body, func.ret_type, func.attrs)
-        # As MLC's LowBatchGemvSpecialize marks its host-side branch between kernels.
-        return s_tir.Schedule(kernel.with_attrs({"tirx.is_scheduled": True, "tirx.HoistIfThenElseExprWithBlock": 1}))
+class Matmul(AnalyzeScheduleRule):
+    """Swap matmul functions for the tensor-core GEMM templates (see the module docstring)."""
 
     @staticmethod
     def analyze(func: tirx.PrimFunc) -> MatmulDesc | None:
         """The GEMM and fused epilogue ``func`` computes, or None."""
         return analyze_matmul(func)
 
-    @staticmethod
-    def schedule(desc: MatmulDesc, target: Target) -> tirx.Stmt | None:
-        """The kernel body for ``desc`` on ``target``, or None where the templates do not serve it."""
+    def schedule(self, func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:
+        """``func`` with its body replaced by the kernels for ``desc`` on ``target``, or None where the
+        templates do not serve it."""
         try:
             dispatch = load_dispatch(arch_of(target))
         except FuselightError:
@@ -65,4 +52,7 @@ class Matmul(GPUScheduleRule):
             body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(ops.m <= upper), gemm_body(ops, plan), body)
         if desc.m_static is None:
             body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(ops.m > 0), body, None)  # no empty grids
-        return tirx.SBlockRealize([], True, tirx.SBlock([], [], [], "root", body))
+        body = tirx.SBlockRealize([], True, tirx.SBlock([], [], [], "root", body))
+        kernel = tirx.PrimFunc(func.params, body, func.ret_type, func.attrs)
+        # As MLC's LowBatchGemvSpecialize marks its host-side branch between kernels.
+        return kernel.with_attrs({"tirx.is_scheduled": True, "tirx.HoistIfThenElseExprWithBlock": 1})

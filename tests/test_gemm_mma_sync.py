@@ -14,9 +14,11 @@ import pytest
 from fuselight.cuda_compile import compile_cuda
 from fuselight.errors import FuselightError
 from fuselight.rules.gemm.mma_sync import mma_sync_gemm
-from fuselight.rules.gemm.operands import Epilogue, GemmOperands
+from fuselight.rules.gemm.analysis import analyze_matmul
+from fuselight.rules.gemm.operands import GemmOperands
 from fuselight.rules.gemm.plan import GemmPlan, GemmTile, check_plan, load_tiles
 from fuselight.target import resolve, to_tvm
+from fuselight.tune.gemm import matmul_prim_func
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 
@@ -27,70 +29,17 @@ SMALL = GemmTile(32, 128, 64, 1, 4, 4)
 
 
 def _matmul(n: int, k: int, dtype: str = "float16", m: int | None = None):
-    """LLaMA's linear layer as the analysis sees it: A [1, seq_len, K] x B [N, K]^T, cast epilogue."""
-    from tvm.script import tirx as T
-
-    @T.prim_func(private=True, s_tir=True)
-    def dynamic(var_a: T.handle, b: T.Buffer((n, k), dtype), var_out: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        seq_len = T.int64()
-        a = T.match_buffer(var_a, (1, seq_len, k), dtype)
-        out = T.match_buffer(var_out, (1, seq_len, n), dtype)
-        acc = T.alloc_buffer((1, seq_len, n), "float32")
-        for i0, i1, i2, kk in T.grid(1, seq_len, n, k):
-            with T.sblock("matmul"):
-                v0, v1, v2, vk = T.axis.remap("SSSR", [i0, i1, i2, kk])
-                with T.init():
-                    acc[v0, v1, v2] = T.float32(0)
-                acc[v0, v1, v2] = acc[v0, v1, v2] + T.Cast("float32", a[v0, v1, vk]) * T.Cast("float32", b[v2, vk])
-        for i0, i1, i2 in T.grid(1, seq_len, n):
-            with T.sblock("cast"):
-                v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
-                out[v0, v1, v2] = T.Cast(dtype, acc[v0, v1, v2])
-
-    if m is None:
-        return dynamic
-
-    @T.prim_func(private=True, s_tir=True)
-    def static(a: T.Buffer((1, m, k), dtype), b: T.Buffer((n, k), dtype), out: T.Buffer((1, m, n), dtype)):
-        T.func_attr({"tirx.noalias": True})
-        acc = T.alloc_buffer((1, m, n), "float32")
-        for i0, i1, i2, kk in T.grid(1, m, n, k):
-            with T.sblock("matmul"):
-                v0, v1, v2, vk = T.axis.remap("SSSR", [i0, i1, i2, kk])
-                with T.init():
-                    acc[v0, v1, v2] = T.float32(0)
-                acc[v0, v1, v2] = acc[v0, v1, v2] + T.Cast("float32", a[v0, v1, vk]) * T.Cast("float32", b[v2, vk])
-        for i0, i1, i2 in T.grid(1, m, n):
-            with T.sblock("cast"):
-                v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
-                out[v0, v1, v2] = T.Cast(dtype, acc[v0, v1, v2])
-
-    return static
+    return matmul_prim_func(n, k, dtype, m)
 
 
-def _operands(func, n: int = N, k: int = K, dtype: str = "float16", b_layout: str = "NT") -> GemmOperands:
-    import tvm
-    from tvm.script import tirx as T
-
-    bufs = {}
-
-    def visit(node):
-        if isinstance(node, (tvm.tirx.BufferLoad, tvm.tirx.BufferStore)):
-            bufs.setdefault(node.buffer.name, node.buffer)
-
-    tvm.tirx.stmt_functor.post_order_visit(func.body, visit)
-    a, out = bufs["a"], bufs["out"]
-    return GemmOperands(
-        a=a, b=bufs["b"], m=a.shape[1], n=n, k=k, b_layout=b_layout, dtype=dtype,
-        out=Epilogue(buffer=out, index=lambda r, c: (0, r, c), value=lambda r, c, acc: T.Cast(dtype, acc)),
-    )  # fmt: skip
+def _operands(func, b_layout: str = "NT") -> GemmOperands:
+    return dataclasses.replace(analyze_matmul(func).operands, b_layout=b_layout)
 
 
 def _build(func, plan: GemmPlan, dtype: str = "float16"):
     import tvm
 
-    stmt = mma_sync_gemm(_operands(func, dtype=dtype), plan)
+    stmt = mma_sync_gemm(_operands(func), plan)
     bound = tvm.tirx.PrimFunc(func.params, stmt, func.ret_type, func.attrs).with_attr(
         {"global_symbol": "gemm", "tirx.is_scheduled": True}
     )
@@ -117,7 +66,7 @@ def test_main_and_rest_tiles_build_with_tensor_cores(dtype):
     # The rest tile's rows past M are zero-filled (cp.async with a source size), the main tile's are not.
     assert "cp_async_cg_16_with_src_size" in src
     # Every output is written as 16 bytes.
-    assert "*(uint4*)(out_ptr" in src
+    assert "*(uint4*)(O_ptr" in src
 
 
 def test_split_k_launches_gemm_and_reduction():
@@ -170,4 +119,4 @@ def test_bad_operands_are_refused():
     with pytest.raises(FuselightError, match="b_layout 'NN' unsupported"):
         check_plan(GemmPlan(BIG), _operands(func, b_layout="NN"))
     with pytest.raises(FuselightError, match="dtype 'float32' unsupported"):
-        check_plan(GemmPlan(BIG), _operands(func, dtype="float32"))
+        check_plan(GemmPlan(BIG), dataclasses.replace(_operands(func), dtype="float32"))

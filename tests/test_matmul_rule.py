@@ -16,9 +16,8 @@ from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemm.operands import GemmOperands
 from fuselight.rules.matmul import Matmul
 from fuselight.target import resolve, to_tvm
-from fuselight.tune.gemm import _matmul_func
+from fuselight.tune.gemm import matmul_prim_func
 from tvm import tirx
-from tvm.script import tirx as T
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
@@ -94,7 +93,7 @@ def test_bad_dispatch_config_names_the_problem(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096)])
 def test_rule_schedules_dynamic_m_matmuls_for_sm90(n, k, cuda):
-    func = _matmul_func(n, k, "float16").with_attr("target", cuda)
+    func = matmul_prim_func(n, k, "float16").with_attr("target", cuda)
     sch = Matmul().apply(func, cuda, False)
     assert sch is not None
     kernel = sch.mod["main"]
@@ -110,33 +109,19 @@ def test_rule_schedules_dynamic_m_matmuls_for_sm90(n, k, cuda):
 def test_nvcc_compiles_the_scheduled_matmul(cuda):
     from fuselight.cuda_compile import compile_cuda
 
-    func = _matmul_func(4096, 14336, "float16").with_attr("target", cuda)
+    func = matmul_prim_func(4096, 14336, "float16").with_attr("target", cuda)
     assert compile_cuda(_cuda_source(Matmul().apply(func, cuda, False).mod["main"], cuda), "sm_90")
 
 
-# fmt: off
-@T.prim_func(private=True, s_tir=True)
-def gemv(A: T.Buffer((T.int64(1), T.int64(1), T.int64(4096)), "float16"), W: T.Buffer((T.int64(4096), T.int64(4096)), "float16"), O: T.Buffer((T.int64(1), T.int64(1), T.int64(4096)), "float16")):
-    C = T.sblock_alloc_buffer((T.int64(1), T.int64(1), T.int64(4096)))
-    for i0, i1, i2, k in T.grid(T.int64(1), T.int64(1), T.int64(4096), T.int64(4096)):
-        with T.sblock("NT_matmul"):
-            v0, v1, v2, vk = T.axis.remap("SSSR", [i0, i1, i2, k])
-            with T.init():
-                C[v0, v1, v2] = T.float32(0)
-            C[v0, v1, v2] = C[v0, v1, v2] + T.Cast("float32", A[v0, v1, vk]) * T.Cast("float32", W[v2, vk])
-    for i0, i1, i2 in T.grid(T.int64(1), T.int64(1), T.int64(4096)):
-        with T.sblock("cast"):
-            v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
-            O[v0, v1, v2] = T.Cast("float16", C[v0, v1, v2])
-# fmt: on
+gemv = matmul_prim_func(4096, 4096, "float16", m=1)
 
 
 def test_rule_leaves_gemv_and_cpu_to_the_next_rule(cuda):
     assert analyze_matmul(gemv) is not None  # recognised, but M = 1 is below min_static_m
     assert Matmul().apply(gemv.with_attr("target", cuda), cuda, False) is None
-    assert Matmul().apply(_matmul_func(4096, 4096, "float16"), tvm.target.Target("llvm"), False) is None
+    assert Matmul().apply(matmul_prim_func(4096, 4096, "float16"), tvm.target.Target("llvm"), False) is None
 
 
 def test_rule_leaves_shapes_no_plan_tiles(cuda):
     # N = 4100 is no multiple of any tile's block_n: the template does not predicate N.
-    assert Matmul().apply(_matmul_func(4100, 4096, "float16").with_attr("target", cuda), cuda, False) is None
+    assert Matmul().apply(matmul_prim_func(4100, 4096, "float16").with_attr("target", cuda), cuda, False) is None

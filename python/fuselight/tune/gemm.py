@@ -28,29 +28,41 @@ MANIFEST_NAME = "manifest.json"
 DTYPE = "float16"
 
 
-def _matmul_func(n: int, k: int, dtype: str) -> Any:
-    """``out[1, m, n] = cast(x[1, m, k] @ w[n, k]^T)``, fp32 accumulate, M symbolic: the prefill linear layer."""
+def matmul_prim_func(n: int, k: int, dtype: str, m: int | None = None) -> Any:
+    """``out[1, m, n] = cast(x[1, m, k] @ w[n, k]^T)`` with fp32 accumulation, as our LLaMA's linear
+    layers reach the rules; M symbolic (``seq_len``) unless given."""
     from tvm.script import tirx as T
 
     # fmt: off
-    @T.prim_func(private=True, s_tir=True)
-    def func(a: T.handle, w: T.Buffer((T.int64(n), T.int64(k)), dtype), o: T.handle):
-        m = T.int64()
-        A = T.match_buffer(a, (T.int64(1), m, T.int64(k)), dtype)
-        O = T.match_buffer(o, (T.int64(1), m, T.int64(n)), dtype)
-        C = T.sblock_alloc_buffer((T.int64(1), m, T.int64(n)))
-        for i0, i1, i2, kk in T.grid(T.int64(1), m, T.int64(n), T.int64(k)):
+    @T.macro
+    def linear(A, W, O, C, rows):
+        for i0, i1, i2, kk in T.grid(T.int64(1), rows, T.int64(n), T.int64(k)):
             with T.sblock("NT_matmul"):
                 v0, v1, v2, vk = T.axis.remap("SSSR", [i0, i1, i2, kk])
                 with T.init():
                     C[v0, v1, v2] = T.float32(0)
-                C[v0, v1, v2] = C[v0, v1, v2] + T.Cast("float32", A[v0, v1, vk]) * T.Cast("float32", w[v2, vk])
-        for i0, i1, i2 in T.grid(T.int64(1), m, T.int64(n)):
+                C[v0, v1, v2] = C[v0, v1, v2] + T.Cast("float32", A[v0, v1, vk]) * T.Cast("float32", W[v2, vk])
+        for i0, i1, i2 in T.grid(T.int64(1), rows, T.int64(n)):
             with T.sblock("cast"):
                 v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
                 O[v0, v1, v2] = T.Cast(dtype, C[v0, v1, v2])
+
+    @T.prim_func(private=True, s_tir=True)
+    def dynamic(a: T.handle, w: T.Buffer((T.int64(n), T.int64(k)), dtype), o: T.handle):
+        seq_len = T.int64()
+        A = T.match_buffer(a, (T.int64(1), seq_len, T.int64(k)), dtype)
+        O = T.match_buffer(o, (T.int64(1), seq_len, T.int64(n)), dtype)
+        C = T.sblock_alloc_buffer((T.int64(1), seq_len, T.int64(n)))
+        linear(A, w, O, C, seq_len)
+
+    @T.prim_func(private=True, s_tir=True)
+    def static(A: T.Buffer((T.int64(1), T.int64(m or 1), T.int64(k)), dtype),
+               w: T.Buffer((T.int64(n), T.int64(k)), dtype),
+               O: T.Buffer((T.int64(1), T.int64(m or 1), T.int64(n)), dtype)):
+        C = T.sblock_alloc_buffer((T.int64(1), T.int64(m or 1), T.int64(n)))
+        linear(A, w, O, C, T.int64(m or 1))
     # fmt: on
-    return func
+    return dynamic if m is None else static
 
 
 def _plans(ops: Any, d: Any) -> list[Any]:
@@ -86,8 +98,8 @@ def build(out_dir: Path, arch: str = "sm_90", shapes: list[tuple[int, int]] | No
     for n, k in shapes or _shapes():
         start = time.perf_counter()
         funcs, plans = {}, {}
-        for i, plan in enumerate(_plans(analyze_matmul(_matmul_func(n, k, DTYPE)).operands, d)):
-            func = _matmul_func(n, k, DTYPE)  # fresh buffers for each kernel
+        for i, plan in enumerate(_plans(analyze_matmul(matmul_prim_func(n, k, DTYPE)).operands, d)):
+            func = matmul_prim_func(n, k, DTYPE)  # fresh buffers for each kernel
             ops = analyze_matmul(func).operands
             body = gemm_body(ops, plan)
             name = f"plan{i}"
