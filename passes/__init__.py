@@ -5,8 +5,8 @@
 turns linear layers into TIR kernels), ``"after_graph_passes"`` for the rest, after MLC's graph
 passes. ``default()`` is the list the fuselight pipeline runs when none is given.
 
-``MergeSiblingMatmuls`` is not among them: it changes the weights a function takes, so its caller
-must transform the weights too (see its module).
+``MergeSiblingMatmuls`` and ``FoldNormWeight`` are not among them: they change the weights a
+function takes, so its caller must transform the weights too (``weight_transform``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import tvm
 from ..errors import FuselightError
 from .accumulate_matmul_fp32 import AccumulateMatmulFP32
 from .classify import Classify, classify_module
+from .fold_norm_weight import FoldNormWeight
 from .fuse_attention import FuseAttention
 from .merge_sibling_matmuls import MergeSiblingMatmuls
 from .paged_attention import PagedAttentionKernels
@@ -60,4 +61,4 @@ def get(name: str) -> GraphPass:
     return PASSES[name]
 
 
-__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "Classify", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "FuseAttention", "GraphPass", "Slot", "classify_module", "default", "get"]
+__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "Classify", "FoldNormWeight", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "FuseAttention", "GraphPass", "Slot", "classify_module", "default", "get"]

@@ -8,7 +8,7 @@ from fuselight.cli import main
 def test_explain_json(capsys):
     assert main(["explain", "--model", "tiny-llama", "--json", "--prompt-len", "37"]) == 0
     report = json.loads(capsys.readouterr().out)
-    for key in ("model", "functions", "rewrites_available", "rewrites_applied", "after_rewrite", "groups", "note"):
+    for key in ("model", "functions", "rewrites_available", "rewrites_applied", "after_rewrite", "weight_transforms", "groups", "note"):
         assert key in report, key
     assert report["model"] == "tiny-llama"
     assert report["groups"] == []
@@ -17,6 +17,14 @@ def test_explain_json(capsys):
     # Our model's only rewrites: the two reshape pairs around attention, per layer and entry point.
     assert report["rewrites_applied"] == [{"name": "reshape_reshape", "count": 8}]
     assert report["rewrites_refused"] == []
+    names = [r["name"] for r in available]
+    assert "merge_sibling_matmuls" in names and "fold_norm_weight" in names
+    # Not applied (they change the weights): where they would apply. qkv and gate_up are fused already;
+    # every norm feeds linear layers but prefill's final one (it goes through the last-position gather).
+    assert report["weight_transforms"] == [
+        {"name": "merge_sibling_matmuls", "count": 0},
+        {"name": "fold_norm_weight", "count": 4 * 2 + 1},
+    ]
     for name in ("prefill", "decode"):
         after, before = report["after_rewrite"][name], report["functions"][name]
         assert after["operators"] == len(before["operators"]) - 4, name

@@ -6,12 +6,8 @@ import numpy as np
 import pytest
 import tvm
 from fuselight.errors import FuselightError
-from fuselight.passes.merge_sibling_matmuls import (
-    MERGED_ATTR,
-    MergeSiblingMatmuls,
-    launch_bytes,
-    lift_and_transform,
-)
+from fuselight.passes.merge_sibling_matmuls import MERGED_ATTR, MergeSiblingMatmuls
+from fuselight.passes.weight_transform import launch_bytes, lift_and_transform
 from tvm import relax, tirx
 from tvm.relax import op as O
 

@@ -9,7 +9,9 @@ then reads as the step after a ``prompt_len``-token prompt.
 ``rewrites_available`` is ``PropertyRewrite``'s catalogue (name, law, exact or tolerance);
 ``rewrites_applied`` what it applies to the graph (name, count), ``rewrites_refused`` the matches it
 leaves alone because no proposal is provably no worse (name, count), and ``after_rewrite`` each
-function's operator count and costs once it has. Fusion groups come with a later pass: ``groups``
+function's operator count and costs once it has. The weight transforms (``MergeSiblingMatmuls``,
+``FoldNormWeight``) are in the catalogue too; as they change the weights the caller passes, they are
+not applied here: ``weight_transforms`` counts where each would apply. Fusion groups come with a later pass: ``groups``
 is empty for now.
 """
 
@@ -32,8 +34,14 @@ def explain(config: ModelConfig, prompt_len: int) -> dict[str, Any]:
 
     from .errors import FuselightError
     from .model.llama import export_module
+    from .passes import fold_norm_weight, merge_sibling_matmuls
     from .passes.classify import KV_LEN, MAPPINGS, NON_CALL_OPS, classify_module
-    from .passes.property_rewrite import APPLIED_ATTR, REFUSED_ATTR, PropertyRewrite, catalogue
+    from .passes.property_rewrite import (
+        APPLIED_ATTR,
+        REFUSED_ATTR,
+        PropertyRewrite,
+        catalogue,
+    )
     from .target import resolve, to_tvm
 
     if prompt_len < 1:
@@ -71,13 +79,26 @@ def explain(config: ModelConfig, prompt_len: int) -> dict[str, Any]:
         "dtype": config.dtype,
         "prompt_len": prompt_len,
         "functions": functions,
-        "rewrites_available": catalogue(),
+        "rewrites_available": catalogue() + [merge_sibling_matmuls.REWRITE, fold_norm_weight.REWRITE],
         "rewrites_applied": _counts(rewritten.attrs[APPLIED_ATTR]),
         "rewrites_refused": _counts(rewritten.attrs[REFUSED_ATTR]),
         "after_rewrite": after_rewrite,
+        "weight_transforms": _weight_transform_sites(mod),
         "groups": [],
         "note": NOTE,
     }
+
+
+def _weight_transform_sites(mod) -> list[dict[str, Any]]:
+    from .passes import FoldNormWeight, MergeSiblingMatmuls
+
+    merge, fold = MergeSiblingMatmuls(), FoldNormWeight()
+    merge(mod)
+    fold(mod)
+    return [
+        {"name": "merge_sibling_matmuls", "count": len(merge.merged)},
+        {"name": "fold_norm_weight", "count": len(fold.folded)},
+    ]
 
 
 def _counts(attr) -> list[dict[str, Any]]:
