@@ -1,9 +1,10 @@
 """The Hopper wgmma GEMM template builds for sm_90 into wgmma CUDA that nvcc accepts; bad tiles fail cleanly.
 
 Numerics and speed are checked on the GPU; here: the body binds to a matmul PrimFunc with a symbolic
-token count (fp16 and bf16), the CUDA issues wgmma.mma_async from 128-byte-swizzled shared memory
-filled by cp.async, nvcc compiles it for sm_90a, and every tile or operand the template cannot
-handle is refused with a FuselightError naming it.
+token count (fp16 and bf16), the host encodes TMA tensor maps (A's rows = the token count) and
+passes them as grid constants, the CUDA loads tiles with cp.async.bulk.tensor completing mbarriers
+and issues wgmma.mma_async from 128-byte-swizzled shared memory, nvcc compiles it for sm_90a, and
+every tile or operand the template cannot handle is refused with a FuselightError naming it.
 """
 
 import dataclasses
@@ -17,6 +18,7 @@ from fuselight.rules.gemm.wgmma import (
     WgmmaTile,
     check_tile,
     load_wgmma_tile,
+    load_wgmma_tiles,
     wgmma_gemm,
 )
 from fuselight.target import resolve, to_tvm
@@ -57,25 +59,51 @@ def _operands(func, elem_dtype: str, **changes) -> GemmOperands:
     return dataclasses.replace(ops, **changes)
 
 
-def _build_cuda(dtype: str, tile: WgmmaTile = TILE) -> str:
+def _build(dtype: str, tile: WgmmaTile = TILE):
     import tvm
 
     func = _matmul(dtype)
     stmt = wgmma_gemm(_operands(func, dtype), tile)
     bound = tvm.tirx.PrimFunc(func.params, stmt, func.ret_type, func.attrs).with_attr("tirx.is_scheduled", True)
     assert str(bound.params[0].shape[1]) == "seq_len"  # M stays symbolic
-    exe = tvm.compile(tvm.IRModule({"main": bound}), target=to_tvm(resolve("cuda", "sm_90")))
-    return exe.mod.imports[0].inspect_source("cuda")
+    return tvm.compile(tvm.IRModule({"main": bound}), target=to_tvm(resolve("cuda", "sm_90")))
+
+
+def _build_cuda(dtype: str, tile: WgmmaTile = TILE) -> str:
+    return _build(dtype, tile).mod.imports[0].inspect_source("cuda")
 
 
 @pytest.mark.parametrize("dtype,ptx", [("float16", "f16"), ("bfloat16", "bf16")])
-def test_builds_wgmma_from_swizzled_shared_memory(dtype, ptx):
+def test_builds_wgmma_fed_by_tma(dtype, ptx):
     src = _build_cuda(dtype)
     assert f"wgmma.mma_async.sync.aligned.m64n{TILE.block_n}k16.f32.{ptx}.{ptx}" in src
-    assert "ptx_wgmma_encode_matrix_descriptor" in src and "cp.async" in src
-    assert "wgmma.wait_group.sync.aligned 0" in src
-    # 128-byte swizzle: piece c of row r lands at c ^ (r % 8).
-    assert "^" in src and "& 7" in src
+    assert "ptx_wgmma_encode_matrix_descriptor" in src and "wgmma.wait_group.sync.aligned 1" in src
+    # Both operands arrive by TMA, from tensor maps passed as kernel parameters.
+    assert src.count("const __grid_constant__ CUtensorMap") == 2 * src.count("__global__")
+    assert "cp.async.bulk.tensor.2d.shared::cta.global.mbarrier::complete_tx::bytes" in src
+    assert "mbarrier.arrive.expect_tx" in src and "mbarrier.try_wait.parity" in src
+    assert "setmaxnreg.dec" in src and "setmaxnreg.inc" in src
+    assert "cp.async.cg" not in src and "cp.async.ca" not in src  # no per-thread copies left
+
+
+def test_host_encodes_tensor_maps_with_symbolic_rows():
+    import tvm
+
+    func = _matmul("float16")
+    body = wgmma_gemm(_operands(func, "float16"), TILE)
+    calls = []
+    tvm.tirx.stmt_functor.post_order_visit(
+        body,
+        lambda node: calls.append(node)
+        if isinstance(node, tvm.ir.expr.Call) and node.op.same_as(tvm.ir.Op.get("tirx.tvm_call_packed"))
+        else None,
+    )
+    encodes = [c for c in calls if c.args[0].value == "runtime.cuTensorMapEncodeTiled"]
+    assert len(encodes) == 2
+    # (name, map, dtype, rank, base, K, rows, row stride in bytes, box K, box rows, ...)
+    a_rows, b_rows = (str(c.args[6]) for c in encodes)
+    assert not a_rows.isdigit() and b_rows == str(N)  # A's rows: the token count, at run time
+    assert [int(c.args[9]) for c in encodes] == [TILE.block_m, TILE.block_n]
 
 
 @needs_nvcc
@@ -83,10 +111,20 @@ def test_nvcc_compiles_for_sm90a():
     assert compile_cuda(_build_cuda("float16"), arch="sm_90")
 
 
-def test_config_tile_is_valid():
-    check_tile(TILE, _operands(_matmul("float16", 4096, 4096), "float16"))
+def test_config_tiles_are_valid():
+    tiles = load_wgmma_tiles("sm_90")
+    assert tiles["default"] == TILE and len(tiles) > 1
+    for tile in tiles.values():
+        check_tile(tile, _operands(_matmul("float16", 4096, 4096), "float16"))
     with pytest.raises(FuselightError, match="no entry 'sm_80'"):
         load_wgmma_tile("sm_80")
+    with pytest.raises(FuselightError, match="no entry 'sm_80'"):
+        load_wgmma_tiles("sm_80")
+
+
+@needs_nvcc
+def test_nvcc_compiles_the_narrow_tile():
+    assert compile_cuda(_build_cuda("bfloat16", load_wgmma_tiles("sm_90")["n128"]), arch="sm_90")
 
 
 @pytest.mark.parametrize(
@@ -94,9 +132,9 @@ def test_config_tile_is_valid():
     [
         ({"block_n": 100}, {}, "block_n 100 must be a multiple of 8"),
         ({"block_n": 512}, {"n": 1024}, "block_n 512 must be a multiple of 8 up to 256"),
-        ({"stages": 2}, {}, "stages 2 must be at least 3"),
-        ({"stages": 8}, {}, "need 393216 bytes of shared memory"),
-        ({"block_n": 8}, {"n": 8}, "cannot load the 8x64 B tile"),
+        ({"stages": 1}, {}, "stages 1 must be at least 2"),
+        ({"stages": 8}, {}, "need 393344 bytes of shared memory"),
+        ({"warpgroups": 1}, {}, "warpgroups 1 unsupported"),
         ({}, {"n": 640}, "n 640 is not a multiple of block_n"),
         ({}, {"k": 200}, "k 200 is not a multiple of 64"),
         ({}, {"b_layout": "NN"}, "B layout 'NN' unsupported"),

@@ -1,16 +1,22 @@
-"""Hopper GEMM template on ``wgmma.mma_async``: the kernel body of one GemmOperands.
+"""Hopper GEMM template on ``wgmma.mma_async`` fed by TMA: the host code and kernel of one GemmOperands.
 
 C tile ``block_m x block_n`` per block, ``warpgroups`` consumer warpgroups of 128 threads, each
 owning 64 rows and issuing ``wgmma.mma_async.m64n{block_n}k16`` with both operands read from
-shared memory through matrix descriptors. A and B tiles are K-major rows of ``BLOCK_K`` = 64
-halves (128 bytes) stored with the 128-byte swizzle the descriptor names: 16-byte piece ``c`` of
-row ``r`` at piece ``c ^ (r % 8)``, 8-row atoms of 1024 bytes. Every thread also loads: tiles
-stream in by ``cp.async`` (rows past ``m`` zero-filled) into ``stages`` slots, ``stages - 2``
-tiles ahead, while up to two wgmma groups run. Rows past ``m`` are not stored, so any M works
-(the last row tile is partly wasted work); blocks walk the tiles in groups of ``group_m`` row
-tiles so concurrent blocks share A and B in L2. Needs the arch-specific target (sm_90a): TVM's
-CUDA compile and ``fuselight.cuda_compile`` both build for it. Shared memory is dynamic (up to
-227 KiB, opted in at launch by TVM's runtime).
+shared memory through matrix descriptors, plus one producer warpgroup whose first thread streams
+the tiles in with ``cp.async.bulk.tensor`` (TMA) into ``stages`` slots. A and B tiles are K-major
+rows of ``BLOCK_K`` = 64 halves (128 bytes) stored with the 128-byte swizzle that both TMA and the
+descriptors name (16-byte piece ``c`` of row ``r`` at piece ``c ^ (r % 8)``, 8-row atoms of 1024
+bytes). Each slot has a "full" mbarrier (TMA's byte count completes it) and an "empty" one (every
+consumer warp arrives once its wgmma group reading the slot has retired); consumers keep one
+wgmma group in flight. The producer hands most of its registers to the consumers (setmaxnreg).
+
+The tensor maps are encoded on the host at each call (A's row extent is M, so TMA fills rows past
+M with zeros; they are never stored): the returned body is host code holding the kernel launch.
+Blocks are persistent (at most ``max_blocks``), walking the tiles in groups of ``group_m`` row
+tiles so concurrent blocks share A and B in L2; the producer loads the next tile while the
+consumers store the last. Needs the arch-specific target (sm_90a): TVM's CUDA compile and
+``fuselight.cuda_compile`` both build for it. Shared memory is dynamic (up to 227 KiB, opted in at
+launch by TVM's runtime).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from fuselight.errors import FuselightError
+from fuselight.jsonfile import read_json_object
+from fuselight.paths import config_dir
 
 from ..arch_config import load_arch_config
 from .operands import B_LAYOUTS, DTYPES, GemmOperands
@@ -27,21 +35,26 @@ if TYPE_CHECKING:
     import tvm
 
 WARPGROUP = 128  # threads
+WARP = 32
 WGMMA_M, WGMMA_K = 64, 16
 # wgmma's n runs 8..256 in steps of 8; one 128-byte swizzle row holds 64 halves of K.
 WGMMA_N_STEP, WGMMA_N_MAX = 8, 256
 BLOCK_K = 64
-CHUNK = 8  # halves per 16-byte cp.async piece
-SWIZZLE_ROWS = 8
 ATOM_BYTES = 1024  # one swizzle atom: 8 rows of 128 bytes; tiles start on one
 ELEM_BYTES = 2  # both DTYPES
+MBAR_BYTES = 8
 # Descriptor fields in 16-byte units: the stride between 8-row atoms; the leading offset is unused
 # by K-major swizzled layouts (1 by convention). TVM's swizzle code 3 is the 128-byte swizzle.
 DESC_SBO = ATOM_BYTES // 16
 DESC_LBO = 1
 DESC_SWIZZLE_128B = 3
+# cuTensorMapEncodeTiled enums: no interleave, 128-byte swizzle, 256-byte L2 promotion, zero fill.
+TMA_INTERLEAVE_NONE, TMA_SWIZZLE_128B, TMA_L2_PROMOTION_256B, TMA_OOB_ZERO = 0, 3, 3, 0
 # Shared memory a block may opt in to on sm_90 (227 KiB).
 MAX_DYNAMIC_SMEM = 232448
+# Register split after setmaxnreg (a block has 64 Ki registers; counts are multiples of 8).
+PRODUCER_REGS = 40
+CONSUMER_REGS = {2: 232}  # per consumer warpgroup count
 # Keeps the compiler from reading an accumulator before the wgmma wait above it.
 REGISTER_FENCE = "fuselight_wgmma_register_fence"
 REGISTER_FENCE_SOURCE = f"""
@@ -49,18 +62,21 @@ __forceinline__ __device__ void {REGISTER_FENCE}(float& reg) {{
     asm volatile("" : "+f"(reg) :: "memory");
 }}
 """
-# wgmma groups left running while the next tile is loaded (the slot two steps back is free).
+DEFAULT_TILE = "default"  # the tile config name for large M
+# wgmma groups left running while the next slot is waited for (the slot before is released).
 GROUPS_IN_FLIGHT = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class WgmmaTile:
-    """Tile config: ``block_n`` columns, ``warpgroups`` x 64 rows, ``stages`` shared-memory slots."""
+    """Tile config: ``block_n`` columns, ``warpgroups`` x 64 rows, ``stages`` shared-memory slots,
+    ``group_m`` row tiles per raster group, at most ``max_blocks`` persistent blocks."""
 
     block_n: int
     warpgroups: int
     stages: int
     group_m: int
+    max_blocks: int
 
     @property
     def block_m(self) -> int:
@@ -68,16 +84,28 @@ class WgmmaTile:
 
     @property
     def threads(self) -> int:
-        return WARPGROUP * self.warpgroups
+        return WARPGROUP * (self.warpgroups + 1)
+
+    @property
+    def slot_bytes(self) -> int:
+        return (self.block_m + self.block_n) * BLOCK_K * ELEM_BYTES
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.block_m + self.block_n) * BLOCK_K * ELEM_BYTES
+        return self.stages * (self.slot_bytes + 2 * MBAR_BYTES)
+
+
+def load_wgmma_tiles(arch: str) -> dict[str, WgmmaTile]:
+    """The named tiles for ``arch`` (e.g. ``sm_90``) from ``configs/gemm/wgmma.json``."""
+    load_wgmma_tile(arch)  # names the problem if the file, the arch or its default tile is missing
+    path = config_dir() / "gemm" / "wgmma.json"
+    names = read_json_object(path, missing=f"gemm config not found: {path}")[arch]
+    return {name: load_arch_config("gemm", "wgmma", arch, WgmmaTile, name) for name in names}
 
 
 def load_wgmma_tile(arch: str) -> WgmmaTile:
-    """The tile for ``arch`` (e.g. ``sm_90``) from ``configs/gemm/wgmma.json``."""
-    return load_arch_config("gemm", "wgmma", arch, WgmmaTile)
+    """The default (large-M) tile for ``arch`` from ``configs/gemm/wgmma.json``."""
+    return load_arch_config("gemm", "wgmma", arch, WgmmaTile, DEFAULT_TILE)
 
 
 def check_tile(tile: WgmmaTile, ops: GemmOperands) -> None:
@@ -92,18 +120,16 @@ def check_tile(tile: WgmmaTile, ops: GemmOperands) -> None:
         raise FuselightError(
             f"wgmma tile: block_n {tile.block_n} must be a multiple of {WGMMA_N_STEP} up to {WGMMA_N_MAX}"
         )
+    if tile.warpgroups not in CONSUMER_REGS:
+        raise FuselightError(
+            f"wgmma tile: warpgroups {tile.warpgroups} unsupported (supported: {sorted(CONSUMER_REGS)})"
+        )
     if ops.n % tile.block_n:
         raise FuselightError(f"wgmma gemm: n {ops.n} is not a multiple of block_n {tile.block_n}")
     if ops.k % BLOCK_K:
         raise FuselightError(f"wgmma gemm: k {ops.k} is not a multiple of {BLOCK_K}")
-    if tile.stages < GROUPS_IN_FLIGHT + 2:
-        raise FuselightError(f"wgmma tile: stages {tile.stages} must be at least {GROUPS_IN_FLIGHT + 2}")
-    for what, rows in (("A", tile.block_m), ("B", tile.block_n)):
-        if rows * (BLOCK_K // CHUNK) % tile.threads:
-            raise FuselightError(
-                f"wgmma tile: {tile.threads} threads cannot load the {rows}x{BLOCK_K} {what} tile "
-                f"in whole 16-byte pieces"
-            )
+    if tile.stages < GROUPS_IN_FLIGHT + 1:
+        raise FuselightError(f"wgmma tile: stages {tile.stages} must be at least {GROUPS_IN_FLIGHT + 1}")
     if tile.smem_bytes > MAX_DYNAMIC_SMEM:
         raise FuselightError(
             f"wgmma tile: {tile.stages} stages of {tile.block_m}x{BLOCK_K} + {tile.block_n}x{BLOCK_K} "
@@ -112,30 +138,29 @@ def check_tile(tile: WgmmaTile, ops: GemmOperands) -> None:
 
 
 def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
-    """The kernel body (a ``tvm.tirx.Stmt``) computing ``ops`` with ``tile``.
+    """The body (a ``tvm.tirx.Stmt``: host code encoding the tensor maps, then the kernel) computing ``ops``.
 
     It uses ``ops``' buffers as they are: bind it to the analysed function's params.
     """
+    import tvm
     from tvm.backend.cuda import op as cuda_op
     from tvm.script import tirx as T
 
     check_tile(tile, ops)
+    for what, buf in (("A", ops.a), ("B", ops.b)):
+        # The tensor maps start at the buffer's data pointer.
+        if not isinstance(buf.elem_offset, tvm.tirx.IntImm) or buf.elem_offset.value != 0:
+            raise FuselightError(f"wgmma gemm: {what} buffer has element offset {buf.elem_offset} (must be 0)")
     dtype, n, k = ops.dtype, ops.n, ops.k
-    bm, bn, stages, threads = tile.block_m, tile.block_n, tile.stages, tile.threads
-    chunks = BLOCK_K // CHUNK
-    a_loads = bm * chunks // threads
-    b_loads = bn * chunks // threads
+    bm, bn, stages, consumers = tile.block_m, tile.block_n, tile.stages, tile.warpgroups * WARPGROUP
     a_slot, b_slot = bm * BLOCK_K * ELEM_BYTES, bn * BLOCK_K * ELEM_BYTES  # bytes per stage
     b_base = stages * a_slot
+    bar_base = stages * tile.slot_bytes
     k_tiles = k // BLOCK_K
     n_tiles = n // bn
     n_acc = WGMMA_M * bn // WARPGROUP  # fp32 accumulators per thread
-    prefetch = stages - 1 - GROUPS_IN_FLIGHT  # tiles loaded ahead of the one computed
-    a_buf, b_buf, out_buf = ops.a, ops.b, ops.out.buffer
-
-    def swz(row, chunk):
-        # Byte offset of 16-byte piece ``chunk`` of tile row ``row``.
-        return (row * BLOCK_K + T.bitwise_xor(chunk, T.bitwise_and(row, SWIZZLE_ROWS - 1)) * CHUNK) * ELEM_BYTES
+    consumer_warps = consumers // WARP
+    out_buf = ops.out.buffer
 
     def desc(base, byte_offset):
         # Start address is the descriptor's low field, in 16-byte units: offsets add to it.
@@ -151,37 +176,51 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
     def fence_register(reg):
         return cuda_op.cuda_func_call(REGISTER_FENCE, reg, source_code=REGISTER_FENCE_SOURCE)
 
-    @T.macro
-    def load_tile(smem, tid, kt, m0, n0, m):
-        slot: T.let[T.int32] = kt % stages
-        for it in T.unroll(a_loads):
-            row: T.let[T.int32] = (it * threads + tid) // chunks
-            c: T.let[T.int32] = (it * threads + tid) % chunks
-            T.ptx.cp_async(
-                smem.access_ptr("w", offset=slot * a_slot + swz(row, c)),
-                a_buf.access_ptr(
-                    "r", offset=ops.a_offset(T.Cast("int64", T.min(m0 + row, m - 1)), kt * BLOCK_K + c * CHUNK)
-                ),
-                16,
-                predicate=m0 + row < m,
-                fill_mode="zero",
-            )
-        for it in T.unroll(b_loads):
-            row: T.let[T.int32] = (it * threads + tid) // chunks
-            c: T.let[T.int32] = (it * threads + tid) % chunks
-            T.ptx.cp_async(
-                smem.access_ptr("w", offset=b_base + slot * b_slot + swz(row, c)),
-                b_buf.access_ptr("r", offset=ops.b_offset(n0 + row, kt * BLOCK_K + c * CHUNK)),
-                16,
-            )
+    def full(smem, slot):
+        return smem.access_ptr("w", offset=bar_base + slot * MBAR_BYTES)
+
+    def empty(smem, slot):
+        return smem.access_ptr("w", offset=bar_base + (stages + slot) * MBAR_BYTES)
+
+    def encode(tensor_map, buf, rows, box_rows):
+        # Dims and box innermost first: K (contiguous), then rows; the row stride in bytes.
+        return T.call_packed(
+            "runtime.cuTensorMapEncodeTiled", tensor_map, dtype, 2, buf.data,
+            k, rows, k * ELEM_BYTES, BLOCK_K, box_rows, 1, 1,
+            TMA_INTERLEAVE_NONE, TMA_SWIZZLE_128B, TMA_L2_PROMOTION_256B, TMA_OOB_ZERO,
+        )  # fmt: skip
+
+    # Grouped order of tile t: group_m row tiles sweep the columns together. (All non-negative:
+    # truncating division is floor division here, and cheaper.)
+    def rows_in_group(t, m_tiles):
+        return T.min(m_tiles - T.truncdiv(t, tile.group_m * n_tiles) * tile.group_m, tile.group_m)
+
+    def tile_row(t, m_tiles):
+        in_group = T.truncmod(t, tile.group_m * n_tiles)
+        group_row = T.truncmod(in_group, rows_in_group(t, m_tiles))
+        return (T.truncdiv(t, tile.group_m * n_tiles) * tile.group_m + group_row) * bm
+
+    def tile_col(t, m_tiles):
+        return T.truncdiv(T.truncmod(t, tile.group_m * n_tiles), rows_in_group(t, m_tiles)) * bn
+
+    def tma_load(smem, offset, slot, tensor_map, kt, row):
+        return T.ptx.cp_async.bulk.tensor.g2s_cta(
+            2, smem.access_ptr("w", offset=offset), full(smem, slot), T.address_of(tensor_map), 1, "",
+            kt * BLOCK_K, row,
+        )  # fmt: skip
 
     # fmt: off
     @T.prim_func(s_tir=True, check_well_formed=False)
     def body():
         m: T.let[T.int32] = T.Cast("int32", ops.m)
+        a_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        b_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.evaluate(encode(a_map, ops.a, m, bm))
+        T.evaluate(encode(b_map, ops.b, n, bn))
         m_tiles: T.let[T.int32] = T.ceildiv(m, bm)
-        for bx in T.thread_binding(m_tiles * n_tiles, thread="blockIdx.x"):
-            for tid in T.thread_binding(threads, thread="threadIdx.x"):
+        blocks: T.let[T.int32] = T.min(m_tiles * n_tiles, tile.max_blocks)
+        for bx in T.thread_binding(blocks, thread="blockIdx.x"):
+            for tid in T.thread_binding(tile.threads, thread="threadIdx.x"):
                 with T.sblock("gemm"):
                     T.reads()
                     T.writes()
@@ -190,55 +229,70 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
                     buf_dyn_shmem = T.sblock_alloc_buffer((tile.smem_bytes,), "uint8", scope="shared.dyn", align=ATOM_BYTES)
                     acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
                     smem_desc = T.sblock_alloc_buffer((1,), "uint64", scope="local")
-                    # Grouped order: group_m row tiles sweep the columns together.
-                    # (All non-negative: truncating division is floor division here, and cheaper.)
-                    group: T.let[T.int32] = T.truncdiv(bx, tile.group_m * n_tiles)
-                    rows_in_group: T.let[T.int32] = T.min(m_tiles - group * tile.group_m, tile.group_m)
-                    in_group: T.let[T.int32] = T.truncmod(bx, tile.group_m * n_tiles)
-                    m0: T.let[T.int32] = (group * tile.group_m + T.truncmod(in_group, rows_in_group)) * bm
-                    n0: T.let[T.int32] = T.truncdiv(in_group, rows_in_group) * bn
                     wg: T.let[T.int32] = tid // WARPGROUP
+                    # This block's tiles: bx, bx + blocks, ...; each at step (its count) * k_tiles.
+                    my_tiles: T.let[T.int32] = T.truncdiv(m_tiles * n_tiles - bx + blocks - 1, blocks)
                     T.ptx.wgmma.encode_matrix_descriptor(
                         T.address_of(smem_desc[0]), buf_dyn_shmem.access_ptr("r"), DESC_LBO, DESC_SBO, DESC_SWIZZLE_128B
                     )
-                    for i in T.unroll(n_acc):
-                        acc[i] = T.float32(0)
-                    for kt in T.unroll(prefetch):
-                        if kt < k_tiles:
-                            load_tile(buf_dyn_shmem, tid, kt, m0, n0, m)
-                        T.ptx.cp_async.commit_group()
-                    for kt in T.serial(k_tiles):
-                        T.ptx.cp_async.wait_group(prefetch - 1)
-                        # cp.async writes are generic-proxy; wgmma reads through the async proxy.
+                    if tid == 0:
+                        for s in T.unroll(stages):
+                            T.ptx.mbarrier.init(full(buf_dyn_shmem, s), 1)
+                            T.ptx.mbarrier.init(empty(buf_dyn_shmem, s), consumer_warps)
+                        # The barriers are completed by TMA, through the async proxy.
                         T.ptx.fence.proxy_async("shared::cta")
-                        T.tvm_storage_sync("shared")
-                        slot: T.let[T.int32] = kt % stages
-                        T.ptx.wgmma.fence()
-                        for kk in T.unroll(BLOCK_K // WGMMA_K):
-                            T.evaluate(mma(
-                                desc(smem_desc[0], slot * a_slot + (wg * WGMMA_M * BLOCK_K + kk * WGMMA_K) * ELEM_BYTES),
-                                desc(smem_desc[0], b_base + slot * b_slot + kk * WGMMA_K * ELEM_BYTES),
-                                acc,
-                            ))
-                        T.ptx.wgmma.commit_group()
-                        # Leaves this step's group running; every warpgroup passed the barrier
-                        # above after finishing the group before, so slot kt + prefetch is free.
-                        T.ptx.wgmma.wait_group(GROUPS_IN_FLIGHT)
-                        if kt + prefetch < k_tiles:
-                            load_tile(buf_dyn_shmem, tid, kt + prefetch, m0, n0, m)
-                        T.ptx.cp_async.commit_group()
-                    T.ptx.wgmma.wait_group(0)
-                    for i in T.unroll(n_acc):
-                        T.evaluate(fence_register(acc[i]))
-                    # Accumulator 4j + 2h + e: row lane / 4 + 8h of the warp's 16, column
-                    # 8j + 2 (lane % 4) + e; each thread's e = 0, 1 pair is stored together.
-                    for j in T.unroll(n_acc // 4):
-                        for h in T.unroll(2):
-                            r: T.let[T.int32] = m0 + wg * WGMMA_M + (tid % WARPGROUP) // 32 * 16 + (tid % 32) // 4 + h * 8
-                            if r < m:
-                                for e in T.vectorized(2):
-                                    out_buf[ops.out.index(T.Cast("int64", r), n0 + j * 8 + tid % 4 * 2 + e)] = ops.out.value(
-                                        T.Cast("int64", r), n0 + j * 8 + tid % 4 * 2 + e, acc[j * 4 + h * 2 + e]
-                                    )
+                    T.tvm_storage_sync("shared")
+                    if wg == tile.warpgroups:
+                        T.ptx.setmaxnreg(False, PRODUCER_REGS)
+                        if tid == consumers:
+                            for ti in T.serial(my_tiles):
+                                m0: T.let[T.int32] = tile_row(bx + ti * blocks, m_tiles)
+                                n0: T.let[T.int32] = tile_col(bx + ti * blocks, m_tiles)
+                                for kt in T.serial(k_tiles):
+                                    it: T.let[T.int32] = ti * k_tiles + kt
+                                    slot: T.let[T.int32] = T.truncmod(it, stages)
+                                    if it >= stages:
+                                        T.ptx.mbarrier.try_wait(empty(buf_dyn_shmem, slot), T.truncmod(T.truncdiv(it, stages) + 1, 2))
+                                    T.ptx.mbarrier.arrive.expect_tx(full(buf_dyn_shmem, slot), tile.slot_bytes)
+                                    T.evaluate(tma_load(buf_dyn_shmem, slot * a_slot, slot, a_map, kt, m0))
+                                    T.evaluate(tma_load(buf_dyn_shmem, b_base + slot * b_slot, slot, b_map, kt, n0))
+                    else:
+                        T.ptx.setmaxnreg(True, CONSUMER_REGS[tile.warpgroups])
+                        for ti in T.serial(my_tiles):
+                            m0: T.let[T.int32] = tile_row(bx + ti * blocks, m_tiles)
+                            n0: T.let[T.int32] = tile_col(bx + ti * blocks, m_tiles)
+                            for i in T.unroll(n_acc):
+                                acc[i] = T.float32(0)
+                            for kt in T.serial(k_tiles):
+                                it: T.let[T.int32] = ti * k_tiles + kt
+                                slot: T.let[T.int32] = T.truncmod(it, stages)
+                                T.ptx.mbarrier.try_wait(full(buf_dyn_shmem, slot), T.truncmod(T.truncdiv(it, stages), 2))
+                                T.ptx.wgmma.fence()
+                                for kk in T.unroll(BLOCK_K // WGMMA_K):
+                                    T.evaluate(mma(
+                                        desc(smem_desc[0], slot * a_slot + (wg * WGMMA_M * BLOCK_K + kk * WGMMA_K) * ELEM_BYTES),
+                                        desc(smem_desc[0], b_base + slot * b_slot + kk * WGMMA_K * ELEM_BYTES),
+                                        acc,
+                                    ))
+                                T.ptx.wgmma.commit_group()
+                                T.ptx.wgmma.wait_group(GROUPS_IN_FLIGHT)
+                                # The group before this one has retired (in this warp): its slot is free.
+                                if kt > 0 and tid % WARP == 0:
+                                    T.ptx.mbarrier.arrive(empty(buf_dyn_shmem, T.truncmod(it + stages - 1, stages)))
+                            T.ptx.wgmma.wait_group(0)
+                            if tid % WARP == 0:
+                                T.ptx.mbarrier.arrive(empty(buf_dyn_shmem, T.truncmod(ti * k_tiles + k_tiles - 1, stages)))
+                            for i in T.unroll(n_acc):
+                                T.evaluate(fence_register(acc[i]))
+                            # Accumulator 4j + 2h + e: row lane / 4 + 8h of the warp's 16, column
+                            # 8j + 2 (lane % 4) + e; each thread's e = 0, 1 pair is stored together.
+                            for j in T.unroll(n_acc // 4):
+                                for h in T.unroll(2):
+                                    r: T.let[T.int32] = m0 + wg * WGMMA_M + (tid % WARPGROUP) // WARP * 16 + (tid % WARP) // 4 + h * 8
+                                    if r < m:
+                                        for e in T.vectorized(2):
+                                            out_buf[ops.out.index(T.Cast("int64", r), n0 + j * 8 + tid % 4 * 2 + e)] = ops.out.value(
+                                                T.Cast("int64", r), n0 + j * 8 + tid % 4 * 2 + e, acc[j * 4 + h * 2 + e]
+                                            )
     # fmt: on
     return body.body
