@@ -5,8 +5,8 @@ tolerance it may change results by (ulp = unit in the last place of the tensor's
 rewrite starts from one binding (a call of ``Rewrite.op``), looks back through the bindings that
 define its arguments, and proposes expressions computing the same value; the pass keeps the
 cheapest proposal whose cost, from ``Classify``'s FLOPs and bytes, is provably no greater in both
-FLOPs and bytes for every value of the symbolic dims (>= 1) than the binding plus the bindings it
-makes dead. Rewrites run to a fixed point (at most ``MAX_ROUNDS`` sweeps per function); bindings
+FLOPs and bytes for every value of the symbolic dims (from 1 to the function's
+``tir_var_upper_bound`` where it has one) than the binding plus the bindings it makes dead. Rewrites run to a fixed point (at most ``MAX_ROUNDS`` sweeps per function); bindings
 left unused are removed.
 
 What is provable is rewritten, nothing else:
@@ -486,6 +486,7 @@ def _rewrite_function(
 ) -> relax.Function:
     for _ in range(MAX_ROUNDS):
         graph = _Graph(func)
+        bounds = func.attrs.get("tir_var_upper_bound") if func.attrs is not None else None
         chosen: dict[relax.Var, relax.Expr] = {}
         left: list[str] = []  # rewrites that matched but were not applied, this round
         for block in func.body.blocks:
@@ -500,7 +501,7 @@ def _rewrite_function(
                 matched = []
                 for rewrite in by_op.get(value.op.name, ()):
                     candidates = rewrite.propose(graph, value)
-                    best = _cheapest(graph, binding, candidates, rewrite.strict)
+                    best = _cheapest(graph, binding, candidates, rewrite.strict, bounds)
                     if best is not None:
                         chosen[binding.var] = best
                         applied[rewrite.name] += 1
@@ -522,7 +523,7 @@ def _canonical(func: relax.Function) -> relax.Function:
 
 
 def _cheapest(
-    graph: _Graph, binding: relax.VarBinding, candidates: list[Candidate], strict: bool
+    graph: _Graph, binding: relax.VarBinding, candidates: list[Candidate], strict: bool, bounds: Mapping | None
 ) -> relax.Expr | None:
     if not candidates:
         return None
@@ -533,7 +534,7 @@ def _cheapest(
         if emitted is None or not _same_type(emitted[-1].var, binding.var):
             continue
         new = _cost(emitted)
-        if no_worse(new, old, strict) and (best_cost is None or no_worse(new, best_cost)):
+        if no_worse(new, old, strict, bounds) and (best_cost is None or no_worse(new, best_cost, bounds=bounds)):
             best, best_cost = expr, new
     return best
 
@@ -599,8 +600,10 @@ def no_worse(
         if bounds and name in bounds:
             domain = tirx.And(domain, v <= int(bounds[name]))
     with analyzer.constraint_scope(domain):
-        no_worse = all(analyzer.can_prove(n <= o) for n, o in zip(new, old))
-        return no_worse and (not strict or any(analyzer.can_prove(n < o) for n, o in zip(new, old)))
+        # The simplified difference proves more than the comparison (terms in n * m cancel first).
+        margins = [analyzer.simplify(o - n) for n, o in zip(new, old)]
+        no_worse = all(analyzer.can_prove(d >= 0) for d in margins)
+        return no_worse and (not strict or any(analyzer.can_prove(d > 0) for d in margins))
 
 
 @mutator

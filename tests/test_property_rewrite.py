@@ -368,6 +368,25 @@ def test_catalogue_case(name):
     assert dict(after.attrs[APPLIED_ATTR]) == applied
 
 
+def test_variable_bounds_make_rewrites_provable():
+    """(x*s) @ W with W [4, m]: scaling the [n, m] output is cheaper than the [n, 4] input only for
+    m < 4, which the function's bound on m proves."""
+    m = tirx.Var("m", "int64")
+    x, w = _x((N, 4)), _x((4, m), name="w")
+
+    def build(attrs):
+        bb = relax.BlockBuilder()
+        with bb.function("main", [x, w], attrs=attrs):
+            with bb.dataflow():
+                out = bb.emit_output(O.matmul(bb.emit(O.multiply(x, _c(0.5))), w))
+            bb.emit_func_output(out)
+        return bb.get()
+
+    assert _rewrite(build(None))[1] == {}
+    assert _rewrite(build({"tir_var_upper_bound": {"m": 3}}))[1] == {"scale_out_of_matmul": 1}
+    assert _rewrite(build({"tir_var_upper_bound": {"m": 4}}))[1] == {}  # equal at m = 4: not strictly cheaper
+
+
 def test_refusals_are_recorded():
     p = PropertyRewrite()
     after = p(_case("scale_out_costs_more"))
