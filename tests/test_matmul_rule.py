@@ -60,7 +60,7 @@ def test_static_m_gets_one_plan():
 
 def test_estimate_prefers_large_tiles_at_large_m_and_fills_the_gpu_at_small_m():
     d = dispatch.load_dispatch("sm_90")
-    assert dispatch.best_plan(_ops(4096, 4096), 8192, d) == d.wgmma
+    assert dispatch.best_plan(_ops(4096, 4096), 8192, d) == d.wgmma[dispatch.WGMMA]
     small = dispatch.best_plan(_ops(4096, 4096), 32, d)
     # 32 rows x 4096 columns are 16 wgmma tiles; the small-M plan spreads them over the GPU
     assert -(-32 // small.main.block_m) * (4096 // small.main.block_n) * small.split_k >= 32
@@ -71,6 +71,7 @@ def test_measured_table_overrides_the_estimate():
     tile = next(iter(d.tiles.values()))
     forced = dataclasses.replace(d, measured={"4096x4096": [(10**9, dispatch.GemmPlan(tile, None, 2))]})
     assert dispatch.best_plan(_ops(4096, 4096), 4000, forced) == dispatch.GemmPlan(tile, None, 2)
+    assert dispatch.plan_ranges(_ops(4096, 4096), forced) == [(10**9, dispatch.GemmPlan(tile, None, 2))]
     # other shapes keep the estimate
     assert dispatch.best_plan(_ops(6144, 4096), 4000, forced) == dispatch.best_plan(_ops(6144, 4096), 4000, d)
 

@@ -1,8 +1,8 @@
 """Which GEMM plan serves which M: an analytic performance function, no search at compile time.
 
 A plan is either a ``GemmPlan`` of the mma.sync template (tiles, rest tile, split-K: it fills the
-GPU at small M) or the ``WgmmaTile`` of the Hopper wgmma template (one 128 x 256 tile: the fastest
-at large M). ``estimate_us`` prices a plan for (M, N, K) from the device numbers and per-tile
+GPU at small M) or a ``WgmmaTile`` of the Hopper wgmma template (128 x 256, the fastest at large
+M, or 128 x 128 where few tiles would leave SMs idle). ``estimate_us`` prices a plan for (M, N, K) from the device numbers and per-tile
 efficiencies in ``configs/gemm/dispatch.json``: tensor-core time per block wave (a wave is every
 SM running its resident blocks; the last one partly idle), the DRAM floor (weights, A and the
 output moved once), the split-K partials and one launch gap per kernel. ``plan_ranges`` evaluates it over an M grid
@@ -26,10 +26,14 @@ from fuselight.paths import config_dir
 
 from .operands import GemmOperands
 from .plan import GemmPlan, GemmTile, check_plan, load_tiles
-from .wgmma import WgmmaTile, check_tile, load_wgmma_tile
+from .wgmma import WgmmaTile, check_tile, load_wgmma_tiles
 
 Plan = GemmPlan | WgmmaTile
-WGMMA = "wgmma"  # the wgmma plan's name in tables
+WGMMA = "wgmma"  # the default wgmma tile's name in tables; the others are "wgmma-<name>"
+
+
+def _wgmma_name(tile_name: str) -> str:
+    return WGMMA if tile_name == "default" else f"{WGMMA}-{tile_name}"
 
 ACC_BYTES = 4  # a split-K partial is fp32
 IN_BYTES = 2  # fp16 / bf16 operands and outputs
@@ -45,7 +49,8 @@ class Dispatch:
     peak_tflops: float  # mma.sync fp16 with fp32 accumulate, whole GPU
     wgmma_peak_tflops: float  # wgmma, the same
     dram_gbps: float
-    sm_gbps: float  # operand streaming rate of one SM (cp.async pipeline), bounds small-M GEMMs
+    sm_gbps: float  # operand streaming rate of one SM (mma.sync's cp.async pipeline), bounds small-M GEMMs
+    wgmma_sm_gbps: float  # the same for wgmma's TMA pipeline
     launch_us: float
     min_static_m: int  # static M below this is a GEMV: left to the next rule
     m_grid: tuple[int, ...]  # M values the ranges are decided at
@@ -53,7 +58,7 @@ class Dispatch:
     keep_within: float  # a range keeps the previous plan while it is this close to the best (0.05: 5%)
     efficiency: dict[str, float]  # tile name -> fraction of the per-SM peak a block sustains
     tiles: dict[str, GemmTile]
-    wgmma: WgmmaTile | None  # None: the arch has no wgmma config
+    wgmma: dict[str, WgmmaTile]  # by plan name; empty: the arch has no wgmma config
     measured: dict[str, list[tuple[int, Plan]]]  # "NxK" -> measured best (largest M, plan)
 
 
@@ -67,8 +72,9 @@ def load_dispatch(arch: str) -> Dispatch:
     tiles = load_tiles(arch)
     try:
         efficiency = {str(k): float(v) for k, v in cfg["efficiency"].items()}
-        wgmma = load_wgmma_tile(arch) if WGMMA in efficiency else None
-        unknown = sorted(set(efficiency) - set(tiles) - {WGMMA})
+        wgmma_tiles = {_wgmma_name(n): t for n, t in load_wgmma_tiles(arch).items()} if WGMMA in efficiency else {}
+        wgmma = {name: t for name, t in wgmma_tiles.items() if name in efficiency}
+        unknown = sorted(set(efficiency) - set(tiles) - set(wgmma))
         if unknown:
             raise FuselightError(f"{path}[{arch!r}]: efficiency for unknown tiles {unknown}")
         measured = {
@@ -83,13 +89,14 @@ def load_dispatch(arch: str) -> Dispatch:
             wgmma_peak_tflops=float(cfg["wgmma_peak_tflops"]),
             dram_gbps=float(cfg["dram_gbps"]),
             sm_gbps=float(cfg["sm_gbps"]),
+            wgmma_sm_gbps=float(cfg["wgmma_sm_gbps"]),
             launch_us=float(cfg["launch_us"]),
             min_static_m=int(cfg["min_static_m"]),
             m_grid=tuple(int(m) for m in cfg["m_grid"]),
             split_k=tuple(int(s) for s in cfg["split_k"]),
             keep_within=float(cfg["keep_within"]),
             efficiency=efficiency,
-            tiles={name: tiles[name] for name in efficiency if name != WGMMA},
+            tiles={name: tiles[name] for name in efficiency if name not in wgmma},
             wgmma=wgmma,
             measured=measured,
         )
@@ -100,18 +107,18 @@ def load_dispatch(arch: str) -> Dispatch:
 def plan_name(plan: Plan, d: Dispatch) -> str:
     """A plan's name in tables: ``wgmma``, or ``<main tile>[+<rest tile>][/sk<split>]``."""
     if isinstance(plan, WgmmaTile):
-        return WGMMA
+        return next(name for name, t in d.wgmma.items() if t == plan)
     names = {t: name for name, t in d.tiles.items()}
     key = names[plan.main] + (f"+{names[plan.rest]}" if plan.rest is not None else "")
     return key + (f"/sk{plan.split_k}" if plan.split_k > 1 else "")
 
 
-def _plan(tiles: dict[str, GemmTile], wgmma: WgmmaTile | None, name: str) -> Plan:
+def _plan(tiles: dict[str, GemmTile], wgmma: dict[str, WgmmaTile], name: str) -> Plan:
     """The plan ``plan_name`` gives ``name``."""
-    if name == WGMMA:
-        if wgmma is None:
-            raise FuselightError(f"measured plan {WGMMA!r} without a wgmma efficiency")
-        return wgmma
+    if name.startswith(WGMMA):
+        if name not in wgmma:
+            raise FuselightError(f"measured plan {name!r} has no wgmma tile with an efficiency")
+        return wgmma[name]
     main, _, split = name.partition("/sk")
     main, _, rest = main.partition("+")
     return GemmPlan(main=tiles[main], rest=tiles[rest] if rest else None, split_k=int(split or 1))
@@ -126,11 +133,11 @@ def _name(tile: GemmTile, d: Dispatch) -> str:
 
 
 def _waves_us(block_m: int, block_n: int, blocks: int, k: float, resident: int, tflops_per_sm: float,
-              d: Dispatch) -> float:
+              sm_gbps: float, d: Dispatch) -> float:
     """Time of ``blocks`` blocks of ``block_m x block_n x k``, ``resident`` sharing an SM: a block
     takes the longer of its tensor-core work and streaming its operands at one SM's rate."""
     compute_us = 2 * block_m * block_n * k / (tflops_per_sm * 1e6)
-    stream_us = (block_m + block_n) * k * IN_BYTES / (d.sm_gbps * 1e3)
+    stream_us = (block_m + block_n) * k * IN_BYTES / (sm_gbps * 1e3)
     return math.ceil(blocks / (d.sms * resident)) * resident * max(compute_us, stream_us)
 
 
@@ -139,8 +146,9 @@ def estimate_us(plan: Plan, m: int, n: int, k: int, d: Dispatch) -> float:
     moved = (n * k + m * k + m * n) * IN_BYTES
     if isinstance(plan, WgmmaTile):
         blocks = math.ceil(m / plan.block_m) * math.ceil(n / plan.block_n)
-        per_sm = d.wgmma_peak_tflops * d.efficiency[WGMMA] / d.sms
-        compute = _waves_us(plan.block_m, plan.block_n, blocks, k, _resident(plan, plan.smem_bytes, d), per_sm, d)
+        per_sm = d.wgmma_peak_tflops * d.efficiency[plan_name(plan, d)] / d.sms
+        compute = _waves_us(plan.block_m, plan.block_n, blocks, k, _resident(plan, plan.smem_bytes, d), per_sm,
+                            d.wgmma_sm_gbps, d)
         return max(compute, moved / (d.dram_gbps * 1e3)) + d.launch_us
     main, rest = plan.main, plan.rest or plan.main
     whole = m // main.block_m if plan.rest is not None else 0
@@ -152,7 +160,7 @@ def estimate_us(plan: Plan, m: int, n: int, k: int, d: Dispatch) -> float:
         blocks = rows_tiles * math.ceil(n / tile.block_n) * plan.split_k
         per_sm = d.peak_tflops * d.efficiency[_name(tile, d)] / d.sms
         compute += _waves_us(tile.block_m, tile.block_n, blocks, k / plan.split_k,
-                             _resident(tile, tile.shared_bytes, d), per_sm, d)
+                             _resident(tile, tile.shared_bytes, d), per_sm, d.sm_gbps, d)
     reduce_us = 0.0
     if plan.split_k > 1:
         # The GEMM writes fp32 partials; a second kernel reads them and runs the epilogue.
@@ -166,10 +174,10 @@ def candidates(ops: GemmOperands, d: Dispatch) -> list[Plan]:
     """Every plan the config allows that can tile ``ops``."""
     tiles = list(d.tiles.values())
     plans: list[Plan] = []
-    if d.wgmma is not None:
+    for tile in d.wgmma.values():
         try:
-            check_tile(d.wgmma, ops)
-            plans.append(d.wgmma)
+            check_tile(tile, ops)
+            plans.append(tile)
         except FuselightError:
             pass
     for main, rest, split in itertools.product(tiles, [None, *tiles], d.split_k):
@@ -208,9 +216,13 @@ def best_plan(
 def plan_ranges(ops: GemmOperands, d: Dispatch) -> list[tuple[int, Plan]]:
     """``(largest M, plan)`` in increasing M; the last range also serves every larger M. Empty: no plan fits.
 
-    A range keeps the previous range's plan while that is within ``d.keep_within`` of the best, so
-    a function compiles a few kernels, not one per grid point.
+    A measured table for the shape is used as it is. Otherwise a range keeps the previous range's
+    plan while that is within ``d.keep_within`` of the best, so a function compiles a few kernels,
+    not one per grid point.
     """
+    table = d.measured.get(f"{ops.n}x{ops.k}")
+    if table and not _static(ops.m):
+        return list(table)
     plans = candidates(ops, d)
     grid = [int(ops.m)] if _static(ops.m) else list(d.m_grid)
     ranges: list[tuple[int, Plan]] = []
