@@ -163,8 +163,13 @@ class OpInfo:
 
     def cost(self, bindings: dict[str, int]) -> tuple[int | None, int | None]:
         """``(flops, bytes_read + bytes_written)`` with symbolic dims bound by name."""
-        flops, read, written = (_evaluate(e, bindings) for e in self._exprs)
+        flops, read, written = self.evaluate(bindings)
         return flops, None if read is None or written is None else read + written
+
+    def evaluate(self, bindings: dict[str, int]) -> tuple[int | None, int | None, int | None]:
+        """``(flops, bytes_read, bytes_written)`` with symbolic dims bound by name."""
+        flops, read, written = (_evaluate(e, bindings) for e in self._exprs)
+        return flops, read, written
 
     def cost_exprs(self) -> tuple[tvm.ir.Expr | None, tvm.ir.Expr | None]:
         """``(flops, bytes_read + bytes_written)`` as expressions over the symbolic dims (``None`` if unknown)."""

@@ -22,20 +22,14 @@ import tvm
 from tvm import relax, tirx
 
 from ..errors import FuselightError
-from ..jsonfile import read_json_object
-from ..paths import config_dir
+from . import cost_model
 from .classify import classify_binding
 from .property_rewrite import no_worse
 
 
 def launch_bytes(arch: str) -> int:
-    """Bytes of memory traffic one kernel launch is worth on ``arch`` (``configs/passes/cost.json``)."""
-    path = config_dir() / "passes" / "cost.json"
-    table = read_json_object(path, missing=f"cost model config not found: {path}")
-    if arch not in table:
-        raise FuselightError(f"{path}: no launch cost for {arch!r}")
-    entry = table[arch]
-    return int(entry["launch_overhead_us"] * entry["dram_bandwidth_gb_s"] * 1000)
+    """Bytes of memory traffic one kernel launch is worth on ``arch``."""
+    return cost_model.load(arch).launch_bytes
 
 
 class WeightCost:

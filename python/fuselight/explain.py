@@ -11,8 +11,11 @@ then reads as the step after a ``prompt_len``-token prompt.
 leaves alone because no proposal is provably no worse (name, count), and ``after_rewrite`` each
 function's operator count and costs once it has. The weight transforms (``MergeSiblingMatmuls``,
 ``FoldNormWeight``) are in the catalogue too; as they change the weights the caller passes, they are
-not applied here: ``weight_transforms`` counts where each would apply. Fusion groups come with a later pass: ``groups``
-is empty for now.
+not applied here: ``weight_transforms`` counts where each would apply.
+
+``groups``: the fusion planner's groups of two or more bindings on the rewritten graph (function,
+members, classes, anchor), and ``after_rewrite`` each function's ``planned_kernels``. The plan is
+an analysis: the pipeline still fuses with TVM's FuseOps.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from .config import ModelConfig
 # The model's entry points (``fuselight.model.llama.export_module``); the KV-cache constructor
 # computes nothing per token.
 MODEL_FUNCTIONS = ("embed", "prefill", "decode")
-NOTE = "groups is filled by the fusion planner (not yet written); property_rewrite is not in the default passes yet"
+NOTE = "property_rewrite is not in the default passes yet; the fusion plan is not lowered yet (FuseOps fuses)"
 
 
 def explain(config: ModelConfig, prompt_len: int) -> dict[str, Any]:
@@ -36,6 +39,7 @@ def explain(config: ModelConfig, prompt_len: int) -> dict[str, Any]:
     from .model.llama import export_module
     from .passes import fold_norm_weight, merge_sibling_matmuls
     from .passes.classify import KV_LEN, MAPPINGS, NON_CALL_OPS, classify_module
+    from .passes.fusion_plan import kernels, plan_fusion
     from .passes.property_rewrite import (
         APPLIED_ATTR,
         REFUSED_ATTR,
@@ -50,6 +54,10 @@ def explain(config: ModelConfig, prompt_len: int) -> dict[str, Any]:
     classified = classify_module(mod)
     rewritten = PropertyRewrite()(mod)
     classified_after = classify_module(rewritten)
+    dims = {KV_LEN.name: prompt_len}
+    for name in MODEL_FUNCTIONS:
+        dims.update({v.name: prompt_len for v in relax.analysis.defined_symbolic_vars(mod[name])})
+    plan = plan_fusion(rewritten, dims)
     functions, after_rewrite = {}, {}
     for name in MODEL_FUNCTIONS:
         symbolic = {v.name: prompt_len for v in relax.analysis.defined_symbolic_vars(mod[name])}
@@ -73,6 +81,7 @@ def explain(config: ModelConfig, prompt_len: int) -> dict[str, Any]:
             "operators": len(after),
             "est_flops": _total(f for f, _ in after),
             "est_bytes": _total(b for _, b in after),
+            "planned_kernels": kernels(plan[name]),
         }
     return {
         "model": config.name,
@@ -84,7 +93,9 @@ def explain(config: ModelConfig, prompt_len: int) -> dict[str, Any]:
         "rewrites_refused": _counts(rewritten.attrs[REFUSED_ATTR]),
         "after_rewrite": after_rewrite,
         "weight_transforms": _weight_transform_sites(mod),
-        "groups": [],
+        "groups": [
+            {"function": name, **g.to_dict()} for name in MODEL_FUNCTIONS for g in plan[name] if len(g.members) > 1
+        ],
         "note": NOTE,
     }
 
@@ -134,7 +145,8 @@ def format_text(report: dict[str, Any]) -> str:
     lines += ["", f"property rewrites ({len(report['rewrites_available'])} in the catalogue) applied: {applied}"]
     for name, fn in report["after_rewrite"].items():
         lines.append(
-            f"  {name}: {fn['operators']} operators, {_num(fn['est_flops'])} flops, {_num(fn['est_bytes'])} bytes"
+            f"  {name}: {fn['operators']} operators, {_num(fn['est_flops'])} flops, {_num(fn['est_bytes'])} bytes,"
+            f" {fn['planned_kernels']} planned kernels"
         )
     lines += ["", report["note"]]
     return "\n".join(lines)
