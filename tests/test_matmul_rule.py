@@ -53,6 +53,13 @@ def test_dispatch_covers_every_m_with_valid_plans(n, k):
         assert plan.rest is None or upper > plan.main.block_m  # a rest tile only follows whole main tiles
 
 
+def test_no_plan_for_what_no_template_serves():
+    d = dispatch.load_dispatch("sm_90")
+    nn = dataclasses.replace(_ops(4096, 4096), b_layout="NN")  # the templates read B as [n, k]
+    assert dispatch.plan_ranges(nn, d) == [] and dispatch.best_plan(nn, 4096, d) is None
+    assert dispatch.plan_ranges(_ops(4100, 4096), d) == []  # N no tile divides
+
+
 def test_static_m_gets_one_plan():
     d = dispatch.load_dispatch("sm_90")
     assert len(dispatch.plan_ranges(_ops(4096, 4096, tirx.IntImm("int64", 300)), d)) == 1

@@ -2,13 +2,15 @@
 
 A plan is either a ``GemmPlan`` of the mma.sync template (tiles, rest tile, split-K: it fills the
 GPU at small M) or a ``WgmmaTile`` of the Hopper wgmma template (128 x 256, the fastest at large
-M, or 128 x 128 where few tiles would leave SMs idle). ``estimate_us`` prices a plan for (M, N, K) from the device numbers and per-tile
-efficiencies in ``configs/gemm/dispatch.json``: tensor-core time per block wave (a wave is every
-SM running its resident blocks; the last one partly idle), the DRAM floor (weights, A and the
-output moved once), the split-K partials and one launch gap per kernel. ``plan_ranges`` evaluates it over an M grid
-and merges neighbours with the same best plan into ``(largest M, plan)`` ranges, which the Matmul
-rule turns into a host-side branch. A measured table (``fuselight tune gemm``) checks the function
-against the GPU: ``measured`` entries, where present for a shape, override the estimate.
+M, or 128 x 128 where few tiles would leave SMs idle). ``estimate_us`` prices a plan for (M, N, K)
+from the device numbers and per-tile efficiencies in ``configs/gemm/dispatch.json``: tensor-core
+time per block wave (a wave is every SM running its resident blocks; the last one partly idle),
+a block's operand streaming at one SM's rate (what few blocks at small M cannot hide), the DRAM
+floor (weights, A and the output moved once), the split-K partials and one launch gap per kernel.
+``plan_ranges`` evaluates it over an M grid and merges neighbours with the same best plan into
+``(largest M, plan)`` ranges, which the Matmul rule turns into a host-side branch. A measured table
+(``fuselight tune gemm-*``) checks the function against the GPU: its entries, where present for a
+shape and valid for the operands, override the estimate.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ Plan = GemmPlan | WgmmaTile
 WGMMA = "wgmma"  # the default wgmma tile's name in tables; the others are "wgmma-<name>"
 
 
+ACC_BYTES = 4  # a split-K partial is fp32
+IN_BYTES = 2  # fp16 / bf16 operands and outputs
+
+
 def _wgmma_name(tile_name: str) -> str:
     return WGMMA if tile_name == "default" else f"{WGMMA}-{tile_name}"
 
-ACC_BYTES = 4  # a split-K partial is fp32
-IN_BYTES = 2  # fp16 / bf16 operands and outputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,26 +174,31 @@ def estimate_us(plan: Plan, m: int, n: int, k: int, d: Dispatch) -> float:
     return max(compute, moved / (d.dram_gbps * 1e3)) + d.launch_us + reduce_us
 
 
+def _fits(plan: Plan, ops: GemmOperands) -> bool:
+    try:
+        if isinstance(plan, WgmmaTile):
+            check_tile(plan, ops)
+        else:
+            check_plan(plan, ops)
+    except FuselightError:
+        return False
+    return True
+
+
+def _measured(ops: GemmOperands, d: Dispatch) -> list[tuple[int, Plan]] | None:
+    """The measured ranges for ``ops``' shape, if the table has them and every plan fits ``ops``."""
+    table = d.measured.get(f"{ops.n}x{ops.k}")
+    return table if table and all(_fits(plan, ops) for _, plan in table) else None
+
+
 def candidates(ops: GemmOperands, d: Dispatch) -> list[Plan]:
     """Every plan the config allows that can tile ``ops``."""
     tiles = list(d.tiles.values())
-    plans: list[Plan] = []
-    for tile in d.wgmma.values():
-        try:
-            check_tile(tile, ops)
-            plans.append(tile)
-        except FuselightError:
-            pass
+    plans: list[Plan] = list(d.wgmma.values())
     for main, rest, split in itertools.product(tiles, [None, *tiles], d.split_k):
-        if rest is not None and (rest.block_m >= main.block_m or rest.block_n != main.block_n):
-            continue
-        plan = GemmPlan(main=main, rest=rest, split_k=split)
-        try:
-            check_plan(plan, ops)
-        except FuselightError:
-            continue
-        plans.append(plan)
-    return plans
+        if rest is None or (rest.block_m < main.block_m and rest.block_n == main.block_n):
+            plans.append(GemmPlan(main=main, rest=rest, split_k=split))
+    return [p for p in plans if _fits(p, ops)]
 
 
 def best_plan(
@@ -200,7 +209,7 @@ def best_plan(
     lowest_m: the smallest M the plan will serve (default ``m``); a plan with a rest tile needs at
     least one whole main tile there.
     """
-    table = d.measured.get(f"{ops.n}x{ops.k}")
+    table = _measured(ops, d)
     if table:
         return next((plan for upper, plan in table if m <= upper), table[-1][1])
     lowest = m if lowest_m is None else lowest_m
@@ -220,7 +229,7 @@ def plan_ranges(ops: GemmOperands, d: Dispatch) -> list[tuple[int, Plan]]:
     plan while that is within ``d.keep_within`` of the best, so a function compiles a few kernels,
     not one per grid point.
     """
-    table = d.measured.get(f"{ops.n}x{ops.k}")
+    table = _measured(ops, d)
     if table and not _static(ops.m):
         return list(table)
     plans = candidates(ops, d)
