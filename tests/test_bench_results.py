@@ -158,10 +158,10 @@ def test_manifest_errors(tmp_path):
 
 @pytest.fixture(scope="module")
 def small_suite(tmp_path_factory):
-    """Two small cases built for llvm through the same build path as CUDA, and their run."""
+    """Three small cases built for llvm through the same build path as CUDA, and their run."""
     pytest.importorskip("torch")
     out = tmp_path_factory.mktemp("suite")
-    manifest = kernels.build_suite(out, None, ["gemm-48x64", "attention-prefill-4x2x16"], target="llvm", suite="small")
+    manifest = kernels.build_suite(out, None, ["gemm-48x64", "gemm-residual-48x64", "attention-prefill-4x2x16"], target="llvm", suite="small")
     records = kernels.run_suite(manifest, out / "results.json")
     return manifest, records
 
@@ -169,7 +169,7 @@ def small_suite(tmp_path_factory):
 def test_kernel_suite_on_llvm(small_suite):
     manifest, records = small_suite
     raw, cases = kernels.read_manifest(manifest)
-    assert raw["target"] == "llvm" and [c.name for c in cases] == ["gemm-48x64", "attention-prefill-4x2x16"]
+    assert raw["target"] == "llvm" and [c.name for c in cases] == ["gemm-48x64", "gemm-residual-48x64", "attention-prefill-4x2x16"]
     for entry in raw["cases"]:
         for lib in entry["libraries"].values():
             assert (manifest.parent / lib).is_file() and (manifest.parent / (lib + ".json")).is_file()

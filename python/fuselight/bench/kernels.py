@@ -44,6 +44,11 @@ def _gemm_cost(d: dict[str, int], m: int) -> tuple[int, int]:
     return m * k + n * k + m * n, 2 * m * n * k
 
 
+def _gemm_residual_cost(d: dict[str, int], m: int) -> tuple[int, int]:
+    elements, flops = _gemm_cost(d, m)
+    return elements + m * d["n"], flops + m * d["n"]  # the residual read, one add an output
+
+
 def _rmsnorm_cost(d: dict[str, int], m: int) -> tuple[int, int]:
     h = d["hidden"]
     # square, sum, scale, weight: four operations an element
@@ -72,6 +77,8 @@ def _decode_cost(d: dict[str, int], context: int) -> tuple[int, int]:
 _ATTENTION_DIMS = ("q_heads", "kv_heads", "head_dim")
 OPS: dict[str, OpSpec] = {
     "gemm": OpSpec("m", ("n", "k"), "tflops", _gemm_cost),
+    # A linear layer whose output adds the residual stream: the epilogue a fused GEMM keeps on chip.
+    "gemm_residual": OpSpec("m", ("n", "k"), "tflops", _gemm_residual_cost),
     "rmsnorm": OpSpec("m", ("hidden",), "gbps", _rmsnorm_cost),
     "softmax": OpSpec("rows", ("cols",), "gbps", _softmax_cost),
     "attention_prefill": OpSpec("seq", _ATTENTION_DIMS, "tflops", _prefill_cost),

@@ -37,6 +37,12 @@ def _gemm(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
     return [x, w], lambda bb: relax.op.matmul(x, relax.op.permute_dims(w))
 
 
+def _gemm_residual(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
+    (x, w), gemm = _gemm(case, n, relax)
+    r = relax.Var("residual", relax.TensorType([n, case.dims["n"]], case.dtype))
+    return [x, w, r], lambda bb: relax.op.add(gemm(bb), r)
+
+
 def _rmsnorm(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
     h = case.dims["hidden"]
     x = relax.Var("x", relax.TensorType([n, h], case.dtype))
@@ -89,6 +95,7 @@ def _lowest(dtype: str) -> float:
 
 _BUILDERS: dict[str, Callable[[Case, Any, Any], tuple[list, Callable]]] = {
     "gemm": _gemm,
+    "gemm_residual": _gemm_residual,
     "rmsnorm": _rmsnorm,
     "softmax": _softmax,
     "attention_prefill": lambda case, n, relax: _attention(case, n, n, True, relax),

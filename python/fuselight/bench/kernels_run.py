@@ -60,6 +60,10 @@ def _gemm_inputs(case: Case, m: int, rnd: _Random, fixed: dict) -> list:
     return [rnd.normal((m, k), case.dtype), fixed["w"]]
 
 
+def _gemm_residual_inputs(case: Case, m: int, rnd: _Random, fixed: dict) -> list:
+    return [*_gemm_inputs(case, m, rnd, fixed), rnd.normal((m, case.dims["n"]), case.dtype)]
+
+
 def _rmsnorm_inputs(case: Case, m: int, rnd: _Random, fixed: dict) -> list:
     h = case.dims["hidden"]
     if "weight" not in fixed:
@@ -82,6 +86,7 @@ def _attention_inputs(case: Case, q_len: int, kv_len: int, rnd: _Random) -> list
 
 _INPUTS: dict[str, Callable[[Case, int, _Random, dict], list]] = {
     "gemm": _gemm_inputs,
+    "gemm_residual": _gemm_residual_inputs,
     "rmsnorm": _rmsnorm_inputs,
     "softmax": _softmax_inputs,
     "attention_prefill": lambda case, n, rnd, fixed: _attention_inputs(case, n, n, rnd),
@@ -111,6 +116,9 @@ def _reference(torch: Any, case: Case, inputs: list) -> Any:
     if case.op == "gemm":
         x, w = inputs
         return x.double() @ w.double().T
+    if case.op == "gemm_residual":
+        x, w, r = inputs
+        return x.double() @ w.double().T + r.double()
     if case.op == "rmsnorm":
         x, w = (t.double() for t in inputs)
         return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + case.attrs["eps"]) * w
@@ -173,6 +181,9 @@ def _torch_fn(torch: Any, case: Case, inputs: list, device: str) -> Callable[[],
     if case.op == "gemm":
         x, w = inputs
         return lambda: F.linear(x, w)
+    if case.op == "gemm_residual":
+        x, w, r = inputs  # the GEMM, then the add as its own kernel
+        return lambda: F.linear(x, w) + r
     if case.op == "rmsnorm":
         x, w = inputs
         return lambda: _torch_rmsnorm(torch, x, w, case.attrs["eps"])
