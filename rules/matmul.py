@@ -4,9 +4,8 @@
 folds the epilogue into one expression of the fp32 accumulator. ``schedule`` asks the dispatcher
 (``rules.gemm.dispatch``) which plan serves which range of M (the mma.sync template with split-K
 where M is too small to fill the GPU, the Hopper wgmma template above) and writes the template's
-body for each,
-behind a host-side branch on M, over the function's own buffers: the signature, the parameters
-and the epilogue stay, the intermediates vanish. Functions whose M is a small constant (decode
+body for each, behind a host-side branch on M, over the function's own buffers: the signature,
+the parameters and the epilogue stay, the intermediates vanish. Functions whose M is a small constant (decode
 GEMVs, below ``min_static_m`` of the dispatch config) and targets without a config are left to the
 next rule.
 """
@@ -19,9 +18,9 @@ from tvm.target import Target
 from ..errors import FuselightError
 from ..target import arch_of
 from .base import AnalyzeScheduleRule
+from .gemm import gemm_body
 from .gemm.analysis import MatmulDesc, analyze_matmul
 from .gemm.dispatch import load_dispatch, plan_ranges
-from .gemm import gemm_body
 
 
 class Matmul(AnalyzeScheduleRule):
