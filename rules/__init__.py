@@ -27,10 +27,16 @@ def matmul_rule() -> ScheduleRule:
     return Matmul()
 
 
+def row_reduction_rule() -> ScheduleRule:
+    from .row_reduction import RowReduction
+
+    return RowReduction()
+
+
 # Factories of fuselight's rules, most specific first: FlashAttention only takes functions tagged
 # by FuseAttention (and checked to be exactly that computation), which DLight's Reduction and
 # Fallback rules would otherwise accept and schedule as separate, S x S-materialising stages.
-FUSELIGHT_RULES: list[Callable[[], ScheduleRule]] = [flash_attention_rule, matmul_rule]
+FUSELIGHT_RULES: list[Callable[[], ScheduleRule]] = [flash_attention_rule, matmul_rule, row_reduction_rule]
 
 
 def fuselight_rules() -> list[ScheduleRule]:
