@@ -19,6 +19,7 @@ import tvm
 
 from ..errors import FuselightError
 from .accumulate_matmul_fp32 import AccumulateMatmulFP32
+from .add_rms_norm_kernels import AddRMSNormKernels
 from .classify import Classify, classify_module
 from .fold_norm_weight import FoldNormWeight
 from .fuse_attention import FuseAttention
@@ -46,13 +47,14 @@ PASSES: dict[str, GraphPass] = {
         # Moves scales across R.matmul, which FuseTransposeMatmul lowers to TIR; not in default() until measured.
         GraphPass("property_rewrite", "before_fuse_transpose_matmul", PropertyRewrite),
         GraphPass("paged_attention", "after_graph_passes", PagedAttentionKernels),
+        GraphPass("add_rms_norm_kernels", "after_graph_passes", AddRMSNormKernels),
     ]
 }
 
 
 def default() -> list[str]:
     """Names of the passes the fuselight pipeline runs by default, in order."""
-    return ["fuse_attention", "accumulate_matmul_fp32", "paged_attention"]
+    return ["fuse_attention", "accumulate_matmul_fp32", "paged_attention", "add_rms_norm_kernels"]
 
 
 def get(name: str) -> GraphPass:
@@ -61,4 +63,4 @@ def get(name: str) -> GraphPass:
     return PASSES[name]
 
 
-__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "Classify", "FoldNormWeight", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "FuseAttention", "GraphPass", "Slot", "classify_module", "default", "get"]
+__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "Classify", "FoldNormWeight", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "FuseAttention", "GraphPass", "Slot", "classify_module", "default", "get"]
