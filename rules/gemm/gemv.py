@@ -1,0 +1,221 @@
+"""The GEMV template: a matmul of 1 to 16 rows (decode and low-batch) at weight-streaming bandwidth.
+
+``gemv_body(ops, cfg)`` computes ``ops`` (see ``operands``; NT weights) for M up to
+``cfg.max_m``. It is memory bound: every weight byte is read exactly once, by 16-byte loads
+issued ``cfg.unroll`` steps ahead of their use, and the arithmetic runs on the tensor cores, so
+that 16 rows cost no more issue slots than one. The product is computed transposed,
+``out^T = W x^T``, on ``mma.sync.m16n8k16``: a block owns 16 weight rows (16 output columns, the
+mma's M), the tokens are the mma's N (one 8-wide tile up to M = 8, two up to 16; token rows past
+M repeat the last row and are never stored) and K is walked in steps of 32. Within a step, lane
+(g, q) = (lane / 4, lane % 4) loads 16 bytes of weight rows g and g + 8 and of token row g at
+``k0 + 8 q``; read as registers, these are exactly the A and B fragments of two mma k16 steps over
+a permutation of those 32 k (the same one for A and B, so the sum is unchanged); no shuffle or
+shared memory is needed to feed the tensor cores. The block's ``cfg.warps`` warps split the
+steps round-robin (split-K inside the block, which keeps more loads in flight for the same rows
+and needs no second launch); their fp32 partial tiles are summed
+through shared memory and the epilogue (``ops.out``) runs once per output. M may be symbolic (at
+most ``cfg.max_m``, at least 1: the caller branches on it); the grid does not depend on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fuselight.errors import FuselightError
+from fuselight.jsonfile import read_json_object
+from fuselight.paths import config_dir
+
+from ..arch_config import load_arch_config
+from .operands import GemmOperands
+from .plan import WARP
+
+# mma.sync.m16n8k16: weight rows a block owns, tokens per tile.
+MMA_M, MMA_N = 16, 8
+MAX_TOKEN_TILES = 2  # so M <= 16
+# K a warp covers per step: 4 lanes x 8 elements (16 bytes), read as two mma k16 steps.
+STEP_K = 32
+PIECE_WORDS = 4  # 16 bytes as 32-bit registers
+MAX_THREADS = 1024
+DTYPE_ABBREV = {"float16": "fp16", "bfloat16": "bf16"}
+CONFIG_FAMILY, CONFIG_NAME = "gemm", "gemv"
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """One M bucket's config (``configs/gemm/gemv.json``)."""
+
+    max_m: int  # the largest M served (at most 16): one token tile up to 8, two above
+    warps: int  # warps a block's K steps are split over (a power of two; halved until they divide K)
+    unroll: int  # K steps whose loads a warp issues before using them (16 bytes x 3-4 a step)
+    # Blocks one SM must be able to hold (the launch-bounds hint to ptxas, which otherwise budgets
+    # registers for full occupancy and delays loads to fit): 1 keeps every unrolled load in flight.
+    min_blocks_per_sm: int
+
+    @property
+    def token_tiles(self) -> int:
+        return -(-self.max_m // MMA_N)
+
+
+def check_gemv_config(cfg: GemvConfig, where: str = "GEMV config") -> None:
+    """FuselightError naming the field of ``cfg`` that the template cannot use."""
+    if not 1 <= cfg.max_m <= MMA_N * MAX_TOKEN_TILES:
+        raise FuselightError(f"{where}: field 'max_m' must be 1..{MMA_N * MAX_TOKEN_TILES}, got {cfg.max_m}")
+    if cfg.warps & (cfg.warps - 1) or not 1 <= cfg.warps * WARP <= MAX_THREADS:
+        raise FuselightError(f"{where}: field 'warps' must be a power of two up to {MAX_THREADS // WARP}, got {cfg.warps}")
+    for field in ("unroll", "min_blocks_per_sm"):
+        if getattr(cfg, field) < 1:
+            raise FuselightError(f"{where}: field {field!r} must be a positive integer, got {getattr(cfg, field)}")
+
+
+def load_gemv_configs(arch: str) -> list[GemvConfig]:
+    """The M buckets of ``arch`` (``sm_90``) from ``configs/gemm/gemv.json``, by increasing ``max_m``;
+    empty where the file has no entry for ``arch``. FuselightError naming the field of a bad one."""
+    path = config_dir() / CONFIG_FAMILY / f"{CONFIG_NAME}.json"
+    node: Any = read_json_object(path, missing=f"gemv config not found: {path}")
+    if arch not in node:
+        return []
+    if not isinstance(node[arch], dict):
+        raise FuselightError(f"{path}[{arch!r}]: must be an object of M buckets")
+    configs = []
+    for bucket in node[arch]:
+        cfg = load_arch_config(CONFIG_FAMILY, CONFIG_NAME, arch, GemvConfig, bucket)
+        check_gemv_config(cfg, f"{path}[{arch!r}][{bucket!r}]")
+        configs.append(cfg)
+    configs.sort(key=lambda c: c.max_m)
+    if len({c.max_m for c in configs}) != len(configs):
+        raise FuselightError(f"{path}[{arch!r}]: two buckets with the same 'max_m'")
+    return configs
+
+
+def config_for(configs: list[GemvConfig], m: int) -> GemvConfig | None:
+    """The bucket serving ``m`` rows: the smallest ``max_m`` at least ``m`` (None: none does)."""
+    return next((c for c in configs if m <= c.max_m), None)
+
+
+def check_gemv(ops: GemmOperands, cfg: GemvConfig) -> None:
+    """FuselightError where the template cannot compute ``ops`` with ``cfg``."""
+    check_gemv_config(cfg)
+    if ops.b_layout != "NT" or ops.dtype not in DTYPE_ABBREV:
+        raise FuselightError(f"GEMV: needs NT fp16/bf16 weights, got {ops.b_layout} {ops.dtype}")
+    if ops.k % STEP_K:
+        raise FuselightError(f"GEMV: K ({ops.k}) must be a multiple of {STEP_K}")
+    m = _static_m(ops)
+    if m is not None and not 1 <= m <= cfg.max_m:
+        raise FuselightError(f"GEMV: M ({m}) must be 1..{cfg.max_m} (the config's max_m)")
+
+
+def block_warps(ops: GemmOperands, cfg: GemvConfig) -> int:
+    """Warps a block splits its K steps over: ``cfg.warps``, halved until they divide the steps."""
+    warps = cfg.warps
+    while (ops.k // STEP_K) % warps:
+        warps //= 2
+    return warps
+
+
+def _static_m(ops: GemmOperands) -> int | None:
+    m = ops.m
+    if isinstance(m, int):
+        return m
+    return int(m.value) if hasattr(m, "value") else None
+
+
+def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
+    """The kernel body (a ``tvm.tirx.Stmt``) computing ``ops`` (M <= ``cfg.max_m``) in one launch;
+    it uses ``ops``' buffers: bind it to the analysed function's parameters.
+
+    FuselightError if the template cannot serve ``ops`` (see ``check_gemv``).
+    """
+    from tvm.script import tirx as T
+
+    check_gemv(ops, cfg)
+    n, k, dtype = ops.n, ops.k, ops.dtype
+    ab = DTYPE_ABBREV[dtype]
+    tiles, unroll = cfg.token_tiles, cfg.unroll
+    warps = block_warps(ops, cfg)
+    threads = warps * WARP
+    steps = k // STEP_K // warps  # a warp's K steps
+    rounds = -(-steps // unroll)
+    ragged = steps % unroll != 0
+    outputs = MMA_M * MMA_N * tiles  # accumulators of a block (per warp: 4 a lane per tile)
+    m_dtype = "int64" if isinstance(ops.m, int) else str(ops.m.ty.dtype)
+    m = T.Cast("int32", ops.m) if not isinstance(ops.m, int) else ops.m
+    words = k // 2  # a row of K elements in 32-bit words
+
+    # fmt: off
+    @T.prim_func(s_tir=True, check_well_formed=False)
+    def body():
+        W = T.decl_buffer((n * words,), "uint32", data=ops.b.data)
+        X = T.decl_buffer((ops.m * words,), "uint32", data=ops.a.data)
+        for bx in T.thread_binding(-(-n // MMA_M), thread="blockIdx.x"):
+            for tid in T.thread_binding(threads, thread="threadIdx.x"):
+                with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", cfg.min_blocks_per_sm), T.sblock("gemv"):
+                    T.reads()
+                    T.writes()
+                    w = T.sblock_alloc_buffer((unroll * 2 * PIECE_WORDS,), "uint32", scope="local")
+                    x = T.sblock_alloc_buffer((unroll * tiles * PIECE_WORDS,), "uint32", scope="local")
+                    # The fragments of one mma, copied out of the loaded pieces: registers, once
+                    # compiled; the copies also keep TVM from retyping the pieces into vectors
+                    # (which the mma's offsets would not follow).
+                    a = T.sblock_alloc_buffer((2 * PIECE_WORDS,), "uint32", scope="local")
+                    b = T.sblock_alloc_buffer((2 * tiles * 2,), "uint32", scope="local")
+                    acc = T.sblock_alloc_buffer((tiles * 4,), "float32", scope="local")
+                    red = T.sblock_alloc_buffer((warps * outputs,), "float32", scope="shared")
+                    total = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    warp: T.let[T.int32] = T.Cast("int32", tid) // WARP
+                    lane: T.let[T.int32] = T.Cast("int32", tid) % WARP
+                    # Rows past N (a partial last block) read row N - 1 and are never stored. Offsets
+                    # are 64-bit until TVM proves they fit in 32 (2^31 words: the largest weights).
+                    w_lo: T.let[T.int64] = T.Cast("int64", T.min(T.Cast("int32", bx) * MMA_M + lane // 4, n - 1)) * words + lane % 4 * PIECE_WORDS
+                    w_hi: T.let[T.int64] = T.Cast("int64", T.min(T.Cast("int32", bx) * MMA_M + lane // 4 + 8, n - 1)) * words + lane % 4 * PIECE_WORDS
+                    for i in T.unroll(tiles * 4):
+                        acc[i] = T.float32(0)
+                    for r in T.serial(rounds):
+                        # Every load of ``unroll`` steps first, so they are in flight together.
+                        for u in T.unroll(unroll):
+                            if not ragged or r * unroll + u < steps:
+                                k0: T.let[T.int32] = ((r * unroll + u) * warps + warp) * (STEP_K // 2)
+                                for e in T.vectorized(PIECE_WORDS):
+                                    w[(u * 2) * PIECE_WORDS + e] = W[w_lo + k0 + e]
+                                for e in T.vectorized(PIECE_WORDS):
+                                    w[(u * 2 + 1) * PIECE_WORDS + e] = W[w_hi + k0 + e]
+                                for t in T.unroll(tiles):
+                                    for e in T.vectorized(PIECE_WORDS):
+                                        x[(u * tiles + t) * PIECE_WORDS + e] = X[
+                                            T.min(t * MMA_N + lane // 4, m - 1) * words + lane % 4 * PIECE_WORDS + k0 + e]
+                        for u in T.unroll(unroll):
+                            if not ragged or r * unroll + u < steps:
+                                for s in T.unroll(2):
+                                    # A fragment of k16 step s: words 2s, 2s+1 of rows g and g + 8.
+                                    a[s * 4 + 0] = w[u * 2 * PIECE_WORDS + 2 * s]
+                                    a[s * 4 + 1] = w[(u * 2 + 1) * PIECE_WORDS + 2 * s]
+                                    a[s * 4 + 2] = w[u * 2 * PIECE_WORDS + 2 * s + 1]
+                                    a[s * 4 + 3] = w[(u * 2 + 1) * PIECE_WORDS + 2 * s + 1]
+                                    for t in T.unroll(tiles):
+                                        # B fragment: words 2s, 2s+1 of the token piece.
+                                        b[(s * tiles + t) * 2 + 0] = x[(u * tiles + t) * PIECE_WORDS + 2 * s]
+                                        b[(s * tiles + t) * 2 + 1] = x[(u * tiles + t) * PIECE_WORDS + 2 * s + 1]
+                                        T.ptx.mma.legacy(
+                                            "m16n8k16", "row", "col", ab, ab, "fp32",
+                                            a.data, s * 4, b.data, (s * tiles + t) * 2,
+                                            acc.data, t * 4, False, dtype="float32",
+                                        )
+                    # Sum the warps' partial tiles; one thread per output runs the epilogue.
+                    for t in T.unroll(tiles):
+                        for e in T.vectorized(4):
+                            red[warp * outputs + (t * WARP + lane) * 4 + e] = acc[t * 4 + e]
+                    T.tvm_storage_sync("shared")
+                    for it in T.serial(-(-outputs // threads)):
+                        o: T.let[T.int32] = it * threads + T.Cast("int32", tid)
+                        # Accumulator e of lane l in tile t: weight row l / 4 (+8 for e >= 2),
+                        # token t * 8 + 2 (l % 4) + e % 2.
+                        col: T.let[T.int32] = T.Cast("int32", bx) * MMA_M + o // 4 % WARP // 4 + o % 4 // 2 * 8
+                        row: T.let[T.int32] = o // (4 * WARP) * MMA_N + o // 4 % 4 * 2 + o % 2
+                        if o < outputs and row < m and col < n:
+                            total[0] = red[o]
+                            for j in T.serial(1, warps):
+                                total[0] = total[0] + red[j * outputs + o]
+                            ops.out.buffer[ops.out.index(T.Cast(m_dtype, row), T.Cast(m_dtype, col))] = ops.out.value(
+                                T.Cast(m_dtype, row), T.Cast(m_dtype, col), total[0])
+    # fmt: on
+    return body.body
