@@ -27,6 +27,12 @@ def matmul_rule() -> ScheduleRule:
     return Matmul()
 
 
+def gemv_rule() -> ScheduleRule:
+    from .gemv import Gemv
+
+    return Gemv()
+
+
 def row_reduction_rule() -> ScheduleRule:
     from .row_reduction import RowReduction
 
@@ -36,7 +42,7 @@ def row_reduction_rule() -> ScheduleRule:
 # Factories of fuselight's rules, most specific first: FlashAttention only takes functions tagged
 # by FuseAttention (and checked to be exactly that computation), which DLight's Reduction and
 # Fallback rules would otherwise accept and schedule as separate, S x S-materialising stages.
-FUSELIGHT_RULES: list[Callable[[], ScheduleRule]] = [flash_attention_rule, matmul_rule, row_reduction_rule]
+FUSELIGHT_RULES: list[Callable[[], ScheduleRule]] = [flash_attention_rule, matmul_rule, gemv_rule, row_reduction_rule]
 
 
 def fuselight_rules() -> list[ScheduleRule]:

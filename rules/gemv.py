@@ -1,0 +1,52 @@
+"""Gemv: schedule linear layers of a few static rows (decode, low batch) with fuselight's GEMV template.
+
+``analyze`` is the Matmul rule's (``rules.gemm.analysis``): a matmul with its fused elementwise
+epilogue, here only with a static M. ``schedule`` takes the functions the Matmul rule leaves to the
+next rule (static M below the dispatch config's ``min_static_m``) and writes the GEMV template's
+body (``rules.gemm.gemv``, the config bucket of ``configs/gemm/gemv.json`` for that M) over the
+function's own buffers: the signature, the parameters and the epilogue stay, the intermediates
+vanish. Other weights layouts, M without a bucket and targets without a config go on to the next
+rule (DLight's GEMV).
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.target import Target
+
+from ..errors import FuselightError
+from ..target import arch_of
+from .base import AnalyzeScheduleRule
+from .gemm.analysis import MatmulDesc, analyze_matmul
+from .gemm.dispatch import load_dispatch
+from .gemm.gemv import check_gemv, config_for, gemv_body, load_gemv_configs
+
+
+class Gemv(AnalyzeScheduleRule):
+    """Swap static few-row matmul functions for the GEMV template (see the module docstring)."""
+
+    @staticmethod
+    def analyze(func: tirx.PrimFunc) -> MatmulDesc | None:
+        """The GEMV and fused epilogue ``func`` computes (a matmul with static M), or None."""
+        desc = analyze_matmul(func)
+        return desc if desc is not None and desc.m_static is not None else None
+
+    def schedule(self, func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:
+        """``func`` with its body replaced by the GEMV kernel for ``desc`` on ``target``, or None where
+        the template does not serve it (M left to the Matmul rule, no config for the arch)."""
+        try:
+            arch = arch_of(target)
+            min_static_m = load_dispatch(arch).min_static_m
+        except FuselightError:
+            return None  # no GEMM config for this arch
+        cfg = config_for(load_gemv_configs(arch), desc.m_static)
+        if desc.m_static >= min_static_m or cfg is None:
+            return None  # the Matmul rule's, or no bucket serves it
+        try:
+            check_gemv(desc.operands, cfg)
+        except FuselightError:
+            return None  # operands the template does not take (NN weights, K not a multiple of 32)
+        body = tirx.SBlockRealize([], True, tirx.SBlock([], [], [], "root", gemv_body(desc.operands, cfg)))
+        kernel = tirx.PrimFunc(func.params, body, func.ret_type, func.attrs)
+        # The attributes the Matmul rule's kernels carry.
+        return kernel.with_attrs({"tirx.is_scheduled": True, "tirx.HoistIfThenElseExprWithBlock": 1})

@@ -1,0 +1,240 @@
+"""The GEMV template and the Gemv rule: which functions the rule takes (static M below the Matmul
+rule's ``min_static_m``), that its kernels build for sm_90 and nvcc compiles them, the symbolic-M
+form, and the config checks (numerics run on the GPU against float64)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+
+import pytest
+import tvm
+from fuselight.errors import FuselightError
+from fuselight.rules import gemv_rule
+from fuselight.rules.gemm import dispatch, gemv
+from fuselight.rules.gemm.analysis import analyze_matmul
+from fuselight.rules.gemv import Gemv
+from fuselight.rules.matmul import Matmul
+from fuselight.target import resolve, to_tvm
+from fuselight.tune.gemm import matmul_prim_func
+from tvm import tirx
+from tvm.script import tirx as T
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+# Our LLaMA's decode projections (fp16 out through a cast): qkv, o_proj, gate_up, down.
+LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+LM_HEAD = (128256, 4096)
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    return to_tvm(resolve("cuda", "sm_90"))
+
+
+def _lm_head(n: int, k: int, m: int) -> tirx.PrimFunc:
+    """The logits layer as it reaches the rules: matmul, cast to fp16, cast to fp32."""
+
+    # fmt: off
+    @T.prim_func(private=True, s_tir=True)
+    def func(A: T.Buffer((T.int64(1), T.int64(m), T.int64(k)), "float16"),
+             W: T.Buffer((T.int64(n), T.int64(k)), "float16"),
+             O: T.Buffer((T.int64(1), T.int64(m), T.int64(n)), "float32")):
+        C = T.sblock_alloc_buffer((T.int64(1), T.int64(m), T.int64(n)))
+        D = T.sblock_alloc_buffer((T.int64(1), T.int64(m), T.int64(n)), "float16")
+        for i0, i1, i2, kk in T.grid(T.int64(1), T.int64(m), T.int64(n), T.int64(k)):
+            with T.sblock("NT_matmul"):
+                v0, v1, v2, vk = T.axis.remap("SSSR", [i0, i1, i2, kk])
+                with T.init():
+                    C[v0, v1, v2] = T.float32(0)
+                C[v0, v1, v2] = C[v0, v1, v2] + T.Cast("float32", A[v0, v1, vk]) * T.Cast("float32", W[v2, vk])
+        for i0, i1, i2 in T.grid(T.int64(1), T.int64(m), T.int64(n)):
+            with T.sblock("cast"):
+                v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
+                D[v0, v1, v2] = T.Cast("float16", C[v0, v1, v2])
+        for i0, i1, i2 in T.grid(T.int64(1), T.int64(m), T.int64(n)):
+            with T.sblock("cast_1"):
+                v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
+                O[v0, v1, v2] = T.Cast("float32", D[v0, v1, v2])
+    # fmt: on
+    return func
+
+
+def _cuda_source(func: tirx.PrimFunc, target) -> str:
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
+    return lib.mod.imports[0].inspect_source("cuda")
+
+
+def _linear_residual(n: int, k: int, m: int) -> tirx.PrimFunc:
+    """o_proj with the residual add fused: cast(x @ W^T) + R."""
+
+    # fmt: off
+    @T.prim_func(private=True, s_tir=True)
+    def func(A: T.Buffer((T.int64(1), T.int64(m), T.int64(k)), "float16"),
+             W: T.Buffer((T.int64(n), T.int64(k)), "float16"),
+             R: T.Buffer((T.int64(1), T.int64(m), T.int64(n)), "float16"),
+             O: T.Buffer((T.int64(1), T.int64(m), T.int64(n)), "float16")):
+        C = T.sblock_alloc_buffer((T.int64(1), T.int64(m), T.int64(n)))
+        D = T.sblock_alloc_buffer((T.int64(1), T.int64(m), T.int64(n)), "float16")
+        for i0, i1, i2, kk in T.grid(T.int64(1), T.int64(m), T.int64(n), T.int64(k)):
+            with T.sblock("NT_matmul"):
+                v0, v1, v2, vk = T.axis.remap("SSSR", [i0, i1, i2, kk])
+                with T.init():
+                    C[v0, v1, v2] = T.float32(0)
+                C[v0, v1, v2] = C[v0, v1, v2] + T.Cast("float32", A[v0, v1, vk]) * T.Cast("float32", W[v2, vk])
+        for i0, i1, i2 in T.grid(T.int64(1), T.int64(m), T.int64(n)):
+            with T.sblock("cast"):
+                v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
+                D[v0, v1, v2] = T.Cast("float16", C[v0, v1, v2])
+        for i0, i1, i2 in T.grid(T.int64(1), T.int64(m), T.int64(n)):
+            with T.sblock("add"):
+                v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
+                O[v0, v1, v2] = D[v0, v1, v2] + R[v0, v1, v2]
+    # fmt: on
+    return func
+
+
+def _kernels(source: str) -> set[str]:
+    """Names of the CUDA kernels (each is declared, then defined)."""
+    return set(re.findall(r"__global__ void __launch_bounds__\([^)]*\) (\w+)\(", source))
+
+
+def _scheduled(func: tirx.PrimFunc, target) -> tirx.PrimFunc | None:
+    sch = Gemv().apply(func.with_attr("target", target), target, False)
+    return None if sch is None else sch.mod["main"]
+
+
+@pytest.mark.parametrize("n,k", LLAMA_SHAPES)
+def test_rule_takes_llama_decode_gemvs_and_builds_for_sm90(n, k, cuda):
+    func = matmul_prim_func(n, k, "float16", m=1)
+    kernel = _scheduled(func, cuda)
+    assert kernel is not None
+    assert [p.name for p in kernel.params] == [p.name for p in func.params]  # the signature stays
+    source = _cuda_source(kernel, cuda)
+    assert len(_kernels(source)) == 1  # one launch: the cast epilogue is fused
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in source
+    assert "uint4" in source  # 16-byte weight loads
+    # ptxas may keep every unrolled load in flight rather than budget registers for full occupancy
+    cfg = gemv.config_for(gemv.load_gemv_configs("sm_90"), 1)
+    assert f", {cfg.min_blocks_per_sm}) main_kernel" in source
+
+
+def test_rule_takes_the_lm_head_with_its_two_casts(cuda):
+    desc = Gemv.analyze(_lm_head(*LM_HEAD, 1))
+    assert desc is not None and desc.out_dtype == "float32" and len(desc.epilogue_stages) == 2
+    source = _cuda_source(_scheduled(_lm_head(*LM_HEAD, 1), cuda), cuda)
+    assert len(_kernels(source)) == 1 and "= ((float)((half)" in source  # both casts in the one kernel
+
+
+def test_rule_fuses_a_residual_add_epilogue(cuda):
+    source = _cuda_source(_scheduled(_linear_residual(4096, 4096, 1), cuda), cuda)
+    assert len(_kernels(source)) == 1 and "R_ptr[" in source  # the residual is read in the epilogue
+
+
+@pytest.mark.parametrize("m", [2, 8, 9, 15])
+def test_rule_takes_every_static_m_below_min_static_m(m, cuda):
+    assert _scheduled(matmul_prim_func(4096, 4096, "float16", m=m), cuda) is not None
+
+
+def test_rule_leaves_matmul_m_dynamic_m_and_cpu(cuda):
+    min_m = dispatch.load_dispatch("sm_90").min_static_m
+    at_min = matmul_prim_func(4096, 4096, "float16", m=min_m)
+    assert _scheduled(at_min, cuda) is None
+    assert Matmul().apply(at_min.with_attr("target", cuda), cuda, False) is not None  # the Matmul rule's
+    assert Gemv.analyze(matmul_prim_func(4096, 4096, "float16")) is None  # dynamic M: the Matmul rule's
+    llvm = tvm.target.Target("llvm")
+    assert Gemv().apply(matmul_prim_func(4096, 4096, "float16", m=1), llvm, False) is None
+
+
+def test_rule_leaves_what_the_template_does_not_take(cuda):
+    assert _scheduled(matmul_prim_func(4096, 4100, "float16", m=1), cuda) is None  # K not a multiple of 32
+
+    @T.prim_func(private=True, s_tir=True)
+    def add(a: T.Buffer((1, 4096), "float16"), b: T.Buffer((1, 4096), "float16")):
+        for i, j in T.grid(1, 4096):
+            with T.sblock("add"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                b[vi, vj] = a[vi, vj] + T.float16(1)
+
+    assert Gemv.analyze(add) is None
+
+
+def test_registered_after_matmul():
+    from fuselight.rules import FUSELIGHT_RULES, matmul_rule
+
+    assert FUSELIGHT_RULES.index(gemv_rule) == FUSELIGHT_RULES.index(matmul_rule) + 1
+    assert isinstance(gemv_rule(), Gemv)
+
+
+def test_symbolic_m_template_builds_one_kernel_for_every_m_up_to_16(cuda):
+    func = matmul_prim_func(4096, 4096, "float16")
+    ops = analyze_matmul(func).operands
+    cfg = gemv.config_for(gemv.load_gemv_configs("sm_90"), 16)
+    body = tirx.SBlockRealize([], True, tirx.SBlock([], [], [], "root", gemv.gemv_body(ops, cfg)))
+    source = _cuda_source(tirx.PrimFunc(func.params, body, func.ret_type, func.attrs), cuda)
+    assert len(_kernels(source)) == 1
+    assert source.count("mma.sync") >= 2 * 2  # two token tiles, two k16 steps a piece
+
+
+@needs_nvcc
+def test_nvcc_compiles_the_gemv_kernels(cuda):
+    from fuselight.cuda_compile import compile_cuda
+
+    funcs = {"gemv": _scheduled(matmul_prim_func(4096, 14336, "float16", m=1), cuda),
+             "lm_head": _scheduled(_lm_head(*LM_HEAD, 3), cuda),
+             "m15": _scheduled(matmul_prim_func(4096, 4096, "bfloat16", m=15), cuda)}
+    lib = tvm.compile(tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()}), target=cuda)
+    assert compile_cuda(lib.mod.imports[0].inspect_source("cuda"), "sm_90")
+
+
+def test_block_warps_divide_the_k_steps():
+    cfg = gemv.GemvConfig(max_m=1, warps=16, unroll=4, min_blocks_per_sm=1)
+
+    def warps(k):
+        return gemv.block_warps(analyze_matmul(matmul_prim_func(4096, k, "float16", m=1)).operands, cfg)
+
+    assert warps(4096) == 16  # 128 steps of 32
+    assert warps(14336) == 16  # 448 steps
+    assert warps(32 * 12) == 4  # 12 steps: halved until they divide
+
+
+def test_shipped_config_covers_every_gemv_m():
+    configs = gemv.load_gemv_configs("sm_90")
+    for m in range(1, dispatch.load_dispatch("sm_90").min_static_m):
+        assert gemv.config_for(configs, m) is not None
+    assert gemv.load_gemv_configs("sm_75") == []  # no entry: the rule leaves the function
+
+
+@pytest.mark.parametrize("field,value", [("max_m", 17), ("max_m", 0), ("warps", 3), ("warps", 64), ("unroll", 0),
+                                         ("min_blocks_per_sm", 0)])
+def test_bad_config_names_the_field(field, value):
+    cfg = gemv.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=1)
+    with pytest.raises(FuselightError, match=field):
+        gemv.check_gemv_config(dataclasses.replace(cfg, **{field: value}))
+
+
+def test_bad_config_file_names_the_bucket_and_field(tmp_path, monkeypatch):
+    from fuselight import paths
+    from fuselight.rules import arch_config
+
+    cfg = json.loads((paths.config_dir() / "gemm" / "gemv.json").read_text())
+    bucket = next(iter(cfg["sm_90"]))
+    (tmp_path / "gemm").mkdir()
+    monkeypatch.setattr(gemv, "config_dir", lambda: tmp_path)
+    monkeypatch.setattr(arch_config, "config_dir", lambda: tmp_path)
+    for field, value in (("unroll", "4"), ("max_m", 40)):
+        broken = json.loads(json.dumps(cfg))
+        broken["sm_90"][bucket][field] = value
+        (tmp_path / "gemm" / "gemv.json").write_text(json.dumps(broken))
+        with pytest.raises(FuselightError, match=f"{bucket}.*{field}"):
+            gemv.load_gemv_configs("sm_90")
+
+
+def test_template_refuses_operands_it_cannot_compute():
+    ops = analyze_matmul(matmul_prim_func(4096, 4096, "float16", m=4)).operands
+    cfg = gemv.GemvConfig(max_m=2, warps=8, unroll=4, min_blocks_per_sm=1)
+    with pytest.raises(FuselightError, match="max_m"):
+        gemv.gemv_body(ops, cfg)
+    with pytest.raises(FuselightError, match="NT"):
+        gemv.gemv_body(dataclasses.replace(ops, b_layout="NN"), dataclasses.replace(cfg, max_m=4))
