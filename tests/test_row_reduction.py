@@ -361,10 +361,26 @@ def _add_norm_module(shape):
     return bb.get()
 
 
-def test_pass_hands_fuse_add_rms_norm_kernels_to_the_rule(cuda):
-    from fuselight.baseline.fuse_add_rms_norm import FuseAddRMSNorm
+def _fuse_add_rms_norm(which: str):
+    """FuseAddRMSNorm's class: fuselight's equivalent, or MLC-LLM's own (skipped where unavailable)."""
+    if which == "fuselight":
+        from fuselight.baseline.fuse_add_rms_norm import FuseAddRMSNorm
 
-    mod = FuseAddRMSNorm(cuda)(_add_norm_module([1, tirx.Var("n", "int64"), 4096]))
+        return FuseAddRMSNorm
+    from fuselight import mlc
+
+    if mlc.import_mlc_llm() is None:
+        pytest.skip(f"MLC-LLM not available (install mlc_llm or set {mlc.SOURCE_ENV})")
+    from mlc_llm.compiler_pass.fuse_add_norm import FuseAddRMSNorm
+
+    return FuseAddRMSNorm
+
+
+@pytest.mark.parametrize("which,shape", [
+    ("fuselight", [1, "n", 4096]), ("mlc", [1, "n", 4096]), ("mlc", ["n", 1, 4096])])
+def test_pass_hands_fuse_add_rms_norm_kernels_to_the_rule(which, shape, cuda):
+    shape = [tirx.Var(d, "int64") if isinstance(d, str) else d for d in shape]
+    mod = _fuse_add_rms_norm(which)(cuda)(_add_norm_module(shape))
     (gv, fused), = [(gv, f) for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]
     assert add_rms_norm_eps(fused) == pytest.approx(1e-6)
     assert analyze_row_reduction(plain_add_rms_norm(fused, 1e-6)).kind == "add_rms_norm"
