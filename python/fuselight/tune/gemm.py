@@ -1,13 +1,15 @@
-"""Measure the GEMM plans on the GPU and turn the timings into the dispatch table.
+"""Measure the GEMM plans on the GPU and turn the timings into the dispatch table and a dataset.
 
 ``build`` (build host) compiles, for each LLaMA weight shape of the kernel suite, one function per
-candidate plan of ``rules.gemm.dispatch`` (wgmma, and every mma.sync tile with every split-K; no
-rest tiles: their gain is left to the analytic function) over a symbolic M. ``run`` (GPU host) checks every
-plan at every M of the dispatch grid against PyTorch and times it, L2 flushed. ``table`` picks the
-fastest plan per M, merges neighbours into ranges as the dispatcher does, and reports how close
-the analytic function's choices come to the measured best (the ratio of their measured times), so
-both stay measurable; with ``write`` it stores the ranges as the ``measured`` entries of
-``configs/gemm/dispatch.json``.
+candidate plan of ``rules.gemm.dispatch`` (the wgmma tiles, and every mma.sync tile with every
+split-K; no rest tiles: their gain is left to the estimate) over a symbolic M. ``run`` (GPU host)
+checks every plan at every M of the dispatch grid against PyTorch and times it, L2 flushed, and
+writes a dataset: the device, the versions, and one row per (shape, M, plan) with the plan's tile
+parameters and its median time (the form of ``configs/gemm/measured-<arch>.json``, which the cost
+model of ``tune.cost_model`` learns from). ``table`` picks the fastest plan per M, merges
+neighbours into ranges as the dispatcher does, and reports how close the analytic function's
+choices come to the measured best (the ratio of their measured times), so both stay measurable;
+with ``write`` it stores the ranges as the ``measured`` entries of ``configs/gemm/dispatch.json``.
 """
 
 from __future__ import annotations
@@ -72,6 +74,20 @@ def _plans(ops: Any, d: Any) -> list[Any]:
     return [p for p in candidates(ops, d) if getattr(p, "rest", None) is None]
 
 
+def plan_record(plan: Any, name: str) -> dict[str, Any]:
+    """What a dataset row says about a plan: its table name, template and tile parameters (of the
+    main tile for mma.sync; ``rest_block_m`` 0 when it has no rest tile)."""
+    from fuselight.rules.gemm.wgmma import BLOCK_K, WgmmaTile
+
+    if isinstance(plan, WgmmaTile):
+        return {"plan": name, "template": "wgmma", "block_m": plan.block_m, "block_n": plan.block_n,
+                "block_k": BLOCK_K, "threads": plan.threads, "stages": plan.stages, "split_k": 1, "rest_block_m": 0}
+    tile = plan.main
+    return {"plan": name, "template": "mma_sync", "block_m": tile.block_m, "block_n": tile.block_n,
+            "block_k": tile.block_k, "threads": tile.threads, "stages": tile.stages, "split_k": plan.split_k,
+            "rest_block_m": plan.rest.block_m if plan.rest is not None else 0}
+
+
 def _shapes() -> list[tuple[int, int]]:
     from ..bench.kernels import load_suite
 
@@ -106,7 +122,7 @@ def build(out_dir: Path, arch: str = "sm_90", shapes: list[tuple[int, int]] | No
             funcs[name] = tvm.tirx.PrimFunc(func.params, body, func.ret_type, func.attrs).with_attr(
                 "global_symbol", name
             )
-            plans[name] = plan_name(plan, d)
+            plans[name] = plan_record(plan, plan_name(plan, d))
         lib = tvm.compile(tvm.IRModule(funcs), target=target)
         file = f"gemm-{n}x{k}.so"
         write_library(lib, out_dir / file, library_metadata(spec, "fuselight", "none"), spec)
@@ -114,12 +130,13 @@ def build(out_dir: Path, arch: str = "sm_90", shapes: list[tuple[int, int]] | No
         print(f"{n}x{k}: {len(plans)} plans in {time.perf_counter() - start:.0f} s", flush=True)
     manifest = out_dir / MANIFEST_NAME
     manifest.write_text(json.dumps({"suite": SUITE, "arch": arch, "dtype": DTYPE, "m_grid": list(d.m_grid),
-                                    "git_commit": git_commit(), "libraries": libraries}, indent=1))
+                                    "versions": {"tvm": tvm.__version__, "git_commit": git_commit()},
+                                    "libraries": libraries}, indent=1))
     return manifest
 
 
 def run(manifest: Path, out_json: Path) -> dict[str, Any]:
-    """Check and time every plan at every M on the GPU; write ``out_json``: shape -> M -> plan -> microseconds."""
+    """Check and time every plan at every M on the GPU; write the dataset to ``out_json`` and return it."""
     from ..bench import bench_config
     from ..bench.kernels_run import relative_error
     from ..bench.timing import device_name, time_fn
@@ -136,7 +153,8 @@ def run(manifest: Path, out_json: Path) -> dict[str, Any]:
     gen = torch.Generator(device=dev).manual_seed(bench_config()["seed"])
     tolerance = bench_config()["relerr_tolerance"][raw["dtype"]]
     grid = [int(m) for m in raw["m_grid"]]
-    timings: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    reference: list[dict[str, Any]] = []
     failures = []
     for shape, entry in raw["libraries"].items():
         n, k = (int(x) for x in shape.split("x"))
@@ -144,51 +162,116 @@ def run(manifest: Path, out_json: Path) -> dict[str, Any]:
         a = torch.randn((1, max(grid), k), generator=gen, device=dev).to(torch.float16)
         w = (torch.randn((n, k), generator=gen, device=dev) * k**-0.5).to(torch.float16)
         out = torch.empty((1, max(grid), n), dtype=torch.float16, device=dev)
-        timings[shape] = {}
         for m in grid:
             a_m, out_m = a[:, :m], out[:, :m]  # leading rows: contiguous, same (aligned) base
             ref = (a_m[0].double() @ w.double().T)
             args = [tvm.runtime.from_dlpack(x) for x in (a_m, w, out_m)]
-            row = {}
-            for name, key in entry["plans"].items():
+            timed = []
+            for name, record in entry["plans"].items():
                 func = lib[name]
                 out_m.fill_(float("nan"))
                 func(*args)
                 torch.cuda.synchronize()
                 err = relative_error(torch, out_m[0], ref)
                 if not err <= tolerance:
-                    failures.append(f"{shape} m={m} {key}: error {err:.1e}")
+                    failures.append(f"{shape} m={m} {record['plan']}: error {err:.1e}")
                     continue
-                row[key] = time_fn(lambda f=func: f(*args), device="cuda").median_us
-            row["torch"] = time_fn(lambda: torch.matmul(a_m, w.T), device="cuda").median_us
-            timings[shape][str(m)] = row
-            best = min((v, p) for p, v in row.items() if p != "torch")
-            print(f"{shape} m={m}: best {best[1]} {best[0]:.1f} us, torch {row['torch']:.1f} us", flush=True)
-    result = {"suite": SUITE, "device": device_name("cuda"), "manifest": str(manifest),
-              "git_commit": raw.get("git_commit"), "timings": timings, "failures": failures}
-    Path(out_json).write_text(json.dumps(result, indent=1))
+                median = time_fn(lambda f=func: f(*args), device="cuda").median_us
+                timed.append({"n": n, "k": k, "m": m, **record, "median_us": round(median, 3)})
+            torch_us = round(time_fn(lambda: torch.matmul(a_m, w.T), device="cuda").median_us, 3)
+            reference.append({"n": n, "k": k, "m": m, "median_us": torch_us})
+            rows += timed
+            best = min(timed, key=lambda r: r["median_us"], default=None)
+            if best is not None:
+                print(f"{shape} m={m}: best {best['plan']} {best['median_us']:.1f} us, torch {torch_us:.1f} us",
+                      flush=True)
+    versions = {**raw.get("versions", {}), "torch": torch.__version__}
+    result = {"suite": SUITE, "arch": raw.get("arch"), "dtype": raw["dtype"], "device": device_name("cuda"),
+              "versions": versions, "rows": rows, "torch": reference, "failures": failures}
+    write_dataset(result, Path(out_json))
     for failure in failures:
         print(f"MISMATCH {failure}")
     return result
 
 
+DATASET_DOC = (
+    "Measured GEMM plan times ('fuselight tune gemm-run'): the device and versions they were taken with; "
+    "'rows': one per (n, k, m, plan): the plan's table name (rules/gemm/dispatch.py plan_name), template "
+    "(wgmma or mma_sync), tile (block_m, block_n, block_k, threads, stages; mma.sync: the main tile), split_k, "
+    "rest_block_m (0: no rest tile) and the median microseconds, L2 flushed; 'torch': torch.matmul at the "
+    "same shapes. The learned cost model (python/fuselight/tune/cost_model.py) trains on the rows."
+)
+
+
+def write_dataset(dataset: dict[str, Any], path: Path) -> None:
+    """Write ``dataset`` with one row a line (readable diffs of a re-measured dataset)."""
+    head = {"_doc": DATASET_DOC, **{k: v for k, v in dataset.items() if k not in ("_doc", "rows", "torch")}}
+    fields = [f" {json.dumps(key)}: {json.dumps(value)}" for key, value in head.items()]
+    for key in ("rows", "torch"):
+        items = ",\n".join(f"  {json.dumps(item)}" for item in dataset.get(key, []))
+        fields.append(f' "{key}": [\n{items}\n ]')
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{\n" + ",\n".join(fields) + "\n}\n")
+
+
+def read_dataset(path: Path, arch: str = "sm_90") -> dict[str, Any]:
+    """The dataset in ``path`` (written by ``run``). A file of the earlier form (``timings``: shape
+    -> M -> plan name -> microseconds) is converted, its plans described from ``arch``'s config."""
+    raw = read_json_object(Path(path), missing=f"gemm tuning results not found: {path}")
+    if raw.get("suite") != SUITE:
+        raise FuselightError(f"{path}: not a {SUITE} dataset")
+    if "rows" in raw:
+        return raw
+    if not isinstance(raw.get("timings"), dict):
+        raise FuselightError(f"{path}: has neither 'rows' nor 'timings'")
+    from fuselight.rules.gemm.dispatch import candidates, load_dispatch, plan_name
+    from fuselight.rules.gemm.operands import GemmOperands
+
+    d = load_dispatch(arch)
+    rows, reference = [], []
+    for shape, by_m in raw["timings"].items():
+        n, k = (int(x) for x in shape.split("x"))
+        ops = GemmOperands(a=None, b=None, m=d.m_grid[-1], n=n, k=k, b_layout="NT", dtype=DTYPE, out=None)
+        plans = {plan_name(p, d): p for p in candidates(ops, d)}
+        for m_text, row in by_m.items():
+            m = int(m_text)
+            for name, median in row.items():
+                if name == "torch":
+                    reference.append({"n": n, "k": k, "m": m, "median_us": round(median, 3)})
+                elif name in plans:
+                    rows.append({"n": n, "k": k, "m": m, **plan_record(plans[name], name),
+                                 "median_us": round(median, 3)})
+                else:
+                    raise FuselightError(f"{path}: plan {name!r} ({shape}) is not a candidate of {arch}'s config")
+    return {"suite": SUITE, "arch": arch, "dtype": DTYPE, "device": raw.get("device"),
+            "versions": {"git_commit": raw.get("git_commit")}, "rows": rows, "torch": reference,
+            "failures": raw.get("failures", [])}
+
+
+def timings(dataset: dict[str, Any]) -> dict[tuple[int, int], dict[int, dict[str, float]]]:
+    """(N, K) -> M -> plan name -> median microseconds."""
+    out: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
+    for row in dataset["rows"]:
+        out.setdefault((row["n"], row["k"]), {}).setdefault(row["m"], {})[row["plan"]] = row["median_us"]
+    return out
+
+
 def table(results_json: Path, arch: str = "sm_90", write: bool = False) -> dict[str, list[list[Any]]]:
-    """Measured ranges per shape from a ``run`` result; prints the analytic choice vs the measured best."""
+    """Measured ranges per shape from a ``run`` dataset; prints the analytic choice vs the measured best."""
     from fuselight.rules.gemm.dispatch import best_plan, load_dispatch, plan_name
     from fuselight.rules.gemm.operands import GemmOperands
 
-    raw = read_json_object(Path(results_json), missing=f"gemm tuning results not found: {results_json}")
+    raw = read_dataset(Path(results_json), arch)
+    torch_us = {(r["n"], r["k"], r["m"]): r["median_us"] for r in raw.get("torch", [])}
     d = load_dispatch(arch)
     analytic = dataclasses.replace(d, measured={})
     measured: dict[str, list[list[Any]]] = {}
     ratios = []
     print(f"{'shape':>12} {'M':>6} {'measured best':>28} {'us':>8} {'analytic':>28} {'us':>8} {'torch us':>8}")
-    for shape, by_m in raw["timings"].items():
-        n, k = (int(x) for x in shape.split("x"))
+    for (n, k), by_m in timings(raw).items():
+        shape = f"{n}x{k}"
         ranges: list[list[Any]] = []
-        for m_text, row in sorted(by_m.items(), key=lambda kv: int(kv[0])):
-            m = int(m_text)
-            timed = {p: v for p, v in row.items() if p != "torch"}
+        for m, timed in sorted(by_m.items()):
             best = min(timed, key=timed.get)
             if ranges and timed.get(ranges[-1][1], math.inf) <= (1 + d.keep_within) * timed[best]:
                 best = ranges[-1][1]
@@ -201,7 +284,7 @@ def table(results_json: Path, arch: str = "sm_90", write: bool = False) -> dict[
             if choice in timed:
                 ratios.append(timed[choice] / min(timed.values()))
             print(f"{shape:>12} {m:>6} {best:>28} {timed[best]:8.1f} {choice:>28} "
-                  f"{timed.get(choice, math.nan):8.1f} {row['torch']:8.1f}")
+                  f"{timed.get(choice, math.nan):8.1f} {torch_us.get((n, k, m), math.nan):8.1f}")
         measured[shape] = ranges
     if ratios:
         geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
@@ -210,7 +293,8 @@ def table(results_json: Path, arch: str = "sm_90", write: bool = False) -> dict[
         path = config_dir() / "gemm" / "dispatch.json"
         data = read_json_object(path, missing=f"gemm dispatch config not found: {path}")
         data[arch]["measured"] = measured
-        data[arch]["measured_on"] = f"{raw.get('device')}, fuselight tune gemm-run at {raw.get('git_commit')}"
+        commit = raw.get("versions", {}).get("git_commit")
+        data[arch]["measured_on"] = f"{raw.get('device')}, fuselight tune gemm-run at {commit}"
         path.write_text(json.dumps(data, indent=2) + "\n")
         print(f"wrote measured ranges to {path}")
     return measured
