@@ -133,6 +133,14 @@ def cmd_tune_gemm_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune_gemm_model(args: argparse.Namespace) -> int:
+    from .tune.cost_model import gemm_model
+
+    results = Path(args.results) if args.results else Path("bench") / "results" / f"tuning-gemm-{args.arch}.json"
+    gemm_model(Path(args.data), args.arch, do_eval=args.eval, write=args.write, results=results)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fuselight", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -207,6 +215,15 @@ def _parser() -> argparse.ArgumentParser:
     tt.add_argument("--arch", default="sm_90")
     tt.add_argument("--write", action="store_true", help="store them in configs/gemm/dispatch.json")
     tt.set_defaults(func=cmd_tune_gemm_table)
+    tm = tsub.add_parser("gemm-model", help="train the learned GEMM cost model (xgboost) on measured timings")
+    tm.add_argument("data", help="dataset JSON written by 'tune gemm-run'")
+    tm.add_argument("--arch", default="sm_90")
+    tm.add_argument("--eval", action="store_true", help="leave-one-shape-out evaluation, xgboost vs analytic")
+    tm.add_argument("--results", default=None,
+                    help="where --eval writes its JSON (default bench/results/tuning-gemm-<arch>.json)")
+    tm.add_argument("--write", action="store_true",
+                    help="store the model and the dataset in configs/gemm/ (cost-model-<arch>.json, measured-<arch>.json)")
+    tm.set_defaults(func=cmd_tune_gemm_model)
 
     r = sub.add_parser("report", help="Markdown table and plots from a results JSON")
     r.add_argument("results")
