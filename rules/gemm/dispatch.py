@@ -10,7 +10,9 @@ floor (weights, A and the output moved once), the split-K partials and one launc
 ``plan_ranges`` evaluates it over an M grid and merges neighbours with the same best plan into
 ``(largest M, plan)`` ranges, which the Matmul rule turns into a host-side branch. A measured table
 (``fuselight tune gemm-*``) checks the function against the GPU: its entries, where present for a
-shape and valid for the operands, override the estimate.
+shape and valid for the operands, override the estimate. For other shapes the config's
+``cost_model`` may name ``xgboost``: plans are then priced by the model learned from the measured
+times (``fuselight.tune.cost_model``) where the arch has one, else by the estimate (cold start).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .wgmma import WgmmaTile, check_tile, load_wgmma_tiles
 
 Plan = GemmPlan | WgmmaTile
 WGMMA = "wgmma"  # the default wgmma tile's name in tables; the others are "wgmma-<name>"
+COST_MODELS = ("analytic", "xgboost")  # what may price the plans of a shape without a measured table
 
 
 ACC_BYTES = 4  # a split-K partial is fp32
@@ -64,6 +67,8 @@ class Dispatch:
     tiles: dict[str, GemmTile]
     wgmma: dict[str, WgmmaTile]  # by plan name; empty: the arch has no wgmma config
     measured: dict[str, list[tuple[int, Plan]]]  # "NxK" -> measured best (largest M, plan)
+    arch: str
+    cost_model: str  # what prices plans of shapes without a measured table: "analytic" or "xgboost"
 
 
 def load_dispatch(arch: str) -> Dispatch:
@@ -81,6 +86,9 @@ def load_dispatch(arch: str) -> Dispatch:
         unknown = sorted(set(efficiency) - set(tiles) - set(wgmma))
         if unknown:
             raise FuselightError(f"{path}[{arch!r}]: efficiency for unknown tiles {unknown}")
+        cost_model = str(cfg.get("cost_model", "analytic"))
+        if cost_model not in COST_MODELS:
+            raise FuselightError(f"{path}[{arch!r}]: cost_model {cost_model!r} is not one of {list(COST_MODELS)}")
         measured = {
             shape: [(int(upper), _plan(tiles, wgmma, str(name))) for upper, name in table]
             for shape, table in cfg.get("measured", {}).items()
@@ -103,6 +111,8 @@ def load_dispatch(arch: str) -> Dispatch:
             tiles={name: tiles[name] for name in efficiency if name not in wgmma},
             wgmma=wgmma,
             measured=measured,
+            arch=arch,
+            cost_model=cost_model,
         )
     except (KeyError, TypeError, ValueError) as err:
         raise FuselightError(f"{path}[{arch!r}]: malformed dispatch config ({err!r})") from None
@@ -174,6 +184,19 @@ def estimate_us(plan: Plan, m: int, n: int, k: int, d: Dispatch) -> float:
     return max(compute, moved / (d.dram_gbps * 1e3)) + d.launch_us + reduce_us
 
 
+def _cost(plan: Plan, m: int, n: int, k: int, d: Dispatch) -> float:
+    """What choosing compares: the learned model's prediction where the config asks for it and the
+    arch has a trained model (``fuselight tune gemm-model``), else the estimate (cold start)."""
+    if d.cost_model == "xgboost":
+        # Imported here: xgboost only where a config asks for the model.
+        from fuselight.tune.cost_model import load_model
+
+        model = load_model(d.arch)
+        if model is not None:
+            return model.predict_us(plan, m, n, k)
+    return estimate_us(plan, m, n, k, d)
+
+
 def _fits(plan: Plan, ops: GemmOperands) -> bool:
     try:
         if isinstance(plan, WgmmaTile):
@@ -219,7 +242,7 @@ def best_plan(
     ]
     if not plans:
         return None
-    return min(plans, key=lambda p: estimate_us(p, m, ops.n, ops.k, d))
+    return min(plans, key=lambda p: _cost(p, m, ops.n, ops.k, d))
 
 
 def plan_ranges(ops: GemmOperands, d: Dispatch) -> list[tuple[int, Plan]]:
@@ -242,7 +265,7 @@ def plan_ranges(ops: GemmOperands, d: Dispatch) -> list[tuple[int, Plan]]:
             return []
         if ranges:
             prev = ranges[-1][1]
-            if estimate_us(prev, m, ops.n, ops.k, d) <= (1 + d.keep_within) * estimate_us(plan, m, ops.n, ops.k, d):
+            if _cost(prev, m, ops.n, ops.k, d) <= (1 + d.keep_within) * _cost(plan, m, ops.n, ops.k, d):
                 plan = prev
         if ranges and ranges[-1][1] == plan:
             ranges[-1] = (m, plan)
