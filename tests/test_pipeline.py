@@ -352,7 +352,7 @@ def _first_rule(func: tirx.PrimFunc, target: tvm.target.Target) -> str:
 
 
 def test_accumulate_fp32_keeps_dlight_schedules(cuda) -> None:
-    """Matmuls fused with their float32->float16 cast go to the same DLight rules as before."""
+    """Matmuls fused with their float32->float16 cast go to the same rules as the unfused ones."""
     picked = {}
     for name, graph_passes in (("baseline", []), ("fuselight", ["accumulate_matmul_fp32"])):
         mod = _run_stages(layer_module(), cuda, "LowBatchGemvSpecialize", use_mlc=False, graph_passes=graph_passes)
@@ -362,7 +362,8 @@ def test_accumulate_fp32_keeps_dlight_schedules(cuda) -> None:
     matmuls = {k: v for k, v in picked["fuselight"].items() if "NT_matmul" in k}
     # Three functions of three matmuls, each now fused with its cast back to float16.
     assert len(matmuls) == 9 and all("cast" in k for k in matmuls)
-    assert set(matmuls.values()) == {"Matmul", "GEMV"}
+    # fuselight's Matmul (dynamic M) and Gemv (M = 1); DLight's GEMV where K is no multiple of 32
+    assert set(matmuls.values()) == {"Matmul", "GEMV", "Gemv"}
 
 
 def test_equivalents_match_mlc_on_cuda(mlc_llm, cuda) -> None:

@@ -1,8 +1,9 @@
 """Timing: CUDA events around each call with L2 flushed and launch gaps hidden; wall clock elsewhere.
 
-On the GPU, each timed call is preceded by a write of a buffer larger than L2 (so weights are read
-from memory, not from a warm cache) and by ``torch.cuda._sleep`` (so the stream is busy while the
-host launches, and host launch time is not timed). Quote medians. PyTorch is imported on first use.
+On the GPU, each timed call is preceded by a read of a buffer larger than L2 (so weights are read
+from memory, not from a warm cache; a read, not a write, so L2 holds no dirty lines whose
+write-back the timed kernel would pay for) and by ``torch.cuda._sleep`` (so the stream is busy
+while the host launches, and host launch time is not timed). Quote medians. PyTorch is imported on first use.
 Settings: ``timing`` in ``configs/bench.json``.
 """
 
@@ -116,19 +117,19 @@ def _flush_buffer(nbytes: int) -> Any:
     import torch
 
     if nbytes not in _FLUSH_BUFFERS:
-        _FLUSH_BUFFERS[nbytes] = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        _FLUSH_BUFFERS[nbytes] = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
     return _FLUSH_BUFFERS[nbytes]
 
 
 def _cuda_samples(fn: Callable[[], Any], n: int, flush: Any, sleep_cycles: int) -> list[float]:
-    """``n`` event-timed calls in microseconds, each after an L2 flush and a GPU sleep."""
+    """``n`` event-timed calls in microseconds, each after an L2 flush (a read) and a GPU sleep."""
     import torch
 
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     for start, end in zip(starts, ends):
         if flush is not None:
-            flush.zero_()
+            flush.amax()  # reads every line, writes one float
         if sleep_cycles:
             torch.cuda._sleep(sleep_cycles)
         start.record()
