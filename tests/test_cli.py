@@ -75,6 +75,24 @@ def test_bad_pipeline(capsys, tmp_path):
     _fails(capsys, ["compile", "--model", "tiny-llama", "--target", "llvm", "--pipeline", "fast", "-o", str(tmp_path / "x.so")], "fast")
 
 
+def test_bad_pass_options(capsys, tmp_path):
+    out = str(tmp_path / "x.so")
+    _fails(capsys, ["compile", "--model", "tiny-llama", "--target", "llvm", "--passes", "fuse_attention,nosuch", "-o", out],
+           "nosuch", "fuse_attention")
+    _fails(capsys, ["compile", "--model", "tiny-llama", "--target", "llvm", "--pipeline", "baseline", "--no-rules", "-o", out],
+           "baseline")
+
+
+def test_passes_alone_recorded_in_the_metadata(capsys, tmp_path):
+    """The passes without our rules (how the passes are measured by themselves), as the sidecar says."""
+    out = tmp_path / "x.so"
+    argv = ["compile", "--model", "tiny-llama", "--target", "llvm", "--passes", "property_rewrite,accumulate_matmul_fp32",
+            "--no-rules", "-o", str(out)]
+    assert main(argv) == 0
+    meta = json.loads((tmp_path / "x.so.json").read_text())
+    assert meta["fuselight"] == {"passes": ["property_rewrite", "accumulate_matmul_fp32"], "rules": False}
+
+
 def test_subprocess_exit_code_and_no_traceback():
     proc = subprocess.run(
         [sys.executable, "-m", "fuselight", "compile", "--model", "nope", "--target", "llvm", "-o", "x.so"],

@@ -30,7 +30,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     cfg = _model_config(args.model, args.dtype)
     spec = resolve(args.target, args.arch)
-    built = fc.build(cfg, spec, args.pipeline)
+    options = None
+    if args.passes is not None or args.no_rules:
+        passes = None if args.passes is None else tuple(p for p in args.passes.split(",") if p and p != "none")
+        options = fc.Options(passes=passes, rules=not args.no_rules)
+    built = fc.build(cfg, spec, args.pipeline, options=options)
     out = fc.export(built, Path(args.output), aot_cuda=not args.no_aot)
     s = built.stats
     print(
@@ -153,6 +157,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: the config's)")
     c.add_argument("-o", "--output", required=True, help="library path, e.g. llama.so")
     c.add_argument("--no-aot", action="store_true", help="keep CUDA as source (compiled when loaded)")
+    c.add_argument("--passes", default=None,
+                   help="fuselight pipeline: comma-separated graph passes ('none': no passes; default: fuselight.passes.default())")
+    c.add_argument("--no-rules", action="store_true", help="fuselight pipeline: DLight's rules only (measure the passes alone)")
     c.set_defaults(func=cmd_compile)
 
     d = sub.add_parser("demo", help="tiny LLaMA through both pipelines on the CPU, compared")

@@ -49,19 +49,44 @@ class Built:
     param_names: list[str]
     prefill_chunk_size: int
     baseline_source: str  # where the baseline passes came from when this was built
+    options: Options | None = None  # the fuselight pipeline's passes and rules (None: baseline)
 
 
-def pipeline_pass(name: str, tvm_target: Any, variable_bounds: Mapping[str, int]) -> Any:
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What the fuselight pipeline turns on: ``passes`` (names from ``fuselight.passes``; None: its
+    defaults) and ``rules`` (False: DLight's rules alone, to measure the passes by themselves)."""
+
+    passes: tuple[str, ...] | None = None
+    rules: bool = True
+
+    def describe(self) -> dict[str, Any]:
+        from .passes import default
+
+        return {"passes": list(self.passes if self.passes is not None else default()), "rules": self.rules}
+
+
+def pipeline_pass(
+    name: str, tvm_target: Any, variable_bounds: Mapping[str, int], options: Options | None = None
+) -> Any:
     """The pipeline ``name`` (one of ``PIPELINES``) for ``tvm_target``, a ``tvm.transform.Pass``.
 
     variable_bounds: upper bounds of symbolic dims by name, so memory is planned statically.
+    options: the fuselight pipeline's passes and rules (the baseline takes none).
     """
     if name not in PIPELINES:
         raise FuselightError(f"unknown pipeline {name!r}: expected one of {', '.join(PIPELINES)}")
     from . import pipeline as pl
 
-    make = pl.baseline_pipeline if name == "baseline" else pl.fuselight_pipeline
-    return make(tvm_target, variable_bounds=dict(variable_bounds))
+    if name == "baseline":
+        if options is not None and options != Options():
+            raise FuselightError("the baseline pipeline takes no fuselight passes or rules options")
+        return pl.baseline_pipeline(tvm_target, variable_bounds=dict(variable_bounds))
+    options = options or Options()
+    return pl.fuselight_pipeline(
+        tvm_target, passes=options.passes, rules=None if options.rules else [],
+        variable_bounds=dict(variable_bounds),
+    )
 
 
 def lower(mod: Any, tvm_target: Any, pipeline: Any) -> tuple[Any, Any]:
@@ -119,9 +144,14 @@ def kernel_stats(mod: Any) -> KernelStats:
 
 
 def build(
-    config: ModelConfig, target: TargetSpec, pipeline: str, *, prefill_chunk_size: int | None = None
+    config: ModelConfig,
+    target: TargetSpec,
+    pipeline: str,
+    *,
+    prefill_chunk_size: int | None = None,
+    options: Options | None = None,
 ) -> Built:
-    """Export our model for ``target``, run ``pipeline`` over it, and compile.
+    """Export our model for ``target``, run ``pipeline`` (with ``options``) over it, and compile.
 
     Prefills longer than ``prefill_chunk_size`` tokens (default: ``configs/runtime.json``) are run
     in chunks by the engine.
@@ -137,7 +167,7 @@ def build(
     tvm_target = to_tvm(target)
     start = time.perf_counter()
     # As MLC-LLM compiles: the prefill length is bounded by the chunk size, so memory is planned statically.
-    seq = pipeline_pass(pipeline, tvm_target, {"seq_len": prefill_chunk_size})
+    seq = pipeline_pass(pipeline, tvm_target, {"seq_len": prefill_chunk_size}, options)
     mod, params = export_module(config, tvm_target)
     lowered, executable = lower(mod, tvm_target, seq)
     return Built(
@@ -150,6 +180,7 @@ def build(
         param_names=[name for name, _, _ in params],
         prefill_chunk_size=prefill_chunk_size,
         baseline_source=source,
+        options=options if pipeline == "fuselight" else None,
     )
 
 
@@ -182,6 +213,7 @@ def metadata(built: Built) -> dict[str, Any]:
         prefill_chunk_size=built.prefill_chunk_size,
         stats=dataclasses.asdict(built.stats),
         compile_seconds=round(built.compile_seconds, 2),
+        **({"fuselight": (built.options or Options()).describe()} if built.pipeline == "fuselight" else {}),
     )
 
 
