@@ -3,8 +3,9 @@
 Numerics and speed are checked on the GPU; here: the body binds to a matmul PrimFunc with a symbolic
 token count (fp16 and bf16), the host encodes TMA tensor maps (A's rows = the token count) and
 passes them as grid constants, the CUDA loads tiles with cp.async.bulk.tensor completing mbarriers
-and issues wgmma.mma_async from 128-byte-swizzled shared memory, nvcc compiles it for sm_90a, and
-every tile or operand the template cannot handle is refused with a FuselightError naming it.
+and issues wgmma.mma_async from 128-byte-swizzled shared memory, the epilogue (a residual add too)
+stages the accumulators in shared memory and stores (and reads its inputs) 16 bytes a thread, nvcc
+compiles it for sm_90a, and every tile or operand the template cannot handle is refused with a FuselightError naming it.
 """
 
 import dataclasses
@@ -48,29 +49,49 @@ def _matmul(dtype: str, n: int = N, k: int = K):
     return matmul
 
 
+def _matmul_residual(dtype: str):
+    """out[0, i, j] = cast(sum_k A[0, i, k] * B[j, k]) + R[0, i, j] (the epilogue; no body needed)."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def matmul_residual(var_a: T.handle, b: T.Buffer((N, K), dtype), var_r: T.handle, var_out: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        seq_len = T.int64()
+        a = T.match_buffer(var_a, (1, seq_len, K), dtype)  # noqa: F841 - named for the CUDA
+        r = T.match_buffer(var_r, (1, seq_len, N), dtype)  # noqa: F841
+        out = T.match_buffer(var_out, (1, seq_len, N), dtype)  # noqa: F841
+        T.evaluate(0)
+
+    return matmul_residual
+
+
 def _operands(func, elem_dtype: str, **changes) -> GemmOperands:
     from tvm.script import tirx as T
 
-    a, b, out = func.params
+    a, b, *res, out = func.params
+
+    def value(r, c, acc):
+        return T.Cast(elem_dtype, acc) + res[0][0, r, c] if res else T.Cast(elem_dtype, acc)
+
     ops = GemmOperands(
         a=a, b=b, m=a.shape[1], n=int(b.shape[0]), k=int(b.shape[1]), b_layout="NT", dtype=elem_dtype,
-        out=Epilogue(buffer=out, index=lambda r, c: (0, r, c), value=lambda r, c, acc: T.Cast(elem_dtype, acc)),
+        out=Epilogue(buffer=out, index=lambda r, c: (0, r, c), value=value),
     )  # fmt: skip
     return dataclasses.replace(ops, **changes)
 
 
-def _build(dtype: str, tile: WgmmaTile = TILE):
+def _build(dtype: str, tile: WgmmaTile = TILE, residual: bool = False):
     import tvm
 
-    func = _matmul(dtype)
+    func = _matmul_residual(dtype) if residual else _matmul(dtype)
     stmt = wgmma_gemm(_operands(func, dtype), tile)
     bound = tvm.tirx.PrimFunc(func.params, stmt, func.ret_type, func.attrs).with_attr("tirx.is_scheduled", True)
     assert str(bound.params[0].shape[1]) == "seq_len"  # M stays symbolic
     return tvm.compile(tvm.IRModule({"main": bound}), target=to_tvm(resolve("cuda", "sm_90")))
 
 
-def _build_cuda(dtype: str, tile: WgmmaTile = TILE) -> str:
-    return _build(dtype, tile).mod.imports[0].inspect_source("cuda")
+def _build_cuda(dtype: str, tile: WgmmaTile = TILE, residual: bool = False) -> str:
+    return _build(dtype, tile, residual).mod.imports[0].inspect_source("cuda")
 
 
 @pytest.mark.parametrize("dtype,ptx", [("float16", "f16"), ("bfloat16", "bf16")])
@@ -84,6 +105,20 @@ def test_builds_wgmma_fed_by_tma(dtype, ptx):
     assert "mbarrier.arrive.expect_tx" in src and "mbarrier.try_wait.parity" in src
     assert "setmaxnreg.dec" in src and "setmaxnreg.inc" in src
     assert "cp.async.cg" not in src and "cp.async.ca" not in src  # no per-thread copies left
+    # The epilogue: accumulators staged in shared memory (each warpgroup syncs on its own barrier),
+    # then 16 bytes (8 halves) a thread stored; no 4-byte stores from the accumulator registers.
+    assert "bar.sync %0, 128" in src
+    assert "*(uint4*)(out_ptr + " in src and "*(half2*)(out_ptr" not in src
+    assert "*(__nv_bfloat162*)(out_ptr" not in src
+
+
+@needs_nvcc
+def test_residual_epilogue_reads_and_writes_16_bytes():
+    # ``out = cast(acc) + R``: the residual too is read 8 halves a load, beside the 16-byte stores.
+    src = _build_cuda("float16", residual=True)
+    assert "*(uint4*)(out_ptr + " in src and "*(uint4*)(r_ptr + " in src
+    assert "(half2*)(out_ptr" not in src and "(half2*)(r_ptr" not in src
+    assert compile_cuda(src, arch="sm_90")
 
 
 def test_host_encodes_tensor_maps_with_symbolic_rows():
@@ -133,7 +168,8 @@ def test_nvcc_compiles_the_narrow_tile():
         ({"block_n": 100}, {}, "block_n 100 must be a multiple of 8"),
         ({"block_n": 512}, {"n": 1024}, "block_n 512 must be a multiple of 8 up to 256"),
         ({"stages": 1}, {}, "stages 1 must be at least 2"),
-        ({"stages": 8}, {}, "need 393344 bytes of shared memory"),
+        ({"stages": 8}, {}, "and the epilogue need 426112 bytes of shared memory"),
+        ({"block_n": 96}, {"n": 960}, "block_n 96 must be a multiple of 64"),
         ({"warpgroups": 1}, {}, "warpgroups 1 unsupported"),
         ({}, {"n": 640}, "n 640 is not a multiple of block_n"),
         ({}, {"k": 200}, "k 200 is not a multiple of 64"),

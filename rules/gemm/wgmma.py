@@ -14,7 +14,10 @@ The tensor maps are encoded on the host at each call (A's row extent is M, so TM
 M with zeros; they are never stored): the returned body is host code holding the kernel launch.
 Blocks are persistent (at most ``max_blocks``), walking the tiles in groups of ``group_m`` row
 tiles so concurrent blocks share A and B in L2; the producer loads the next tile while the
-consumers store the last. Needs the arch-specific target (sm_90a): TVM's CUDA compile and
+consumers store the last. The epilogue stages each consumer warpgroup's 64 rows in ``EPI_COLS``-wide
+fp32 chunks through a buffer of its own (the slots are still being filled with the next tile), then
+applies ``ops.out.value`` to 8 adjacent columns a thread: 16-byte coalesced stores, and 16-byte loads
+of whatever the epilogue reads (a residual). Needs the arch-specific target (sm_90a): TVM's CUDA compile and
 ``fuselight.cuda_compile`` both build for it. Shared memory is dynamic (up to 227 KiB, opted in at
 launch by TVM's runtime).
 """
@@ -43,6 +46,13 @@ BLOCK_K = 64
 ATOM_BYTES = 1024  # one swizzle atom: 8 rows of 128 bytes; tiles start on one
 ELEM_BYTES = 2  # both DTYPES
 MBAR_BYTES = 8
+# Epilogue chunk: 64 rows (a warpgroup's) x EPI_COLS fp32 accumulators staged at once; each thread
+# then handles EPI_VEC adjacent columns (16 bytes of fp16/bf16). Chunk rows are 8 pieces of EPI_VEC
+# floats, piece p of row r stored at p ^ (r % 8): the accumulator writes (8-byte, rows r..r+3 of a
+# half warp, one piece each) then hit distinct banks.
+EPI_COLS = 64
+EPI_VEC = 16 // ELEM_BYTES
+FLOAT_BYTES = 4
 # Descriptor fields in 16-byte units: the stride between 8-row atoms; the leading offset is unused
 # by K-major swizzled layouts (1 by convention). TVM's swizzle code 3 is the 128-byte swizzle.
 DESC_SBO = ATOM_BYTES // 16
@@ -91,8 +101,12 @@ class WgmmaTile:
         return (self.block_m + self.block_n) * BLOCK_K * ELEM_BYTES
 
     @property
+    def epilogue_bytes(self) -> int:
+        return self.warpgroups * WGMMA_M * EPI_COLS * FLOAT_BYTES
+
+    @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.slot_bytes + 2 * MBAR_BYTES)
+        return self.stages * (self.slot_bytes + 2 * MBAR_BYTES) + self.epilogue_bytes
 
 
 def load_wgmma_tiles(arch: str) -> dict[str, WgmmaTile]:
@@ -120,6 +134,8 @@ def check_tile(tile: WgmmaTile, ops: GemmOperands) -> None:
         raise FuselightError(
             f"wgmma tile: block_n {tile.block_n} must be a multiple of {WGMMA_N_STEP} up to {WGMMA_N_MAX}"
         )
+    if tile.block_n % EPI_COLS:
+        raise FuselightError(f"wgmma tile: block_n {tile.block_n} must be a multiple of {EPI_COLS} (the epilogue chunk)")
     if tile.warpgroups not in CONSUMER_REGS:
         raise FuselightError(
             f"wgmma tile: warpgroups {tile.warpgroups} unsupported (supported: {sorted(CONSUMER_REGS)})"
@@ -133,7 +149,7 @@ def check_tile(tile: WgmmaTile, ops: GemmOperands) -> None:
     if tile.smem_bytes > MAX_DYNAMIC_SMEM:
         raise FuselightError(
             f"wgmma tile: {tile.stages} stages of {tile.block_m}x{BLOCK_K} + {tile.block_n}x{BLOCK_K} "
-            f"need {tile.smem_bytes} bytes of shared memory (at most {MAX_DYNAMIC_SMEM})"
+            f"and the epilogue need {tile.smem_bytes} bytes of shared memory (at most {MAX_DYNAMIC_SMEM})"
         )
 
 
@@ -155,11 +171,14 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
     bm, bn, stages, consumers = tile.block_m, tile.block_n, tile.stages, tile.warpgroups * WARPGROUP
     a_slot, b_slot = bm * BLOCK_K * ELEM_BYTES, bn * BLOCK_K * ELEM_BYTES  # bytes per stage
     b_base = stages * a_slot
-    bar_base = stages * tile.slot_bytes
+    epi_base = stages * tile.slot_bytes // FLOAT_BYTES  # in floats; each warpgroup's chunk follows
+    epi_chunk = WGMMA_M * EPI_COLS  # floats
+    bar_base = stages * tile.slot_bytes + tile.epilogue_bytes
     k_tiles = k // BLOCK_K
     n_tiles = n // bn
     n_acc = WGMMA_M * bn // WARPGROUP  # fp32 accumulators per thread
     consumer_warps = consumers // WARP
+    pieces = EPI_COLS // EPI_VEC  # per chunk row
     out_buf = ops.out.buffer
 
     def desc(base, byte_offset):
@@ -175,6 +194,9 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
 
     def fence_register(reg):
         return cuda_op.cuda_func_call(REGISTER_FENCE, reg, source_code=REGISTER_FENCE_SOURCE)
+
+    def float_pointer(ptr):
+        return tvm.ir.expr.Call(tvm.ir.Op.get("tirx.reinterpret"), [ptr], ret_ty=T.handle("float32").ty)
 
     def full(smem, slot):
         return smem.access_ptr("w", offset=bar_base + slot * MBAR_BYTES)
@@ -229,6 +251,11 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
                     buf_dyn_shmem = T.sblock_alloc_buffer((tile.smem_bytes,), "uint8", scope="shared.dyn", align=ATOM_BYTES)
                     acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
                     smem_desc = T.sblock_alloc_buffer((1,), "uint64", scope="local")
+                    # The epilogue chunks, through a plain pointer: each warpgroup syncs its own with a
+                    # named barrier, which TVM's shared-memory sync planner does not know (it would put
+                    # a block-wide barrier under the consumers' branch).
+                    epi_ptr: T.let[T.handle("float32")] = float_pointer(buf_dyn_shmem.access_ptr("rw", offset=epi_base * FLOAT_BYTES))
+                    epi = T.decl_buffer((tile.epilogue_bytes // FLOAT_BYTES,), "float32", data=epi_ptr)
                     wg: T.let[T.int32] = tid // WARPGROUP
                     # This block's tiles: bx, bx + blocks, ...; each at step (its count) * k_tiles.
                     my_tiles: T.let[T.int32] = T.truncdiv(m_tiles * n_tiles - bx + blocks - 1, blocks)
@@ -285,14 +312,25 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
                             for i in T.unroll(n_acc):
                                 T.evaluate(fence_register(acc[i]))
                             # Accumulator 4j + 2h + e: row lane / 4 + 8h of the warp's 16, column
-                            # 8j + 2 (lane % 4) + e; each thread's e = 0, 1 pair is stored together.
-                            for j in T.unroll(n_acc // 4):
-                                for h in T.unroll(2):
-                                    r: T.let[T.int32] = m0 + wg * WGMMA_M + (tid % WARPGROUP) // WARP * 16 + (tid % WARP) // 4 + h * 8
-                                    if r < m:
+                            # 8j + 2 (lane % 4) + e; a chunk holds j = 8 cc .. 8 cc + 7 (piece j % 8).
+                            for cc in T.unroll(bn // EPI_COLS):
+                                for jj in T.unroll(pieces):
+                                    for h in T.unroll(2):
                                         for e in T.vectorized(2):
-                                            out_buf[ops.out.index(T.Cast("int64", r), n0 + j * 8 + tid % 4 * 2 + e)] = ops.out.value(
-                                                T.Cast("int64", r), n0 + j * 8 + tid % 4 * 2 + e, acc[j * 4 + h * 2 + e]
+                                            epi[wg * epi_chunk + ((tid % WARPGROUP) // WARP * 16 + (tid % WARP) // 4 + h * 8) * EPI_COLS
+                                                + T.bitwise_xor(jj, (tid % WARP) // 4) * EPI_VEC + tid % 4 * 2 + e] = acc[(cc * pieces + jj) * 4 + h * 2 + e]
+                                T.cuda.warpgroup_sync(1 + wg)
+                                # Thread t of the warpgroup: piece t % 8 of rows t / 8 + 16 i.
+                                for i in T.unroll(WGMMA_M * pieces // WARPGROUP):
+                                    row: T.let[T.int32] = i * (WARPGROUP // pieces) + (tid % WARPGROUP) // pieces
+                                    r: T.let[T.int32] = m0 + wg * WGMMA_M + row
+                                    if r < m:
+                                        for e in T.vectorized(EPI_VEC):
+                                            out_buf[ops.out.index(T.Cast("int64", r), n0 + cc * EPI_COLS + tid % pieces * EPI_VEC + e)] = ops.out.value(
+                                                T.Cast("int64", r), n0 + cc * EPI_COLS + tid % pieces * EPI_VEC + e,
+                                                epi[wg * epi_chunk + row * EPI_COLS + T.bitwise_xor(tid % pieces, row % 8) * EPI_VEC + e],
                                             )
+                                # The chunk is read before the next overwrites it.
+                                T.cuda.warpgroup_sync(1 + wg)
     # fmt: on
     return body.body
