@@ -102,7 +102,7 @@ def test_build_reads_the_prefill_chunk_from_runtime_config(monkeypatch) -> None:
     class Stop(Exception):
         pass
 
-    def capture(pipeline, target, bounds):
+    def capture(pipeline, target, bounds, options=None):
         raise Stop(bounds)
 
     monkeypatch.setattr(fc, "pipeline_pass", capture)
