@@ -24,6 +24,7 @@ from fuselight.rules.reduce import rowwise
 from fuselight.rules.reduce.analysis import RowReductionDesc, analyze_row_reduction
 from fuselight.rules.row_reduction import RowReduction
 from fuselight.target import resolve, to_tvm
+from fuselight.tune.gemm import matmul_prim_func
 from tvm import relax, te, tirx, topi
 from tvm.script import tirx as T
 
@@ -171,27 +172,9 @@ def product_reduction(X: T.Buffer((T.int64(8), T.int64(16)), "float32"), O: T.Bu
             O[vi, vj] = X[vi, vj] / S[vi]
 
 
-@T.prim_func(private=True, s_tir=True)
-def matmul(A: T.Buffer((T.int64(8), T.int64(16)), "float16"), B: T.Buffer((T.int64(24), T.int64(16)), "float16"), O: T.Buffer((T.int64(8), T.int64(24)), "float16")):
-    C = T.sblock_alloc_buffer((T.int64(8), T.int64(24)))
-    for i, j, k in T.grid(T.int64(8), T.int64(24), T.int64(16)):
-        with T.sblock("matmul"):
-            vi, vj, vk = T.axis.remap("SSR", [i, j, k])
-            with T.init():
-                C[vi, vj] = T.float32(0)
-            C[vi, vj] = C[vi, vj] + T.Cast("float32", A[vi, vk]) * T.Cast("float32", B[vj, vk])
-    for i, j in T.grid(T.int64(8), T.int64(24)):
-        with T.sblock("cast"):
-            vi, vj = T.axis.remap("SS", [i, j])
-            O[vi, vj] = T.Cast("float16", C[vi, vj])
-
-
-@T.prim_func(private=True, s_tir=True)
-def elementwise(A: T.Buffer((T.int64(8), T.int64(16)), "float16"), O: T.Buffer((T.int64(8), T.int64(16)), "float16")):
-    for i, j in T.grid(T.int64(8), T.int64(16)):
-        with T.sblock("add"):
-            vi, vj = T.axis.remap("SS", [i, j])
-            O[vi, vj] = A[vi, vj] + T.float16(1)
+matmul = matmul_prim_func(24, 16, "float16", m=8)
+_x = te.placeholder((8, 16), "float16", "A")
+elementwise = te.create_prim_func([_x, topi.add(_x, tvm.tirx.const(1, "float16"))])
 # fmt: on
 
 
