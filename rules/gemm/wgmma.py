@@ -251,6 +251,7 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
                     buf_dyn_shmem = T.sblock_alloc_buffer((tile.smem_bytes,), "uint8", scope="shared.dyn", align=ATOM_BYTES)
                     acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
                     smem_desc = T.sblock_alloc_buffer((1,), "uint64", scope="local")
+                    vals = T.sblock_alloc_buffer((WGMMA_M * pieces // WARPGROUP * EPI_VEC,), out_buf.dtype, scope="local")
                     # The epilogue chunks, through a plain pointer: each warpgroup syncs its own with a
                     # named barrier, which TVM's shared-memory sync planner does not know (it would put
                     # a block-wide barrier under the consumers' branch).
@@ -320,16 +321,21 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
                                             epi[wg * epi_chunk + ((tid % WARPGROUP) // WARP * 16 + (tid % WARP) // 4 + h * 8) * EPI_COLS
                                                 + T.bitwise_xor(jj, (tid % WARP) // 4) * EPI_VEC + tid % 4 * 2 + e] = acc[(cc * pieces + jj) * 4 + h * 2 + e]
                                 T.cuda.warpgroup_sync(1 + wg)
-                                # Thread t of the warpgroup: piece t % 8 of rows t / 8 + 16 i.
+                                # Thread t of the warpgroup: piece t % 8 of rows t / 8 + 16 i. All values
+                                # first (rows past M clamped to the last row, so the epilogue's loads are
+                                # unconditional and overlap), then the stores of rows below M.
                                 for i in T.unroll(WGMMA_M * pieces // WARPGROUP):
                                     row: T.let[T.int32] = i * (WARPGROUP // pieces) + (tid % WARPGROUP) // pieces
-                                    r: T.let[T.int32] = m0 + wg * WGMMA_M + row
+                                    for e in T.vectorized(EPI_VEC):
+                                        vals[i * EPI_VEC + e] = ops.out.value(
+                                            T.Cast("int64", T.min(m0 + wg * WGMMA_M + row, m - 1)), n0 + cc * EPI_COLS + tid % pieces * EPI_VEC + e,
+                                            epi[wg * epi_chunk + row * EPI_COLS + T.bitwise_xor(tid % pieces, row % 8) * EPI_VEC + e],
+                                        )
+                                for i in T.unroll(WGMMA_M * pieces // WARPGROUP):
+                                    r: T.let[T.int32] = m0 + wg * WGMMA_M + i * (WARPGROUP // pieces) + (tid % WARPGROUP) // pieces
                                     if r < m:
                                         for e in T.vectorized(EPI_VEC):
-                                            out_buf[ops.out.index(T.Cast("int64", r), n0 + cc * EPI_COLS + tid % pieces * EPI_VEC + e)] = ops.out.value(
-                                                T.Cast("int64", r), n0 + cc * EPI_COLS + tid % pieces * EPI_VEC + e,
-                                                epi[wg * epi_chunk + row * EPI_COLS + T.bitwise_xor(tid % pieces, row % 8) * EPI_VEC + e],
-                                            )
+                                            out_buf[ops.out.index(T.Cast("int64", r), n0 + cc * EPI_COLS + tid % pieces * EPI_VEC + e)] = vals[i * EPI_VEC + e]
                                 # The chunk is read before the next overwrites it.
                                 T.cuda.warpgroup_sync(1 + wg)
     # fmt: on
