@@ -5,6 +5,10 @@
 templates do not serve. Keeping them apart lets tests, ``fuselight explain`` and the benchmarks
 ask what a rule sees without building anything. ``apply`` (DLight's entry point) chains them:
 on None DLight moves on to the next rule.
+
+Rules that replace a function's body with template kernels build it with ``host_branch`` (a
+host-side choice between kernels on a symbolic size) and ``with_kernels`` (the body bound to the
+function's own parameters, marked scheduled).
 """
 
 from __future__ import annotations
@@ -36,3 +40,18 @@ class AnalyzeScheduleRule(GPUScheduleRule):
     def schedule(self, func: tirx.PrimFunc, desc: Any, target: Target) -> tirx.PrimFunc | None:
         """The scheduled replacement of ``func`` (described by ``desc``) on ``target``, or None."""
         raise NotImplementedError
+
+
+def host_branch(cond: Any, then_body: tirx.Stmt, else_body: tirx.Stmt | None = None) -> tirx.Stmt:
+    """``if cond`` on the host between kernel launches; thread-invariant, so TVM places the kernels'
+    shared-memory syncs inside the branches."""
+    return tirx.IfThenElse(tirx.op.tvm_thread_invariant(cond), then_body, else_body)
+
+
+def with_kernels(func: tirx.PrimFunc, body: tirx.Stmt) -> tirx.PrimFunc:
+    """``func`` (same parameters, signature and attributes) running ``body``: kernels written over
+    ``func``'s own buffers, marked scheduled as MLC's LowBatchGemvSpecialize marks its host-side
+    branches between kernels."""
+    body = tirx.SBlockRealize([], True, tirx.SBlock([], [], [], "root", body))
+    kernel = tirx.PrimFunc(func.params, body, func.ret_type, func.attrs)
+    return kernel.with_attrs({"tirx.is_scheduled": True, "tirx.HoistIfThenElseExprWithBlock": 1})

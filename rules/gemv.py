@@ -16,7 +16,7 @@ from tvm.target import Target
 
 from ..errors import FuselightError
 from ..target import arch_of
-from .base import AnalyzeScheduleRule
+from .base import AnalyzeScheduleRule, with_kernels
 from .gemm.analysis import MatmulDesc, analyze_matmul
 from .gemm.dispatch import load_dispatch
 from .gemm.gemv import check_gemv, config_for, gemv_body, load_gemv_configs
@@ -46,7 +46,4 @@ class Gemv(AnalyzeScheduleRule):
             check_gemv(desc.operands, cfg)
         except FuselightError:
             return None  # operands the template does not take (NN weights, K not a multiple of 32)
-        body = tirx.SBlockRealize([], True, tirx.SBlock([], [], [], "root", gemv_body(desc.operands, cfg)))
-        kernel = tirx.PrimFunc(func.params, body, func.ret_type, func.attrs)
-        # The attributes the Matmul rule's kernels carry.
-        return kernel.with_attrs({"tirx.is_scheduled": True, "tirx.HoistIfThenElseExprWithBlock": 1})
+        return with_kernels(func, gemv_body(desc.operands, cfg))

@@ -17,7 +17,7 @@ from tvm.target import Target
 
 from ..errors import FuselightError
 from ..target import arch_of
-from .base import AnalyzeScheduleRule
+from .base import AnalyzeScheduleRule, host_branch, with_kernels
 from .gemm import gemm_body
 from .gemm.analysis import MatmulDesc, analyze_matmul
 from .gemm.dispatch import load_dispatch, plan_ranges
@@ -44,14 +44,10 @@ class Matmul(AnalyzeScheduleRule):
         ranges = plan_ranges(ops, dispatch)
         if not ranges:
             return None
-        # Host-side branch on M: the last range serves every larger M. Thread-invariant conditions,
-        # so TVM places the kernels' shared-memory syncs inside them.
+        # Host-side branch on M: the last range serves every larger M.
         body = gemm_body(ops, ranges[-1][1])
         for upper, plan in reversed(ranges[:-1]):
-            body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(ops.m <= upper), gemm_body(ops, plan), body)
+            body = host_branch(ops.m <= upper, gemm_body(ops, plan), body)
         if desc.m_static is None:
-            body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(ops.m > 0), body, None)  # no empty grids
-        body = tirx.SBlockRealize([], True, tirx.SBlock([], [], [], "root", body))
-        kernel = tirx.PrimFunc(func.params, body, func.ret_type, func.attrs)
-        # As MLC's LowBatchGemvSpecialize marks its host-side branch between kernels.
-        return kernel.with_attrs({"tirx.is_scheduled": True, "tirx.HoistIfThenElseExprWithBlock": 1})
+            body = host_branch(ops.m > 0, body)  # no empty grids
+        return with_kernels(func, body)

@@ -17,7 +17,7 @@ from tvm.target import Target
 
 from ..errors import FuselightError
 from ..target import arch_of
-from .base import AnalyzeScheduleRule
+from .base import AnalyzeScheduleRule, host_branch, with_kernels
 from .reduce.analysis import RowReductionDesc, analyze_row_reduction
 from .reduce.rowwise import MAX_OUTPUTS, MAX_STATS, load_row_config, load_split_config, row_kernel, split_softmax_kernels, use_split
 
@@ -45,10 +45,7 @@ class RowReduction(AnalyzeScheduleRule):
             if desc.rows_static is not None:
                 body = split if desc.rows_static < split_cfg.below_rows else body
             else:
-                # Host-side branch on the row count, thread-invariant as the Matmul rule's.
-                body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(desc.rows < split_cfg.below_rows), split, body)
+                body = host_branch(desc.rows < split_cfg.below_rows, split, body)  # on the row count
         if desc.rows_static is None:
-            body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(desc.rows > 0), body, None)  # no empty grids
-        body = tirx.SBlockRealize([], True, tirx.SBlock([], [], [], "root", body))
-        kernel = tirx.PrimFunc(func.params, body, func.ret_type, func.attrs)
-        return kernel.with_attrs({"tirx.is_scheduled": True, "tirx.HoistIfThenElseExprWithBlock": 1})
+            body = host_branch(desc.rows > 0, body)  # no empty grids
+        return with_kernels(func, body)
