@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 from tvm import tirx
@@ -263,15 +264,21 @@ def plan_ranges(ops: GemmOperands, d: Dispatch) -> list[tuple[int, Plan]]:
         plan = best_plan(ops, m, d, plans, lowest)
         if plan is None:
             return []
-        if ranges:
-            prev = ranges[-1][1]
-            if _cost(prev, m, ops.n, ops.k, d) <= (1 + d.keep_within) * _cost(plan, m, ops.n, ops.k, d):
-                plan = prev
-        if ranges and ranges[-1][1] == plan:
-            ranges[-1] = (m, plan)
-        else:
-            ranges.append((m, plan))
+        extend_ranges(ranges, m, plan, lambda p, m=m: _cost(p, m, ops.n, ops.k, d), d.keep_within)
     return ranges
+
+
+def extend_ranges(
+    ranges: list[tuple[int, Any]], m: int, best: Any, cost: Callable[[Any], float], keep_within: float
+) -> None:
+    """Add M-grid point ``m``, whose best plan is ``best``, to ``ranges`` of ``(largest M, plan)``: the
+    last range grows over ``m`` while its plan costs at most ``keep_within`` more than the best there."""
+    if ranges and cost(ranges[-1][1]) <= (1 + keep_within) * cost(best):
+        best = ranges[-1][1]
+    if ranges and ranges[-1][1] == best:
+        ranges[-1] = (m, best)
+    else:
+        ranges.append((m, best))
 
 
 def _static(m: Any) -> bool:

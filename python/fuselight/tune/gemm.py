@@ -258,34 +258,29 @@ def timings(dataset: dict[str, Any]) -> dict[tuple[int, int], dict[int, dict[str
 
 def table(results_json: Path, arch: str = "sm_90", write: bool = False) -> dict[str, list[list[Any]]]:
     """Measured ranges per shape from a ``run`` dataset; prints the analytic choice vs the measured best."""
-    from fuselight.rules.gemm.dispatch import best_plan, load_dispatch, plan_name
+    from fuselight.rules.gemm.dispatch import best_plan, extend_ranges, load_dispatch, plan_name
     from fuselight.rules.gemm.operands import GemmOperands
 
     raw = read_dataset(Path(results_json), arch)
     torch_us = {(r["n"], r["k"], r["m"]): r["median_us"] for r in raw.get("torch", [])}
     d = load_dispatch(arch)
-    analytic = dataclasses.replace(d, measured={})
+    analytic = dataclasses.replace(d, measured={}, cost_model="analytic")  # the function, not the learned model
     measured: dict[str, list[list[Any]]] = {}
     ratios = []
     print(f"{'shape':>12} {'M':>6} {'measured best':>28} {'us':>8} {'analytic':>28} {'us':>8} {'torch us':>8}")
     for (n, k), by_m in timings(raw).items():
         shape = f"{n}x{k}"
-        ranges: list[list[Any]] = []
+        ranges: list[tuple[int, str]] = []
         for m, timed in sorted(by_m.items()):
-            best = min(timed, key=timed.get)
-            if ranges and timed.get(ranges[-1][1], math.inf) <= (1 + d.keep_within) * timed[best]:
-                best = ranges[-1][1]
-            if ranges and ranges[-1][1] == best:
-                ranges[-1][0] = m
-            else:
-                ranges.append([m, best])
+            extend_ranges(ranges, m, min(timed, key=timed.get), lambda p, t=timed: t.get(p, math.inf), d.keep_within)
+            best = ranges[-1][1]
             ops = GemmOperands(a=None, b=None, m=m, n=n, k=k, b_layout="NT", dtype=DTYPE, out=None)
             choice = plan_name(best_plan(ops, m, analytic), d)
             if choice in timed:
                 ratios.append(timed[choice] / min(timed.values()))
             print(f"{shape:>12} {m:>6} {best:>28} {timed[best]:8.1f} {choice:>28} "
                   f"{timed.get(choice, math.nan):8.1f} {torch_us.get((n, k, m), math.nan):8.1f}")
-        measured[shape] = ranges
+        measured[shape] = [list(r) for r in ranges]
     if ratios:
         geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
         print(f"analytic choice vs measured best: geometric mean {geo:.3f}x the best time, worst {max(ratios):.2f}x")
