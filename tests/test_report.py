@@ -1,8 +1,12 @@
-"""``fuselight report``: tables and plots from a synthetic results file."""
+"""``fuselight report``: summary, family tables, newest-record selection and plots over synthetic results files."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
+import os
+import subprocess
 
 import pytest
 from fuselight import report
@@ -11,14 +15,19 @@ from fuselight.cli import main
 from fuselight.errors import FuselightError
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
-# Median microseconds of a GEMM 4096x4096 at each M, per implementation.
+DEVICE = "NVIDIA H100 80GB HBM3"
+N = K = 4096
+# Median microseconds of a GEMM 4096x4096 at each M, per implementation: fuselight over the baseline
+# 1.2, 2, 8, 1 and over torch 1.1, 0.5, 1, 2 at M = 1, 16, 32, 64.
 GEMM_US = {
     1: {"baseline": 24.0, "fuselight": 20.0, "torch": 22.0},
-    128: {"baseline": 80.0, "fuselight": 40.0, "torch": 20.0},
+    16: {"baseline": 20.0, "fuselight": 10.0, "torch": 5.0},
+    32: {"baseline": 160.0, "fuselight": 20.0, "torch": 20.0},
+    64: {"baseline": 40.0, "fuselight": 40.0, "torch": 80.0},
 }
 
 
-def _rec(suite, case, shape, impl, metric, median, nbytes=0, flops=0, relerr=None):
+def _rec(suite, case, shape, impl, metric, median, nbytes=0, flops=0, relerr=None, commit="abc123"):
     return results.make_record(
         suite=suite,
         case=case,
@@ -29,40 +38,57 @@ def _rec(suite, case, shape, impl, metric, median, nbytes=0, flops=0, relerr=Non
         nbytes=nbytes,
         flops=flops,
         relerr=relerr,
-        device="NVIDIA H100 80GB HBM3",
+        device=DEVICE,
         tvm_version="0.26.0",
-        git_commit="abc123",
+        git_commit=commit,
         baseline_source="fuselight-equivalents" if impl != "torch" else None,
     )
 
 
+def _gemm(m, impl, us, commit="abc123"):
+    nbytes = (m * K + N * K + m * N) * 2
+    return _rec("kernels", f"gemm-{N}x{K}", {"n": N, "k": K, "m": m}, impl, "tflops", us, nbytes=nbytes,
+                flops=2 * m * N * K, relerr=2e-3, commit=commit)
+
+
+def _e2e_records():
+    recs = [
+        _rec("e2e", "llama-3-8b-prefill", {"tokens": 1024}, impl, "tokens_per_s", ms * 1e3, relerr=5e-2)
+        for impl, ms in (("baseline", 152.0), ("fuselight", 38.0), ("torch", 34.0))
+    ]
+    recs += [
+        _rec("e2e", "llama-3-8b-decode", {"context": 128, "steps": 32}, impl, "ms_per_token", us)
+        for impl, us in (("baseline", 6310.0), ("fuselight", 6500.0))
+    ]
+    return recs
+
+
 @pytest.fixture
-def results_file(tmp_path):
-    recs = []
-    for m, times in GEMM_US.items():
-        for impl, us in times.items():
-            recs.append(
-                _rec(
-                    "kernels",
-                    "gemm-4096x4096",
-                    {"m": m, "n": 4096, "k": 4096},
-                    impl,
-                    "tflops",
-                    us,
-                    nbytes=(m * 4096 * 2 + 4096 * 4096) * 2,
-                    flops=2 * m * 4096 * 4096,
-                    relerr=2e-3,
-                )
-            )
-    for impl, ms in (("baseline", 152.0), ("torch", 34.0)):
-        recs.append(_rec("e2e", "llama-3-8b-prefill", {"tokens": 1024}, impl, "tokens_per_s", ms * 1e3, relerr=5e-2))
-    recs.append(_rec("e2e", "llama-3-8b-decode", {"context": 128, "steps": 32}, "baseline", "ms_per_token", 6310.0))
-    return results.write_results(tmp_path / "results.json", recs, {})
+def results_dir(tmp_path):
+    """Two results files in one directory: a GEMM sweep and an end-to-end run."""
+    d = tmp_path / "results"
+    results.write_results(d / "kernels.json", [_gemm(m, i, us) for m, t in GEMM_US.items() for i, us in t.items()], {})
+    results.write_results(d / "e2e.json", _e2e_records(), {})
+    return d
+
+
+@pytest.fixture
+def no_plots(monkeypatch):
+    """Tables only (matplotlib is slow to start and not what these tests check)."""
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+
+
+def _summary(text):
+    """Summary rows of a report by their first cell."""
+    table = text.split("## Summary")[1].split("\n\n")[1]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()]
+    return rows[0], {r[0]: dict(zip(rows[0], r)) for r in rows[2:]}
 
 
 def test_metric_values():
-    gemm = _rec("kernels", "g", {"m": 128}, "torch", "tflops", 20.0, flops=2 * 128 * 4096 * 4096)
+    gemm = _rec("kernels", "g", {"m": 128}, "torch", "tflops", 20.0, nbytes=60_000, flops=2 * 128 * 4096 * 4096)
     assert report.metric_value(gemm) == pytest.approx(2 * 128 * 4096 * 4096 / 20e-6 / 1e12)
+    assert report.metric_value(gemm, "gbps") == pytest.approx(3.0)
     norm = _rec("kernels", "n", {"m": 8}, "torch", "gbps", 10.0, nbytes=30_000)
     assert report.metric_value(norm) == pytest.approx(3.0)
     prefill = _rec("e2e", "p", {"tokens": 1024}, "torch", "tokens_per_s", 34_000.0)
@@ -71,38 +97,167 @@ def test_metric_values():
     assert report.metric_value(decode) == pytest.approx(6.31)
 
 
-def test_markdown_tables(results_file, tmp_path):
-    path = report.make_report(results_file, tmp_path / "out")
-    text = path.read_text()
-    assert "## kernels: gemm-4096x4096" in text and "## e2e: llama-3-8b-prefill" in text
+def test_summary_rows(results_dir, tmp_path, no_plots):
+    text = report.make_report(results_dir, tmp_path / "out").read_text()
+    header, rows = _summary(text)
+    assert header[2:4] == ["fuselight vs MLC baseline (geomean, range)", "fuselight vs PyTorch (geomean, range)"]
+    gemm = rows["GEMM (M >= 16)"]
+    # Over the baseline: 2, 8, 1 at M = 16, 32, 64: (2 * 8 * 1) ** (1/3) = 2.52; over torch 0.5, 1, 2: 1.00.
+    assert gemm["points"] == "3"
+    assert gemm["fuselight vs MLC baseline (geomean, range)"] == "2.52x (1.00–8.00)"
+    assert gemm["fuselight vs PyTorch (geomean, range)"] == "1.00x (0.50–2.00)"
+    tflops = 2 * 16 * N * K / 10e-6 / 1e12
+    assert gemm["best fuselight (% of peak)"] == f"{tflops:.3g} TFLOP/s ({100 * tflops / 757:.0f}% of 757)"
+    assert gemm["met"] == "missed (0.50x)" and "≥ 0.70x" in gemm["target"]
+    assert gemm["from"] == "kernels.json"
+    # M = 1 is the GEMV family, its best figure in GB/s (config 'figure').
+    gemv = rows["GEMV / low batch (M < 16)"]
+    assert gemv["fuselight vs MLC baseline (geomean, range)"] == "1.20x"
+    gbps = (K + N * K + N) * 2 / 20e-6 / 1e9
+    assert gemv["best fuselight (% of peak)"] == f"{gbps:.0f} GB/s ({100 * gbps / 3000:.0f}% of 3000)"
+    # End to end: a row per point; targets only where their point is.
+    prefill = rows["prefill 1024 tokens (llama-3-8b-prefill)"]
+    assert prefill["fuselight vs MLC baseline (geomean, range)"] == "4.00x"
+    assert prefill["fuselight vs PyTorch (geomean, range)"] == "0.89x"
+    assert prefill["met"] == "met (38 ms)" and prefill["from"] == "e2e.json"
+    decode = rows["decode at context 128 (llama-3-8b-decode)"]
+    assert decode["fuselight vs PyTorch (geomean, range)"] == "-" and decode["met"] == "missed (6.5 ms/tok)"
+    assert "mlc" not in " ".join(header)
+
+
+def test_family_tables(results_dir, tmp_path, no_plots):
+    text = report.make_report(results_dir, tmp_path / "out").read_text()
+    gemm = text.split("## GEMM (M >= 16)")[1].split("\n## ")[0]
+    assert "From: kernels.json." in gemm
     header = (
         "| m | baseline us | fuselight us | torch us | baseline TFLOP/s | fuselight TFLOP/s | torch TFLOP/s | "
-        "baseline vs torch | fuselight vs torch | fuselight vs baseline | "
+        "fuselight vs baseline | fuselight vs torch | baseline vs torch | "
         "relerr baseline | relerr fuselight | relerr torch |"
     )
-    assert header in text
-    # M=128: fuselight 40 us is 2x the baseline's speed and half of torch's.
-    tflops = [2 * 128 * 4096 * 4096 / (us * 1e-6) / 1e12 for us in (80.0, 40.0, 20.0)]
+    assert header in gemm
+    tflops = [2 * 32 * N * K / (us * 1e-6) / 1e12 for us in (160.0, 20.0, 20.0)]
     row = (
-        f"| 128 | 80 | 40 | 20 | {tflops[0]:.3g} | {tflops[1]:.3g} | {tflops[2]:.3g} | "
-        "0.25x | 0.50x | 2.00x | 2.0e-03 | 2.0e-03 | 2.0e-03 |"
+        f"| 32 | 160 | 20 | 20 | {tflops[0]:.3g} | {tflops[1]:.3g} | {tflops[2]:.3g} | "
+        "8.00x | 1.00x | 0.12x | 2.0e-03 | 2.0e-03 | 2.0e-03 |"
     )
-    assert row in text
-    assert text.index("| 1 | 24") < text.index("| 128 | 80")  # rows in sweep order
-    # e2e: tokens/s, and only the implementations that ran get columns.
-    assert "| tokens | baseline us | torch us | baseline tok/s | torch tok/s | baseline vs torch |" in text
-    assert f"| 1024 | 152000 | 34000 | {1024 / 0.152:.0f} | {1024 / 0.034:.0f} | 0.22x |" in text
-    assert "| 128 | 32 | 6310 | 6.31 | 2.0e-03" not in text and "| 128 | 32 | 6310 | 6.31 | - |" in text
+    assert row in gemm and "| 1 | 24" not in gemm
+    assert gemm.index("| 16 | 20") < gemm.index("| 32 | 160") < gemm.index("| 64 | 40")
+    # Only the implementations that ran get columns; no relative error checked: "-".
+    decode = text.split("## end to end: decode")[1]
+    header = ("| context | steps | baseline us | fuselight us | baseline ms/tok | fuselight ms/tok | "
+              "fuselight vs baseline |")
+    assert header in decode
+    assert "| 128 | 32 | 6310 | 6500 | 6.31 | 6.5 | 0.97x | - | - |" in decode
 
 
-def test_plots(results_file, tmp_path, capsys):
+def test_any_impl_gets_columns():
+    """MLC-LLM's own build with and without fuselight: columns and the 'vs MLC's own build' summary."""
+    cfg = report.load_config()
+    recs = [{**_gemm(64, "baseline", us), "impl": impl} for impl, us in (("mlc", 30.0), ("mlc+fuselight", 20.0))]
+    recs += [{**_gemm(64, "baseline", 45.0), "impl": "other-build"}, _gemm(64, "torch", 15.0)]
+    family = report.Family(cfg["families"][0], recs, ["mlc.json"])
+    header, rows = report.summary_table([family], cfg)
+    assert "mlc+fuselight vs MLC's own build (geomean, range)" in header
+    assert rows[0][header.index("mlc+fuselight vs MLC's own build (geomean, range)")] == "1.50x"
+    assert rows[0][header.index("mlc+fuselight vs PyTorch (geomean, range)")] == "0.75x"
+    header, _ = report.case_table(recs, cfg=cfg)
+    assert header[3:7] == ["mlc us", "mlc+fuselight us", "torch us", "other-build us"]
+    assert "mlc+fuselight vs mlc" in header
+
+
+def _git(repo, *args, date=None):
+    env = {**os.environ, "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date} if date else None
+    out = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, env=env,
+                         check=True, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def _selected(paths):
+    sources = [report.read_source(p, report.load_config()) for p in paths]
+    return {(r["shape"]["m"], r["impl"]): (r["median_us"], src.path.name) for r, src in report.newest_records(sources)}
+
+
+def test_newest_record_by_commit_then_file(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    _git(repo, "commit", "-q", "--allow-empty", "-m", "old", date="2026-01-01T00:00:00")
+    old = _git(repo, "rev-parse", "--short=12", "HEAD")
+    _git(repo, "commit", "-q", "--allow-empty", "-m", "new", date="2026-01-02T00:00:00")
+    new = _git(repo, "rev-parse", "--short=12", "HEAD")
+    # The record of the newer commit wins though its file comes first; points only the older file has stay.
+    a = results.write_results(repo / "a.json", [_gemm(16, "fuselight", 10.0, new)], {})
+    b_records = [_gemm(16, "fuselight", 30.0, old), _gemm(32, "fuselight", 20.0, old)]
+    b = results.write_results(repo / "b.json", b_records, {})
+    assert _selected([a, b]) == {(16, "fuselight"): (10.0, "a.json"), (32, "fuselight"): (20.0, "b.json")}
+    # Same commit: the file committed later wins; one with uncommitted changes is newer still.
+    c = results.write_results(repo / "c.json", [_gemm(16, "fuselight", 40.0, old)], {})
+    _git(repo, "add", "b.json")
+    _git(repo, "commit", "-q", "-m", "b", date="2026-01-03T00:00:00")
+    _git(repo, "add", "c.json")
+    _git(repo, "commit", "-q", "-m", "c", date="2026-01-04T00:00:00")
+    assert _selected([c, b])[(16, "fuselight")] == (40.0, "c.json")
+    results.write_results(b, [_gemm(16, "fuselight", 50.0, old)], {})
+    assert _selected([b, c])[(16, "fuselight")] == (50.0, "b.json")
+
+
+def test_newest_record_without_git_is_the_later_file(tmp_path):
+    a = results.write_results(tmp_path / "a.json", [_gemm(16, "fuselight", 10.0, "unknown")], {})
+    b = results.write_results(tmp_path / "b.json", [_gemm(16, "fuselight", 30.0, "unknown")], {})
+    assert _selected([a, b])[(16, "fuselight")] == (30.0, "b.json")
+    assert _selected([b, a])[(16, "fuselight")] == (10.0, "a.json")
+
+
+def test_bad_files_are_named(results_dir, tmp_path):
+    bad = results_dir / "zz-bad.json"
+    bad.write_text('{"format": 1, "meta": {}, "records": [{"suite": "kernels"}]}')
+    with pytest.raises(FuselightError, match=r"zz-bad.json: record 0: missing field 'case'"):
+        report.make_report(results_dir, tmp_path / "out")
+    bad.write_text('{"anything": 1}')
+    with pytest.raises(FuselightError, match=r"zz-bad.json: neither a results file"):
+        report.make_report(results_dir, tmp_path / "out")
+    bad.write_text('{"suite": "tuning", "xgboost": {"spearman": 0.9, "spearman_pooled": 0.9, '
+                   '"regret_median": 0, "regret_max": "high"}}')
+    with pytest.raises(FuselightError, match=r"zz-bad.json: xgboost.regret_max must be a number"):
+        report.make_report(results_dir, tmp_path / "out")
+    bad.write_text("{")
+    with pytest.raises(FuselightError, match=r"zz-bad.json: not valid JSON"):
+        report.make_report(results_dir, tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FuselightError, match="empty: no results JSON in this directory"):
+        report.make_report(tmp_path / "empty", tmp_path / "out")
+
+
+def test_bad_config_is_named(tmp_path):
+    cfg = json.loads((report.config_dir() / "report.json").read_text())
+    cfg["families"][0]["targets"] = [{"impl": "fuselight", "over": "torch"}]
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(FuselightError, match=r"report.json: families\[0\] .* needs one number 'at_least' or 'at_most'"):
+        report.load_config(path)
+
+
+def test_tuning_summary(results_dir, tmp_path, no_plots):
+    evaluation = {"suite": "tuning", "family": "gemm", "arch": "sm_90", "versions": {"git_commit": "fef8f6c"},
+                  "protocol": "leave-one-shape-out", "target": {"regret_median": 0.05, "regret_max": 0.15}}
+    evaluation["xgboost"] = {"spearman": 0.956, "spearman_pooled": 0.993, "regret_median": 0.0, "regret_max": 0.071}
+    evaluation["analytic"] = {"spearman": 0.683, "spearman_pooled": 0.973, "regret_median": 0.0, "regret_max": 0.289}
+    (results_dir / "tuning-gemm-sm_90.json").write_text(json.dumps(evaluation))
+    text = report.make_report(results_dir, tmp_path / "out").read_text()
+    assert "| tuning-gemm-sm_90.json | gemm | sm_90 | fef8f6c | leave-one-shape-out | xgboost | 0.956 | 0.993 | " \
+           "0.0% | 7.1% | median ≤ 5% / max ≤ 15% | met |" in text
+    assert "| analytic | 0.683 | 0.973 | 0.0% | 28.9% | median ≤ 5% / max ≤ 15% | missed |" in text
+
+
+def test_plots(results_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    report.make_report(results_file, out)
-    text = (out / report.REPORT_NAME).read_text()
+    text = report.make_report(results_dir, out).read_text()
     if HAS_MATPLOTLIB:
-        png = out / "kernels-gemm-4096x4096.png"
+        png = out / f"kernels-gemm-{N}x{K}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert "![gemm-4096x4096](kernels-gemm-4096x4096.png)" in text
+        # The case's plot under both families it spans; the end-to-end chart under the summary.
+        assert text.count(f"![gemm-{N}x{K}](kernels-gemm-{N}x{K}.png)") == 2
+        assert "![end to end](e2e.png)" in text and (out / "e2e.png").is_file()
         # One point along the sweep: nothing to plot.
         assert not (out / "e2e-llama-3-8b-prefill.png").exists()
     else:
@@ -110,29 +265,25 @@ def test_plots(results_file, tmp_path, capsys):
         assert not list(out.glob("*.png")) and "![" not in text
 
 
-def test_text_table_for_terminal(results_file):
-    text = report.text_table(results.read_results(results_file).records)
+def test_text_table_for_terminal(results_dir):
+    text = report.text_table(results.read_results(results_dir / "kernels.json").records)
     lines = text.splitlines()
-    assert lines[0] == "kernels / gemm-4096x4096"
-    assert "relerr" not in text and "2.00x" in text
+    assert lines[0] == f"kernels / gemm-{N}x{K}"
+    assert "relerr" not in text and "8.00x" in text
 
 
-def test_cli_report(results_file, tmp_path, capsys):
-    assert main(["report", str(results_file), "-o", str(tmp_path / "cli")]) == 0
-    assert (tmp_path / "cli" / report.REPORT_NAME).is_file()
+def test_cli_report(results_dir, tmp_path, capsys, no_plots):
+    assert main(["report", str(results_dir)]) == 0
+    assert (results_dir / "report" / report.REPORT_NAME).is_file()
+    files = [str(results_dir / "e2e.json"), str(results_dir / "kernels.json")]
+    assert main(["report", *files, "-o", str(tmp_path / "cli")]) == 0
+    assert "## GEMM (M >= 16)" in (tmp_path / "cli" / report.REPORT_NAME).read_text()
     assert main(["report", str(tmp_path / "missing.json")]) == 2
     assert "results file not found" in capsys.readouterr().err
 
 
-def test_bad_results_are_refused(tmp_path):
-    path = tmp_path / "r.json"
-    path.write_text('{"format": 1, "meta": {}, "records": [{"suite": "kernels"}]}')
-    with pytest.raises(FuselightError, match="record 0: missing field 'case'"):
-        report.make_report(path, tmp_path)
-
-
-def test_accuracy_section(results_file, tmp_path):
-    data = results.read_results(results_file)
+def test_accuracy_section(results_dir, tmp_path, no_plots):
+    data = results.read_results(results_dir / "e2e.json")
     accuracy = {
         "prompt": 32,
         "decode_steps": 2,
@@ -141,10 +292,11 @@ def test_accuracy_section(results_file, tmp_path):
             "torch": {"vs_float64": [1.5e-3, 1.7e-3, 1.6e-3]},
         },
     }
-    path = results.write_results(tmp_path / "acc.json", data.records, {"accuracy": accuracy})
-    text = report.make_report(path, tmp_path / "acc").read_text()
-    assert "32-token prefill, then 2 decode steps" in text
+    results.write_results(results_dir / "e2e.json", data.records, {"accuracy": accuracy})
+    text = report.make_report(results_dir, tmp_path / "acc").read_text()
+    assert "32-token prefill, then 2 decode steps" in text and "e2e.json" in text
     assert "| baseline | float64 | 3.00e-03 | 2.00e-03 | 4.00e-03 | 4.00e-03 |" in text
     assert "| torch | float64 | 1.50e-03 | 1.70e-03 | 1.60e-03 | 1.70e-03 |" in text
     assert "| torch | torch |" not in text
     assert report.accuracy_text(accuracy).splitlines()[0].startswith("Logits accuracy")
+    assert math.isclose(report.geomean([2.0, 8.0, 1.0]), 16 ** (1 / 3))

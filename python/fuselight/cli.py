@@ -104,7 +104,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from .report import make_report
 
-    out = make_report(Path(args.results), Path(args.out_dir) if args.out_dir else Path(args.results).parent)
+    out = make_report([Path(p) for p in args.results], Path(args.out_dir) if args.out_dir else None)
     print(f"report written: {out}")
     return 0
 
@@ -232,9 +232,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="store the model and the dataset in configs/gemm/ (cost-model-<arch>.json, measured-<arch>.json)")
     tm.set_defaults(func=cmd_tune_gemm_model)
 
-    r = sub.add_parser("report", help="Markdown table and plots from a results JSON")
-    r.add_argument("results")
-    r.add_argument("-o", "--out-dir", default=None)
+    r = sub.add_parser("report", help="one Markdown report and plots over results JSONs (or directories of them)")
+    r.add_argument("results", nargs="+", help="results or tuning JSON files, or directories: every JSON in them")
+    r.add_argument("-o", "--out-dir", default=None, help="default: DIR/report for a directory, else beside the first file")
     r.set_defaults(func=cmd_report)
     return p
 
