@@ -5,18 +5,9 @@ fuselight's equivalents (``fuselight.baseline``) otherwise. A source checkout is
 environment variable ``FUSELIGHT_MLC_LLM_SOURCE`` (the checkout's root or its ``python/`` folder);
 its compiler side imports without MLC's C++ library, which only the serving engine needs.
 
-TVM 0.26 changed three things MLC's sources still use. The shims below restore exactly those, and only
-where the attribute is missing:
-
-- ``PrimFunc.buffer_map``: 0.26 PrimFunc parameters *are* the buffers (buffer-typed Vars), so the
-  mapping is each buffer parameter to itself (read by LowBatchGemvSpecialize and
-  LiftTIRGlobalBufferAlloc).
-- LiftTIRGlobalBufferAlloc also *builds* PrimFuncs with a ``buffer_map`` and handle parameters;
-  its rebuilding helper is replaced by fuselight's 0.26 version.
-- ``DataflowVar.name_hint`` is now ``.name`` (read by ScatterTupleGetItem).
-
-MLC's sampler helpers also pass ``tensor_ir_op`` arguments in the pre-0.26 order; fuselight attaches
-no sampling functions, so that is left alone.
+TVM 0.26 changed a few things MLC's sources still use: ``fuselight.mlc.shims`` restores exactly
+those, only where missing. ``fuselight.mlc.pipeline`` adds fuselight's passes and rules to MLC-LLM's
+own registered pipeline, ``fuselight.mlc.cli`` runs ``mlc_llm compile`` with it.
 """
 
 from __future__ import annotations
@@ -24,14 +15,14 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import importlib.util
-import inspect
 import os
 import subprocess
 import sys
 import types
 from pathlib import Path
 
-from .errors import FuselightError
+from ..errors import FuselightError
+from .shims import apply_tvm_shims
 
 SOURCE_ENV = "FUSELIGHT_MLC_LLM_SOURCE"
 # Tells MLC-LLM's package not to load its C++ library (the compiler passes are pure Python).
@@ -48,7 +39,7 @@ def import_mlc_llm() -> types.ModuleType | None:
             module = _import_from_source(Path(os.environ[SOURCE_ENV]))
         else:
             return None
-    _apply_tvm_shims()
+    apply_tvm_shims()
     return module
 
 
@@ -113,24 +104,3 @@ def _import_from_source(root: Path) -> types.ModuleType:
                 del sys.modules[name]
         raise
     return module
-
-
-def _apply_tvm_shims() -> None:
-    from tvm import relax, tirx
-
-    if not hasattr(tirx.PrimFunc, "buffer_map"):
-        tirx.PrimFunc.buffer_map = property(_buffer_map)
-    if not hasattr(relax.DataflowVar, "name_hint"):
-        relax.DataflowVar.name_hint = property(lambda var: var.name)
-    if "buffer_map" not in inspect.signature(tirx.PrimFunc.__init__).parameters:
-        from .baseline.lift_global_buffer_alloc import lift_global_allocations
-
-        lift = importlib.import_module("mlc_llm.compiler_pass.lift_global_buffer_alloc")
-        lift.remove_global_buf_alloc = lift_global_allocations
-
-
-def _buffer_map(func) -> dict:
-    from tvm import tirx
-
-    return {param: param for param in func.params if isinstance(param.ty, tirx.BufferType)}
-
