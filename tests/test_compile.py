@@ -8,6 +8,8 @@ import pytest
 from fuselight import compile as fc
 from fuselight.cli import main
 from fuselight.config import load
+from fuselight.errors import FuselightError
+from fuselight.target import resolve
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 
@@ -33,6 +35,17 @@ def test_compile_tiny_for_sm90_with_aot_cubins(tmp_path, capsys):
     attention_calls, rest = divmod(kv_cache_launches, fc.KV_CACHE_KERNELS_PER_DECODE_ATTENTION + 1)
     assert rest == 0 and attention_calls == load("tiny-llama").num_hidden_layers
     assert lib.stat().st_size > 0
+    assert meta["cuda_graph"] is True  # CUDA's default, as in MLC-LLM's O2
+
+
+def test_cuda_graph_captures_decode_and_needs_cuda():
+    spec = resolve("cuda", "sm_90")
+    cfg = load("tiny-llama").with_dtype("float16")
+    with_graph, without = (fc.build(cfg, spec, "fuselight", cuda_graph=g) for g in (True, False))
+    assert "decode_cuda_graph_capture" in with_graph.executable.as_text()
+    assert "cuda_graph" not in without.executable.as_text()
+    with pytest.raises(FuselightError, match="CUDA graphs need a cuda target"):
+        fc.build(cfg, resolve("llvm"), "baseline", cuda_graph=True)
 
 
 def test_demo_shows_fuselight_changes(capsys):

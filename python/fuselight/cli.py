@@ -34,7 +34,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if args.passes is not None or args.no_rules:
         passes = None if args.passes is None else tuple(p for p in args.passes.split(",") if p and p != "none")
         options = fc.Options(passes=passes, rules=not args.no_rules)
-    built = fc.build(cfg, spec, args.pipeline, options=options)
+    built = fc.build(cfg, spec, args.pipeline, options=options, cuda_graph=args.cuda_graph)
     out = fc.export(built, Path(args.output), aot_cuda=not args.no_aot)
     s = built.stats
     print(
@@ -89,7 +89,7 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
         if not sep:
             raise FuselightError(f"--lib {item!r}: expected IMPL=PATH, e.g. baseline=llama-baseline.so")
         libs[impl] = Path(path)
-    run_e2e(libs, args.model, Path(args.output), torch=not args.no_torch)
+    run_e2e(libs, args.model, Path(args.output), torch=not args.no_torch, profile=args.profile)
     return 0
 
 
@@ -160,6 +160,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--passes", default=None,
                    help="fuselight pipeline: comma-separated graph passes ('none': no passes; default: fuselight.passes.default())")
     c.add_argument("--no-rules", action="store_true", help="fuselight pipeline: DLight's rules only (measure the passes alone)")
+    c.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture the static parts of each function as CUDA graphs (default: on for cuda, as MLC-LLM's O2)")
     c.set_defaults(func=cmd_compile)
 
     d = sub.add_parser("demo", help="tiny LLaMA through both pipelines on the CPU, compared")
@@ -196,6 +198,8 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--model", default="llama-3-8b")
     be.add_argument("--lib", action="append", default=[], help="IMPL=PATH, e.g. baseline=build/llama-baseline.so")
     be.add_argument("--no-torch", action="store_true", help="skip the transformers comparison")
+    be.add_argument("--profile", action="store_true",
+                    help="also profile each library's decode steps: kernel time and launches by family")
     be.add_argument("-o", "--output", required=True, help="results JSON")
     be.set_defaults(func=cmd_bench_e2e)
 

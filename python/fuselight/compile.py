@@ -27,6 +27,8 @@ KERNEL_LAUNCHES_ATTR = "fuselight.kernel_launches"
 # Format of a library's metadata sidecar.
 METADATA_FORMAT = 1
 _ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
+# The pass config RewriteCUDAGraph reads.
+CUDA_GRAPH_CONFIG = "relax.backend.use_cuda_graph"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,7 @@ class Built:
     prefill_chunk_size: int
     baseline_source: str  # where the baseline passes came from when this was built
     options: Options | None = None  # the fuselight pipeline's passes and rules (None: baseline)
+    cuda_graph: bool = False  # static parts captured and replayed as CUDA graphs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +92,17 @@ def pipeline_pass(
     )
 
 
-def lower(mod: Any, tvm_target: Any, pipeline: Any) -> tuple[Any, Any]:
+def lower(mod: Any, tvm_target: Any, pipeline: Any, *, cuda_graph: bool = False) -> tuple[Any, Any]:
     """Run the ``pipeline`` pass over ``mod`` under ``tvm_target`` and compile the result.
 
+    cuda_graph: let RewriteCUDAGraph capture the static parts of each function (as MLC-LLM's
+    default optimisation level does for CUDA): replayed as CUDA graphs, their kernels cost no
+    host launch each.
     Returns the lowered IRModule and its ``tvm.relax.VMExecutable``.
     """
     import tvm
 
-    with tvm_target:
+    with tvm.transform.PassContext(config={CUDA_GRAPH_CONFIG: cuda_graph}), tvm_target:
         lowered = pipeline(mod)
     return lowered, tvm.compile(lowered, target=tvm_target, relax_pipeline=None)
 
@@ -150,11 +156,13 @@ def build(
     *,
     prefill_chunk_size: int | None = None,
     options: Options | None = None,
+    cuda_graph: bool | None = None,
 ) -> Built:
     """Export our model for ``target``, run ``pipeline`` (with ``options``) over it, and compile.
 
     Prefills longer than ``prefill_chunk_size`` tokens (default: ``configs/runtime.json``) are run
-    in chunks by the engine.
+    in chunks by the engine. ``cuda_graph`` (None: on for CUDA, as in MLC-LLM's default ``O2``)
+    captures the static parts of each function as CUDA graphs.
     """
     from .engine import runtime_config
     from .model.llama import export_module
@@ -169,7 +177,11 @@ def build(
     # As MLC-LLM compiles: the prefill length is bounded by the chunk size, so memory is planned statically.
     seq = pipeline_pass(pipeline, tvm_target, {"seq_len": prefill_chunk_size}, options)
     mod, params = export_module(config, tvm_target)
-    lowered, executable = lower(mod, tvm_target, seq)
+    if cuda_graph is None:
+        cuda_graph = target.kind == "cuda"
+    elif cuda_graph and target.kind != "cuda":
+        raise FuselightError(f"CUDA graphs need a cuda target, not {target.kind!r}")
+    lowered, executable = lower(mod, tvm_target, seq, cuda_graph=cuda_graph)
     return Built(
         config=config,
         target=target,
@@ -181,6 +193,7 @@ def build(
         prefill_chunk_size=prefill_chunk_size,
         baseline_source=source,
         options=options if pipeline == "fuselight" else None,
+        cuda_graph=cuda_graph,
     )
 
 
@@ -213,6 +226,7 @@ def metadata(built: Built) -> dict[str, Any]:
         prefill_chunk_size=built.prefill_chunk_size,
         stats=dataclasses.asdict(built.stats),
         compile_seconds=round(built.compile_seconds, 2),
+        cuda_graph=built.cuda_graph,
         **({"fuselight": (built.options or Options()).describe()} if built.pipeline == "fuselight" else {}),
     )
 

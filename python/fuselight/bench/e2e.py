@@ -27,6 +27,7 @@ from ..errors import FuselightError
 from ..runtime import init_tvm, load_library, read_metadata, release_memory
 from . import bench_config
 from .kernels_run import sdpa_backends
+from .profile import profile_steps
 from .results import COMPILED_IMPLS, git_commit, make_record, write_results
 from .timing import device_name, synchronizer, time_host
 
@@ -321,15 +322,25 @@ class _Measure:
         self.sync()
         return out
 
-    def decode(self, context: int, steps: int) -> dict[str, Any]:
-        """Median single-step decode time after a prompt of ``context`` tokens (warm-up steps untimed)."""
+    def decode(self, context: int, steps: int, profile: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Median single-step decode time after a prompt of ``context`` tokens (warm-up steps untimed).
+
+        With ``profile`` (a dict), further steps run under the CUDA profiler and their kernels by
+        family are stored in it under ``str(context)``.
+        """
         runner, warmup = self.runner, self.cfg["decode_warmup"]
         runner.reset()
         runner.prefill(self.ids[:context])
-        tokens = iter(int(t) for t in self.ids[context : context + warmup + steps])
+        extra = self.cfg["profile_steps"] if profile is not None else 0
+        tokens = iter(int(t) for t in self.ids[context : context + warmup + steps + extra])
         stats = time_host(lambda: runner.decode(next(tokens)), warmup=warmup, repeat=steps, sync=self.sync)
         nbytes, flops = decode_cost(self.config, context)
         print(f"  decode after {context}: {stats.median_us / 1e3:.2f} ms/token", flush=True)
+        if profile is not None:
+            prof = profile_steps(lambda: runner.decode(next(tokens)), extra, self.sync)
+            profile[str(context)] = prof
+            print("    profile: " + ", ".join(f"{k} {v['us']:.0f} us/{v['launches']:.0f}"
+                                             for k, v in prof["families"].items()), flush=True)
         return make_record(
             **self.common,
             case=f"{self.config.name}-decode",
@@ -352,10 +363,13 @@ def run_e2e(
     prefill_tokens: list[int] | None = None,
     decode_contexts: list[int] | None = None,
     decode_steps: int | None = None,
+    profile: bool = False,
 ) -> list[dict[str, Any]]:
     """Benchmark ``libs`` ({"baseline"|"fuselight": library path}) and, with ``torch``, transformers.
 
     ``device`` "cpu" runs llvm libraries (for tests). Unset lists come from ``e2e`` in bench.json.
+    ``profile`` (cuda): each library's decode kernels by family at each context, in the results'
+    ``decode_profile`` (see ``fuselight.bench.profile``).
     """
     from ..report import accuracy_text, text_table
 
@@ -371,7 +385,7 @@ def run_e2e(
     decode_steps = decode_steps or cfg["decode_steps"]
     max_len = max(
         max(prefill_tokens),
-        max(decode_contexts) + cfg["decode_warmup"] + decode_steps,
+        max(decode_contexts) + cfg["decode_warmup"] + decode_steps + (cfg["profile_steps"] if profile else 0),
         cfg["accuracy_prompt"] + cfg["accuracy_decode_steps"],
     )
     if max_len > config.max_position_embeddings:
@@ -411,6 +425,7 @@ def run_e2e(
         acc_prompt, acc_steps = cfg["accuracy_prompt"], cfg["accuracy_decode_steps"]
         acc_refs = [reference_logits(config, weights, ids[: acc_prompt + i]) for i in range(acc_steps + 1)]
         acc_logits: dict[str, list[Any]] = {}
+        profiles: dict[str, dict[str, Any]] = {}
         impls = list(libs) + (["torch"] if torch else [])
         for impl in impls:
             print(f"{impl}: loading", flush=True)
@@ -422,7 +437,8 @@ def run_e2e(
             measure = _Measure(config, runner, ids, sync, {**common, "impl": impl, "baseline_source": source})
             acc_logits[impl] = measure.accuracy_logits(acc_prompt, acc_steps)
             records += [measure.prefill(n, refs[n]) for n in prefill_tokens]
-            records += [measure.decode(c, decode_steps) for c in decode_contexts]
+            prof = profiles.setdefault(impl, {}) if profile and impl != "torch" else None
+            records += [measure.decode(c, decode_steps, prof) for c in decode_contexts]
             del runner, measure
             release_memory()
             if device == "cuda":
@@ -434,6 +450,7 @@ def run_e2e(
         "libraries": {k: str(v) for k, v in libs.items()},
         "torch": torch,
         "accuracy": accuracy,
+        **({"decode_profile": profiles} if profile else {}),
     }
     write_results(Path(out_json), records, meta)
     print(text_table(records))

@@ -1,0 +1,68 @@
+"""Where a decode step's GPU time goes: kernels by family, device time and launches per step.
+
+Runs the step under ``torch.profiler`` with CUDA activities (TVM 0.26's VM has no profiler of its
+own; kernels carry their PrimFunc names, and kernels replayed from CUDA graphs are recorded too) and
+sums each kernel's device time per step. Families are the first matching name pattern of
+``profile_families`` in ``configs/bench.json`` ("other" if none matches), so the split between weight
+GEMVs, attention and everything else that issue targets name is read off directly.
+Runtime-only: PyTorch is imported when called.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from . import bench_config
+
+OTHER = "other"
+
+
+def family_of(kernel: str, families: list[tuple[str, str]]) -> str:
+    """The family of the first ``(family, regex)`` whose regex matches ``kernel`` (``re.search``)."""
+    return next((family for family, pattern in families if re.search(pattern, kernel)), OTHER)
+
+
+def families() -> list[tuple[str, str]]:
+    return [(f, p) for f, p in bench_config()["profile_families"]]
+
+
+def summarize(events: list[tuple[str, float, int]], steps: int, table: list[tuple[str, str]]) -> dict[str, Any]:
+    """Per-step totals of ``(kernel name, device µs, calls)`` events, by family and by kernel."""
+    by_family: dict[str, dict[str, float]] = {}
+    by_kernel: dict[str, dict[str, Any]] = {}
+    for name, us, calls in events:
+        fam = family_of(name, table)
+        f = by_family.setdefault(fam, {"us": 0.0, "launches": 0.0})
+        f["us"] += us / steps
+        f["launches"] += calls / steps
+        k = by_kernel.setdefault(name, {"family": fam, "us": 0.0, "launches": 0.0})
+        k["us"] += us / steps
+        k["launches"] += calls / steps
+    rounded = {fam: {"us": round(v["us"], 2), "launches": round(v["launches"], 2)} for fam, v in by_family.items()}
+    return {
+        "steps": steps,
+        "gpu_us": round(sum(v["us"] for v in by_family.values()), 1),
+        "launches": round(sum(v["launches"] for v in by_family.values()), 1),
+        "families": dict(sorted(rounded.items(), key=lambda kv: -kv[1]["us"])),
+        "kernels": {n: {**v, "us": round(v["us"], 2), "launches": round(v["launches"], 2)}
+                    for n, v in sorted(by_kernel.items(), key=lambda kv: -kv[1]["us"])},
+    }
+
+
+def profile_steps(step: Callable[[], Any], steps: int, sync: Callable[[], None]) -> dict[str, Any]:
+    """Run ``step`` ``steps`` times under the CUDA profiler; ``summarize`` of its kernels."""
+    import torch
+
+    sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    events = [
+        (e.key, e.device_time_total, e.count)
+        for e in prof.key_averages()
+        if e.device_time_total > 0 and not e.key.startswith(("Memcpy", "Memset", "cudaDeviceSynchronize"))
+    ]
+    return summarize(events, steps, families())

@@ -1,0 +1,36 @@
+"""Decode-step profile summaries (bench/profile.py): kernel families from configs/bench.json, per-step sums."""
+
+import pytest
+
+from fuselight.bench.profile import OTHER, families, family_of, summarize
+
+
+@pytest.mark.parametrize(
+    "kernel, family",
+    [
+        ("batch_decode_paged_kv_kernel", "attention"),
+        ("fuselight_merge_state_kernel", "attention"),
+        ("tir_kv_cache_transpose_append_kernel", "kv_append"),
+        ("tir_split_rotary_kernel", "rotary"),
+        ("fuse_add_norm_prefill_kernel", "norm"),
+        ("rms_norm_kernel", "norm"),
+        ("fused_split_silu_multiply_kernel", "silu_mul"),
+        ("fused_NT_matmul2_cast2_kernel", "gemv"),
+        ("something_else_kernel", OTHER),
+    ],
+)
+def test_families_of_llama_decode_kernels(kernel, family):
+    assert family_of(kernel, families()) == family
+
+
+def test_summarize_sums_per_step_by_family_and_kernel():
+    table = [("gemv", "matmul"), ("norm", "norm")]
+    events = [("NT_matmul_kernel", 300.0, 6), ("NT_matmul1_kernel", 90.0, 3), ("rms_norm_kernel", 12.0, 3),
+              ("odd_kernel", 3.0, 3)]
+    out = summarize(events, 3, table)
+    assert out["families"]["gemv"] == {"us": 130.0, "launches": 3.0}
+    assert out["families"]["norm"] == {"us": 4.0, "launches": 1.0}
+    assert out["families"][OTHER] == {"us": 1.0, "launches": 1.0}
+    assert list(out["families"]) == ["gemv", "norm", OTHER]  # largest first
+    assert out["gpu_us"] == 135.0 and out["launches"] == 5.0
+    assert out["kernels"]["NT_matmul1_kernel"] == {"family": "gemv", "us": 30.0, "launches": 1.0}
