@@ -65,6 +65,7 @@ def flash_decode_paged(
     U = config.rows_per_step
     MIN_ROWS, TARGET, MAX_SPLITS = config.min_rows_per_split, config.target_blocks, config.max_splits
     LOG2E = math.log2(math.e)
+    LOG_BDX = int(math.log2(BDX))
 
     def _num_splits(batch):
         # an expression, not a let-bound var: grid extents and the workspace shape both use it
@@ -127,8 +128,7 @@ def flash_decode_paged(
                                 k = T.sblock_alloc_buffer((U, VEC), dtype, scope="local")
                                 v = T.sblock_alloc_buffer((U, VEC), dtype, scope="local")
                                 bounds = T.sblock_alloc_buffer((2,), "int32", scope="local")
-                                s_part = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                                s = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                                sc = T.sblock_alloc_buffer((U, G), "float32", scope="local")
                                 mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
                                 dsum = T.sblock_alloc_buffer((1,), "float32", scope="local")
                                 acc = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
@@ -164,26 +164,35 @@ def flash_decode_paged(
                                                 for e in T.serial(VEC):
                                                     k[u, e] = T.cast(0, dtype)
                                                     v[u, e] = T.cast(0, dtype)
-                                        # serial, not unrolled: TVM lowers one allreduce per loop body
-                                        for u in T.serial(U):
-                                            for g in T.serial(G):
-                                                s_part[0] = T.float32(0)
-                                                for e in T.unroll(VEC):
-                                                    s_part[0] += q[g, e] * T.cast(k[u, e], "float32")
-                                                # every thread joins the reduction; rows past the end are masked after
-                                                with T.sblock("score"):
-                                                    T.reads(s_part[0])
-                                                    T.writes(s[0])
-                                                    T.attr(T.comm_reducer(lambda a, b: a + b, [T.float32(0)]), "reduce_scope", T.int32(0))
-                                                    T.tvm_thread_allreduce(T.uint32(1), s_part[0], True, s[0], tx, dtype="void")
+                                        # All U x G partial dot products first, then reduced across
+                                        # the row's BDX lanes by butterfly shuffles, independent of one
+                                        # another (one allreduce each would serialise on its latency).
+                                        for u, g in T.grid(U, G):
+                                            sc[u, g] = T.float32(0)
+                                            for e in T.unroll(VEC):
+                                                sc[u, g] += q[g, e] * T.cast(k[u, e], "float32")
+                                        for sh in T.unroll(LOG_BDX):
+                                            for u, g in T.grid(U, G):
+                                                sc[u, g] += T.tvm_warp_shuffle_xor(
+                                                    T.tvm_warp_activemask(), sc[u, g], T.shift_right(BDX, sh + 1), _WARP, _WARP
+                                                )
+                                        # One rescale per head for the U rows (rows past the end are masked).
+                                        for g in T.serial(G):
+                                            mx[0] = m[g]
+                                            for u in T.unroll(U):
                                                 if row_begin + (step * U + u) * BDY + ty < row_end:
-                                                    m_new: T.let[T.float32] = T.max(m[g], s[0])
-                                                    rescale: T.let[T.float32] = T.exp2(m[g] - m_new)
-                                                    p: T.let[T.float32] = T.exp2(s[0] - m_new)
-                                                    d[g] = d[g] * rescale + p
+                                                    mx[0] = T.max(mx[0], sc[u, g])
+                                            rescale: T.let[T.float32] = T.exp2(m[g] - mx[0])
+                                            d[g] = d[g] * rescale
+                                            for e in T.unroll(VEC):
+                                                o[g, e] = o[g, e] * rescale
+                                            for u in T.unroll(U):
+                                                if row_begin + (step * U + u) * BDY + ty < row_end:
+                                                    p: T.let[T.float32] = T.exp2(sc[u, g] - mx[0])
+                                                    d[g] = d[g] + p
                                                     for e in T.unroll(VEC):
-                                                        o[g, e] = o[g, e] * rescale + p * T.cast(v[u, e], "float32")
-                                                    m[g] = m_new
+                                                        o[g, e] = o[g, e] + p * T.cast(v[u, e], "float32")
+                                            m[g] = mx[0]
                                     # merge the row groups of the block through shared memory
                                     for g in T.serial(G):
                                         for e in T.serial(VEC):
