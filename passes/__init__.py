@@ -1,9 +1,11 @@
 """fuselight graph passes (Relax), each a ``tvm.transform.Pass``.
 
-``PASSES`` names every pass with where it runs in phase 1 of the pipeline (``fuselight.pipeline``):
+``PASSES`` names every pass with where it runs in the pipeline (``fuselight.pipeline``): in phase 1,
 ``"before_fuse_transpose_matmul"`` for rewrites of ``R.matmul`` itself (MLC's FuseTransposeMatmul
 turns linear layers into TIR kernels), ``"after_graph_passes"`` for the rest, after MLC's graph
-passes. ``default()`` is the list the fuselight pipeline runs when none is given.
+passes; at the start of phase 2, ``"before_legalize"`` for the lowering of the fusion plan (after
+every graph pass, ahead of TVM's LegalizeOps and FuseOps). ``default()`` is the list the fuselight
+pipeline runs when none is given.
 
 ``MergeSiblingMatmuls`` and ``FoldNormWeight`` are not among them: they change the weights a
 function takes, so its caller must transform the weights too (``weight_transform``).
@@ -20,6 +22,7 @@ import tvm
 from ..errors import FuselightError
 from .accumulate_matmul_fp32 import AccumulateMatmulFP32
 from .add_rms_norm_kernels import AddRMSNormKernels
+from .apply_fusion_plan import ApplyFusionPlan
 from .classify import Classify, classify_module
 from .fold_norm_weight import FoldNormWeight
 from .fuse_attention import FuseAttention
@@ -27,8 +30,8 @@ from .merge_sibling_matmuls import MergeSiblingMatmuls
 from .paged_attention import PagedAttentionKernels
 from .property_rewrite import PropertyRewrite
 
-Slot = Literal["before_fuse_transpose_matmul", "after_graph_passes"]
-SLOTS: tuple[Slot, ...] = ("before_fuse_transpose_matmul", "after_graph_passes")
+Slot = Literal["before_fuse_transpose_matmul", "after_graph_passes", "before_legalize"]
+SLOTS: tuple[Slot, ...] = ("before_fuse_transpose_matmul", "after_graph_passes", "before_legalize")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +51,7 @@ PASSES: dict[str, GraphPass] = {
         GraphPass("property_rewrite", "before_fuse_transpose_matmul", PropertyRewrite),
         GraphPass("paged_attention", "after_graph_passes", PagedAttentionKernels),
         GraphPass("add_rms_norm_kernels", "after_graph_passes", AddRMSNormKernels),
+        GraphPass("fusion_plan", "before_legalize", ApplyFusionPlan),
     ]
 }
 
@@ -63,4 +67,4 @@ def get(name: str) -> GraphPass:
     return PASSES[name]
 
 
-__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "Classify", "FoldNormWeight", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "FuseAttention", "GraphPass", "Slot", "classify_module", "default", "get"]
+__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "Classify", "FoldNormWeight", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "FuseAttention", "GraphPass", "Slot", "classify_module", "default", "get"]

@@ -1,9 +1,8 @@
 """Plan fusion groups by operator class (DNNFusion): the class-pair table and an analytic cost.
 
 An analysis: ``plan_fusion`` returns, per Relax function, the groups of bindings that would run as
-one kernel; ``fuselight explain`` reports them. Lowering the plan (outlining each group into a
-``Primitive`` function so that FuseTIR builds one PrimFunc per group, in place of FuseOps) is not
-done yet.
+one kernel; ``fuselight explain`` reports them, ``ApplyFusionPlan`` lowers them (each group a
+``Primitive`` function, which FuseTIR builds into one PrimFunc).
 
 ``CLASS_PAIRS`` colours each (producer class, consumer class) edge: green fuse, yellow decide by
 cost, red never. Views (reorganize) and index permutations (shuffle) compute nothing, so they fold
@@ -15,8 +14,9 @@ never fused, nor is anything opaque or any packed/extern call (no PrimFunc to me
 Groups grow backwards from each consumer: producers are visited from the last binding to the
 first, and a producer (with its group) joins the group of its users when all its users are in one
 group (no duplicated work), the edge to each user is green, or yellow and the cost decides for it,
-and the merged group keeps at most one many-to-many op (its anchor, the kernel a schedule rule
-recognises). A computing producer that would feed the anchor, directly or through other members,
+the merged group keeps at most one many-to-many op (its anchor, the kernel a schedule rule
+recognises), and the rule can inline the rest: after the anchor only ops TVM's pattern analysis
+calls elementwise or broadcast, before it those and views (``_schedulable``). A computing producer that would feed the anchor, directly or through other members,
 is a prologue: the cost decides with the anchor as consumer, whatever the edge's colour. A first
 sweep fuses epilogues and views only (they recompute nothing), a second one prologues.
 
@@ -31,18 +31,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import tvm
+from tvm import relax
 
 from ..errors import FuselightError
 from . import cost_model
-from .classify import MAPPINGS, NON_CALL_OPS, OpInfo, classify_module
+from .classify import MAPPINGS, NON_CALL_OPS, OpInfo, _evaluate, _nbytes, classify_module
 
 Color = Literal["green", "yellow", "red"]
 
 _VIEWS = ("reorganize", "shuffle")
+_EPILOGUE_PATTERNS = ("ElemWise", "Broadcast")
 
 
 def _table() -> dict[tuple[str, str], Color]:
@@ -114,13 +116,18 @@ def plan_fusion(
     }
 
 
-def _plan(infos: list[OpInfo], dims, config, decide_yellow) -> list[Group]:
-    # Op calls, and the fields taken out of their tuple results (weights taken out of a tuple
-    # parameter are inputs, not work).
+def _ops(infos: list[OpInfo]) -> list[OpInfo]:
+    """Op calls, and the fields taken out of their tuple results (weights taken out of a tuple
+    parameter are inputs, not work)."""
     ops: list[OpInfo] = []
     for info in infos:
         if info.op not in NON_CALL_OPS or (info.op == "tuple_get_item" and info.inputs[0] in {o.name for o in ops}):
             ops.append(info)
+    return ops
+
+
+def _plan(infos: list[OpInfo], dims, config, decide_yellow) -> list[Group]:
+    ops = _ops(infos)
     by_name = {i.name: i for i in ops}
     users: dict[str, list[str]] = {i.name: [] for i in ops}
     for info in ops:
@@ -152,6 +159,11 @@ def _plan(infos: list[OpInfo], dims, config, decide_yellow) -> list[Group]:
             feeds_anchor = a is not None and any(c == a or c in prologue[root] for c in consumers)
             if feeds_anchor and producer.mapping not in _VIEWS and not allow_prologue:
                 continue
+            if not _schedulable(
+                [by_name[m] for m in parent if find(m) == own], [by_name[m] for m in parent if find(m) == root],
+                anchor[own], a, feeds_anchor,
+            ):
+                continue
             target = by_name[a] if feeds_anchor else None
             if all(_fuses(producer, by_name[c], target, dims, config, decide_yellow) for c in consumers):
                 parent[own] = root
@@ -161,6 +173,17 @@ def _plan(infos: list[OpInfo], dims, config, decide_yellow) -> list[Group]:
     for info in ops:
         members.setdefault(find(info.name), []).append(info)
     return [Group([m.name for m in ms], [m.mapping for m in ms], anchor[root]) for root, ms in members.items()]
+
+
+def _schedulable(own: list[OpInfo], root: list[OpInfo], own_anchor, root_anchor, feeds_anchor: bool) -> bool:
+    """Whether the merged group is one a schedule rule takes: DLight's rules inline an anchor's
+    epilogues into its output (elementwise and broadcast ops only: a split, gather or reshape there
+    fails) and its prologues into its loads (elementwise, broadcast ops and views)."""
+    if own_anchor is not None and root_anchor is None:  # own's anchor gets root's members as epilogues
+        return all(i.tvm_pattern in _EPILOGUE_PATTERNS for i in root)
+    if feeds_anchor:
+        return all(i.tvm_pattern in _EPILOGUE_PATTERNS or i.mapping in _VIEWS for i in own)
+    return True
 
 
 def _fuses(producer: OpInfo, consumer: OpInfo, anchor: OpInfo | None, dims, config, decide_yellow) -> bool:
@@ -180,8 +203,113 @@ def _fuses(producer: OpInfo, consumer: OpInfo, anchor: OpInfo | None, dims, conf
 
 
 def _lowers_to_tir(info: OpInfo) -> bool:
-    """Relax ops and TIR calls become PrimFuncs FuseTIR can merge; packed and extern calls do not."""
-    return info.op.startswith(("relax.", "call_tir:")) or info.op == "tuple_get_item"
+    """Relax ops and TIR calls become PrimFuncs FuseTIR can merge; packed and extern calls do not,
+    nor kernels TVM's pattern analysis calls opaque (hand-written or already scheduled ones), nor
+    ops on tensors of unknown shape or rank (LegalizeOps can't lower them; no cost to decide by)."""
+    if info.bytes_written is None:
+        return False
+    if info.op.startswith("call_tir:"):
+        return info.tvm_pattern != "Opaque"
+    return info.op.startswith("relax.") or info.op == "tuple_get_item"
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """A grouping's cost: kernels launched, bytes moved (each kernel reads its inputs and writes its
+    outputs once; a tensor made and used inside a group moves nothing, a view alone is free) and the
+    flops prologues recompute."""
+
+    kernels: int
+    bytes: int
+    recompute_flops: int
+
+    def total(self, config: cost_model.CostConfig) -> float:
+        """In bytes: traffic, launches at ``launch_bytes`` each, recomputes at ``flops_per_byte``."""
+        return self.bytes + self.kernels * config.launch_bytes + self.recompute_flops / config.flops_per_byte
+
+
+def estimate(
+    func: relax.Function,
+    infos: list[OpInfo],
+    groups: Sequence[Sequence[str]],
+    dims: Mapping[str, int],
+    config: cost_model.CostConfig,
+) -> Estimate:
+    """The cost of running ``func`` (classified as ``infos``) with ``groups`` (binding names) as
+    kernels and every other op as its own, symbolic dims bound to ``dims``."""
+    ops = _ops(infos)
+    by_name = {i.name: i for i in ops}
+    bindings = {b.var.name: b for block in func.body.blocks for b in block.bindings}
+    group_of = {m: i for i, g in enumerate(groups) for m in g}
+    members: dict[object, list[str]] = {}
+    for info in ops:
+        members.setdefault(group_of.get(info.name, info.name), []).append(info.name)
+    readers: dict[str, set[object]] = {}  # var name -> groups (or None: outside any op) that read it
+    for b in bindings.values():
+        key = group_of.get(b.var.name, b.var.name) if b.var.name in by_name else None
+        for v in relax.analysis.free_vars(b.value):
+            readers.setdefault(v.name, set()).add(key)
+    for v in relax.analysis.free_vars(func.body.body):
+        readers.setdefault(v.name, set()).add(None)
+    total = Estimate(0, 0, 0)
+    for key, names in members.items():
+        infos_g = [by_name[n] for n in names]
+        if all(i.mapping == "reorganize" for i in infos_g):
+            continue  # views and tuple plumbing: no kernel
+        inside = set(names)
+        moved: set[relax.Expr] = set()
+        for n in names:
+            b, var = bindings[n], bindings[n].var
+            if readers.get(n, set()) - {key} or not isinstance(var, relax.DataflowVar):
+                moved.add(var)  # an output
+            value = b.value
+            if isinstance(value, relax.TupleGetItem) and value.tuple_value.name not in inside:
+                moved.add(var)  # a field of an outside tuple: read that field only
+                continue
+            for arg in _tensor_leaves(value):
+                if not (isinstance(arg, relax.Var) and arg.name in inside):
+                    moved.add(arg)
+        nbytes = sum(_evaluate(_nbytes(e.ty), dims) for e in moved)
+        anchor = next((i for i in infos_g if i.mapping == "many-to-many"), None)
+        recompute = 0
+        if anchor is not None:
+            upstream = _upstream(anchor.name, by_name, inside)
+            recompute = sum(
+                yellow_cost(by_name[n], anchor, dims, config).recompute_flops
+                for n in upstream
+                if by_name[n].mapping not in _VIEWS
+            )
+        total = Estimate(total.kernels + 1, total.bytes + nbytes, total.recompute_flops + recompute)
+    return total
+
+
+def io_bytes(binding: relax.Binding, dims: Mapping[str, int]) -> int:
+    """Bytes a kernel call reads and writes: every tensor argument and its result, in full."""
+    return sum(_evaluate(_nbytes(e.ty), dims) for e in [*_tensor_leaves(binding.value), binding.var])
+
+
+def _tensor_leaves(value: relax.Expr) -> list[relax.Expr]:
+    if isinstance(value, relax.Call):
+        return [a for arg in value.args for a in _tensor_leaves(arg)]
+    if isinstance(value, relax.Tuple):
+        return [a for f in value.fields for a in _tensor_leaves(f)]
+    if isinstance(value, relax.TupleGetItem):
+        return _tensor_leaves(value.tuple_value)
+    if isinstance(value, (relax.Var, relax.Constant)) and isinstance(value.ty, (relax.TensorType, relax.TupleType)):
+        return [value]
+    return []
+
+
+def _upstream(name: str, by_name: Mapping[str, OpInfo], inside: set[str]) -> set[str]:
+    """The members of ``inside`` that ``name`` reads, directly or through other members."""
+    found: set[str] = set()
+    todo = [name]
+    while todo:
+        for i in by_name[todo.pop()].inputs:
+            if i in inside and i not in found:
+                found.add(i)
+                todo.append(i)
+    return found
 
 
 def kernels(groups: list[Group]) -> int:

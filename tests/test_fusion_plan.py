@@ -125,16 +125,58 @@ def test_tiny_llama_decode():
     mod, _ = export_module(cfg, to_tvm(resolve("llvm")))
     groups = plan_fusion(mod, {"kv_len": 64, "seq_len": 64})["decode"]
     by_member = {m: g for g in groups for m in g.members}
-    # The MLP's split, silu and multiply are epilogues of the gate/up projection; residual adds of
-    # the output projections; each rms_norm stays its own kernel (its matmul is another
-    # many-to-many) and the attention, an extern call, too.
-    assert by_member["silu2"].anchor == by_member["mul2"].anchor == "matmul11"
+    # The MLP's split is no epilogue a schedule rule can inline after the gate/up projection: split,
+    # silu and multiply are one kernel. Residual adds are epilogues of the output projections; each
+    # rms_norm stays its own kernel (its matmul is another many-to-many) and the attention, an
+    # extern call, too.
+    assert by_member["matmul11"].members == ["permute_dims11", "matmul11"]  # the weight transpose folds in
+    assert by_member["silu2"].members == ["split2", "split_02", "split_12", "silu2", "mul2"]
     assert by_member["add4"].anchor == "matmul10" and by_member["add5"].anchor == "matmul12"
     assert by_member["rms_norm5"].members == ["rms_norm5"] and by_member["lv3"].members == ["lv3"]
     assert all(sum(c == "many-to-many" for c in g.classes) <= 1 for g in groups)
     layers = cfg.num_hidden_layers
-    # Per layer: norm, qkv, attention, o_proj, norm, gate_up, down; plus final norm and lm_head.
-    assert kernels(groups) == 7 * layers + 2
+    # Per layer: norm, qkv, attention, o_proj, norm, gate_up, split+silu*up, down; plus final norm and lm_head.
+    assert kernels(groups) == 8 * layers + 2
+
+
+def test_groups_a_schedule_rule_can_take():
+    """After a many-to-many anchor only elementwise/broadcast ops (DLight inlines them into its
+    output); before it, those and views. A transpose after a matmul and a split before one stay out."""
+    x, w = _t("x", [N, 16]), _t("w", [16, 16])
+
+    def after(bb, x, w):
+        m = bb.emit(O.matmul(x, w))
+        return O.permute_dims(bb.emit(O.exp(m)), [1, 0])
+
+    assert _groups(_module([x, w], after)) == [["lv"], ["lv1", "gv"]]
+
+    def before(bb, x, w):
+        t = bb.emit(O.permute_dims(x, [1, 0]))  # a view: folds into the matmul's loads
+        s = bb.emit(O.split(t, 2, axis=0))
+        a = bb.emit(O.add(bb.emit(relax.TupleGetItem(s, 0)), bb.emit(relax.TupleGetItem(s, 1))))
+        return O.matmul(bb.emit(O.permute_dims(a, [1, 0])), bb.emit(O.strided_slice(w, [0], [0], [8])))
+
+    groups = _groups(_module([x, w], before))
+    assert ["lv", "lv1", "lv2", "lv3", "lv4"] in groups  # the split's kernel: its transpose and the add
+    assert any("gv" in g and "lv5" in g for g in groups)  # the transpose folds into the matmul
+
+
+def test_estimate_fused_never_more():
+    from fuselight.passes import cost_model
+    from fuselight.passes.classify import classify_module
+    from fuselight.passes.fusion_plan import estimate
+
+    mod = _mlp()
+    infos = classify_module(mod)["main"]
+    config = cost_model.load("sm_90")
+    groups = [g.members for g in plan_fusion(mod, {"n": 4})["main"]]
+    alone = estimate(mod["main"], infos, [], {"n": 4}, config)
+    fused = estimate(mod["main"], infos, groups, {"n": 4}, config)
+    assert (alone.kernels, fused.kernels) == (5, 3)
+    # matmul -> add -> silu in one kernel: the [4, 16] float32 results of the matmul and the add
+    # are neither written nor read back (4 x 4 x 16 x 4 bytes).
+    assert alone.bytes - fused.bytes == 4 * 4 * 16 * 4
+    assert fused.recompute_flops == 0 and fused.total(config) < alone.total(config)
 
 
 def test_bad_arch():

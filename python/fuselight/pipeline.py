@@ -14,9 +14,10 @@ functions and no pipeline parallelism, in MLC's order and phases:
 MLC-LLM's own pass objects are used when ``fuselight.mlc.import_mlc_llm()`` finds MLC-LLM, and
 fuselight's equivalents (``fuselight.baseline``) otherwise; ``BASELINE_PASSES`` says which MLC passes
 have an equivalent and which do not apply. The fuselight pipeline is the baseline plus fuselight's
-graph passes in phase 1 (``fuselight.passes``) and fuselight's schedule rules first in phase 4
-(``fuselight.rules``): ahead of LowBatchGemvSpecialize, which would otherwise schedule every
-dynamic-M matmul with DLight's Matmul before any rule of ours saw it.
+graph passes in phase 1 (``fuselight.passes``), the lowering of its fusion plan at the start of
+phase 2 (groups outlined for FuseTIR, ahead of LegalizeOps and FuseOps), and fuselight's schedule
+rules first in phase 4 (``fuselight.rules``): ahead of LowBatchGemvSpecialize, which would
+otherwise schedule every dynamic-M matmul with DLight's Matmul before any rule of ours saw it.
 """
 
 from __future__ import annotations
@@ -185,8 +186,8 @@ def stages(
         cls = getattr(importlib.import_module(f"{package}.{mlc_module if from_mlc else our_module}"), name)
         return cls(*args)
 
-    def slot(which: str) -> list[tuple[int, str, tvm.transform.Pass]]:
-        return [(1, p.name, p.make()) for p in ours if p.slot == which]
+    def slot(which: str, phase: int = 1) -> list[tuple[int, str, tvm.transform.Pass]]:
+        return [(phase, p.name, p.make()) for p in ours if p.slot == which]
 
     rt = relax.transform
     passes: list[tuple[int, str, tvm.transform.Pass] | None] = [
@@ -201,6 +202,7 @@ def stages(
         *slot("after_graph_passes"),
         (2, "DispatchSampling", relax.backend.DispatchSampling()),
         (2, "DispatchSortScan", relax.backend.DispatchSortScan()),
+        *slot("before_legalize", phase=2),
         (2, "LegalizeOps", rt.LegalizeOps()),
         (2, "AnnotateTIROpPattern", rt.AnnotateTIROpPattern()),
         (2, "FoldConstant", rt.FoldConstant()),

@@ -1,0 +1,308 @@
+"""Lower the fusion plan: outline each planned group into a ``Primitive`` Relax function.
+
+Runs at the start of phase 2, before LegalizeOps: ``plan_fusion`` groups the bindings of each Relax
+function by their operator classes (the plan ``fuselight explain`` reports), and each group of two or
+more becomes a private function with the ``Primitive`` attribute, as FuseOps writes them, called
+where the group's last member was. LegalizeOps then lowers the ops inside it, FuseOps leaves it
+alone (it fuses only what the plan left as singletons, treating calls of outlined groups as opaque),
+and FuseTIR merges it into one PrimFunc: a transpose or reshape in a group becomes indexing in its
+consumer, not a copy.
+
+Rewritten: bindings of dataflow blocks that are Relax op calls, ``call_tir`` calls, or fields taken
+out of their tuple results, of one planned group. Left alone, and reported in ``skipped`` with the
+reason: a group spanning blocks or holding anything else (a packed call), a group whose outlined
+function would use a symbolic dim its inputs do not define, a group whose result is read before its
+last member (outlining would reorder), and a group TVM cannot build: an op LegalizeOps cannot lower,
+or a function FuseTIR cannot merge (both tried on the group alone). Functions that are ``Primitive``
+already (another pipeline's fusion) are not planned; kernels TVM's pattern analysis calls opaque
+(hand-written, scheduled) are never grouped (``fusion_plan``).
+
+Yellow edges are decided by ``plan_fusion``'s analytic cost with the symbolic dims at ``dims``
+(default: each function's ``tir_var_upper_bound``; a dim without a value leaves its yellow edges
+unfused), or by ``decide_yellow``, the hook measured decisions fill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import tvm
+import tvm_ffi
+from tvm import relax
+from tvm.relax.expr_functor import mutator
+
+from ..relax_rewrite import FunctionRewriter
+from .fusion_plan import Group, YellowHook, plan_fusion
+
+PRIMITIVE_ATTR = "Primitive"
+
+
+@dataclasses.dataclass
+class Outlined:
+    """A group as lowered: its function, members and classes, and the Relax function it called from
+    (``fused``: its name in the module), or why it was left alone (``reason``)."""
+
+    function: str
+    members: list[str]
+    classes: list[str]
+    fused: str | None = None
+    reason: str | None = None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@tvm.transform.module_pass(opt_level=0, name="ApplyFusionPlan")
+class ApplyFusionPlan:
+    """Outline every planned group of op bindings into a ``Primitive`` function; ``applied``
+    and ``skipped`` list the groups of two or more bindings (``Outlined``)."""
+
+    def __init__(
+        self, dims: Mapping[str, int] | None = None, arch: str = "sm_90", decide_yellow: YellowHook | None = None
+    ) -> None:
+        self.dims = dict(dims) if dims is not None else None
+        self.arch = arch
+        self.decide_yellow = decide_yellow
+        self.applied: list[Outlined] = []
+        self.skipped: list[Outlined] = []
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        dims = self.dims if self.dims is not None else _upper_bounds(mod)
+        if any(_duplicate_names(f) for _gv, f in mod.functions_items() if isinstance(f, relax.Function)):
+            mod = _UniqueNames(mod).transform()  # the plan names bindings by their vars
+        plan = plan_fusion(mod, dims, self.arch, self.decide_yellow)
+        self.applied, self.skipped = [], []
+        return _Outliner(mod, plan, self.applied, self.skipped).transform()
+
+
+def _upper_bounds(mod: tvm.IRModule) -> dict[str, int]:
+    bounds: dict[str, int] = {}
+    for _gv, func in mod.functions_items():
+        if isinstance(func, relax.Function) and func.attrs is not None and "tir_var_upper_bound" in func.attrs:
+            bounds.update({str(k): int(v) for k, v in func.attrs["tir_var_upper_bound"].items()})
+    return bounds
+
+
+def _duplicate_names(func: relax.Function) -> bool:
+    names = [b.var.name for block in func.body.blocks for b in block.bindings]
+    return len(set(names)) != len(names)
+
+
+@mutator
+class _UniqueNames(FunctionRewriter):
+    """Bindings renamed where a name repeats (earlier passes reuse ``lv``): unique in the module."""
+
+    prune_unused = False
+
+    def __init__(self, mod: tvm.IRModule) -> None:
+        super().__init__(mod)
+        self.seen = {p.name for _gv, f in mod.functions_items() if isinstance(f, relax.Function) for p in f.params}
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        name = binding.var.name
+        if name not in self.seen:
+            self.seen.add(name)
+            super().visit_var_binding_(binding)
+            return
+        k = 1
+        while f"{name}_{k}" in self.seen:
+            k += 1
+        self.seen.add(f"{name}_{k}")
+        var = type(binding.var)(f"{name}_{k}", binding.var.ty)
+        self.builder_.emit_normalized(relax.VarBinding(var, self.visit_expr(binding.value)))
+        self.set_var_remap(binding.var, var)
+
+
+@dataclasses.dataclass
+class _Site:
+    """Where an outlined group is called: its function, the external inputs, the member vars read
+    after the group (its outputs), and the members whose bindings are dropped."""
+
+    gv: tvm.ir.GlobalVar
+    inputs: list[relax.Var]
+    outputs: list[relax.Var]
+    members: set[relax.Var]
+
+
+@mutator
+class _Outliner(FunctionRewriter):
+    prune_unused = False  # everything but the outlined groups stays as it was
+
+    def __init__(self, mod, plan: dict[str, list[Group]], applied: list[Outlined], skipped: list[Outlined]) -> None:
+        super().__init__(mod)
+        self.sites: dict[relax.Var, _Site] = {}  # keyed by each group's last member
+        self.dropped: set[relax.Var] = set()
+        checked = _BuildCheck(mod)
+        for gv, func in mod.functions_items():
+            if not isinstance(func, relax.Function) or gv.name_hint not in plan:
+                continue
+            if func.attrs is not None and PRIMITIVE_ATTR in func.attrs:
+                continue  # already a kernel (another pipeline's FuseOps)
+            for group in plan[gv.name_hint]:
+                if len(group.members) < 2 or all(c == "reorganize" for c in group.classes):
+                    continue  # a view alone, or views of one tensor: no kernel
+                record = Outlined(gv.name_hint, group.members, group.classes)
+                site = _outline(self.builder_, checked, func, group, record)
+                if site is None:
+                    skipped.append(record)
+                    continue
+                applied.append(record)
+                last = next(m for m in _bindings_of(func, group.members) if m.var.name == group.members[-1]).var
+                self.sites[last] = site
+                self.dropped |= site.members - {last}
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        site = self.sites.get(binding.var)
+        if site is None:
+            if binding.var not in self.dropped:
+                super().visit_var_binding_(binding)
+            return
+        call = self.builder_.normalize(relax.Call(site.gv, [self.visit_expr(v) for v in site.inputs]))
+        if len(site.outputs) == 1:
+            self.builder_.emit_normalized(relax.VarBinding(site.outputs[0], call))
+            return
+        results = self.builder_.emit(call, name_hint=f"{site.gv.name_hint}_out")
+        for i, var in enumerate(site.outputs):
+            self.builder_.emit_normalized(relax.VarBinding(var, self.builder_.normalize(relax.TupleGetItem(results, i))))
+
+
+def _bindings_of(func: relax.Function, names: list[str]) -> list[relax.Binding]:
+    wanted = set(names)
+    return [b for block in func.body.blocks for b in block.bindings if b.var.name in wanted]
+
+
+def _outline(builder, checked: _BuildCheck, func: relax.Function, group: Group, record: Outlined) -> _Site | None:
+    """The group as a ``Primitive`` function added to ``builder``'s module, or None (``record.reason`` set)."""
+    blocks = [
+        i for i, block in enumerate(func.body.blocks) for b in block.bindings if b.var.name in set(group.members)
+    ]
+    if len(blocks) != len(group.members) or len(set(blocks)) != 1:
+        record.reason = "members are not bindings of one block"
+        return None
+    block = func.body.blocks[blocks[0]]
+    if not isinstance(block, relax.DataflowBlock):
+        record.reason = "not in a dataflow block"
+        return None
+    members = [b for b in block.bindings if b.var.name in set(group.members)]
+    for b in members:
+        if isinstance(b, relax.MatchCast) or not (_is_op_call(b.value) or isinstance(b.value, relax.TupleGetItem)):
+            record.reason = f"{b.var.name} is not an op call"
+            return None
+    member_vars = {b.var for b in members}
+    inputs: list[relax.Var] = []
+    for b in members:
+        for v in relax.analysis.free_vars(b.value):
+            if v not in member_vars and v not in inputs:
+                inputs.append(v)
+    # Outputs: members read by any binding outside the group or by the function's result.
+    last = members[-1].var
+    position = {b.var: i for i, b in enumerate(block.bindings)}
+    readers: dict[relax.Var, list[int]] = {}
+    for i, blk in enumerate(func.body.blocks):
+        for j, b in enumerate(blk.bindings):
+            if b.var in member_vars:
+                continue
+            for v in relax.analysis.free_vars(b.value):
+                if v in member_vars:
+                    readers.setdefault(v, []).append(j if i == blocks[0] else (len(block.bindings) if i > blocks[0] else -1))
+    for v in relax.analysis.free_vars(func.body.body):
+        if v in member_vars:
+            readers.setdefault(v, []).append(len(block.bindings))
+    for v in member_vars:
+        if not isinstance(v, relax.DataflowVar):
+            readers.setdefault(v, []).append(len(block.bindings))  # a block output
+    if any(j < position[last] for js in readers.values() for j in js):
+        record.reason = "a result is read before the group's last member"
+        return None
+    outputs = [b.var for b in members if b.var in readers]
+    sub = _function(members, inputs, outputs)
+    if relax.analysis.free_symbolic_vars(sub):
+        record.reason = "uses a symbolic dim its inputs do not define"
+        return None
+    record.reason = checked(sub)
+    if record.reason is not None:
+        return None
+    names = [_op_name(b.value) for b in members if isinstance(b.value, relax.Call)]
+    gv = builder.add_func(sub, "fused_" + "_".join(names)[:80])
+    record.fused = gv.name_hint
+    return _Site(gv, inputs, outputs, member_vars)
+
+
+_PACKED = ("relax.call_dps_packed", "relax.call_pure_packed", "relax.call_packed", "relax.call_tir_inplace")
+
+
+def _is_op_call(value: relax.Expr) -> bool:
+    """A Relax op or a ``call_tir``: what LegalizeOps leaves as ``call_tir`` for FuseTIR to merge."""
+    return isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name not in _PACKED
+
+
+def _op_name(call: relax.Call) -> str:
+    if call.op.name == "relax.call_tir":
+        return call.args[0].name_hint
+    return call.op.name.removeprefix("relax.").replace(".", "_")
+
+
+def _function(members: list[relax.Binding], inputs: list[relax.Var], outputs: list[relax.Var]) -> relax.Function:
+    params = [relax.Var(v.name, v.ty) for v in inputs]
+    vmap: dict[relax.Var, relax.Expr] = dict(zip(inputs, params))
+    bb = relax.BlockBuilder()
+    with bb.function("group", params, attrs={PRIMITIVE_ATTR: True}, private=True):
+        with bb.dataflow():
+            for b in members:
+                vmap[b.var] = bb.emit(_substitute(b.value, vmap), name_hint=b.var.name)
+            result = vmap[outputs[0]] if len(outputs) == 1 else relax.Tuple([vmap[v] for v in outputs])
+            out = bb.emit_output(result)
+        bb.emit_func_output(out)
+    return bb.get()["group"]
+
+
+def _substitute(expr: relax.Expr, vmap: Mapping[relax.Var, relax.Expr]) -> relax.Expr:
+    """``expr`` (a binding's value in normal form: leaves and tuples of them) with vars replaced."""
+    if isinstance(expr, relax.Var):
+        return vmap.get(expr, expr)
+    if isinstance(expr, relax.Tuple):
+        return relax.Tuple([_substitute(f, vmap) for f in expr.fields])
+    if isinstance(expr, relax.TupleGetItem):
+        return relax.TupleGetItem(_substitute(expr.tuple_value, vmap), expr.index)
+    if isinstance(expr, relax.Call):
+        return relax.Call(expr.op, [_substitute(a, vmap) for a in expr.args], expr.attrs, expr.ty_args)
+    return expr
+
+
+class _BuildCheck:
+    """Whether TVM builds a group: LegalizeOps and FuseTIR on the group alone, once per distinct group."""
+
+    def __init__(self, mod: tvm.IRModule) -> None:
+        self.mod = mod
+        self.seen: dict[int, str | None] = {}
+
+    def __call__(self, sub: relax.Function) -> str | None:
+        """None if it builds, else why not."""
+        key = tvm_ffi.structural_hash(sub, map_free_vars=True)
+        if key not in self.seen:
+            self.seen[key] = self._check(sub)
+        return self.seen[key]
+
+    def _check(self, sub: relax.Function) -> str | None:
+        prims = {}
+        relax.analysis.post_order_visit(
+            sub.body,
+            lambda e: prims.setdefault(e.args[0], self.mod[e.args[0]])
+            if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir" else None,
+        )
+        bb = relax.BlockBuilder(tvm.IRModule(prims))
+        group = bb.add_func(sub, "group")
+        params = [relax.Var(p.name, p.ty) for p in sub.params]
+        with bb.function("main", params):
+            out = bb.emit(relax.Call(group, params))
+            bb.emit_func_output(out)
+        try:
+            legal = relax.transform.LegalizeOps()(bb.get())
+            for b in legal["group"].body.blocks[0].bindings:
+                if isinstance(b.value, relax.Call) and b.value.op.name != "relax.call_tir":
+                    return f"LegalizeOps cannot lower {b.value.op.name}"
+            relax.transform.FuseTIR()(legal)
+        except tvm.TVMError as err:
+            return f"FuseTIR cannot merge it: {str(err).strip().splitlines()[-1][:200]}"
+        return None

@@ -1,0 +1,165 @@
+"""ApplyFusionPlan: planned groups outlined as Primitive functions, one PrimFunc each after FuseTIR,
+layout changes folded, same results on the CPU; where it sits in the pipeline; what it leaves alone
+(an op it can't classify, a dynamic-rank tensor, a graph fused already, a group it can't build) and
+that ``explain`` says so."""
+
+import numpy as np
+import tvm
+import tvm_ffi
+from fuselight import pipeline as pl
+from fuselight.explain import explain_module
+from fuselight.passes import ApplyFusionPlan
+from fuselight.passes.apply_fusion_plan import PRIMITIVE_ATTR
+from fuselight.target import resolve, to_tvm
+from tvm import relax, tirx
+from tvm.relax import op as O
+
+N = tirx.Var("n", "int64")
+
+
+def _t(name, shape, dtype="float32"):
+    return relax.Var(name, relax.TensorType(shape, dtype))
+
+
+def _module(params, make):
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(make(bb, *params))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _layer():
+    """x [n, 16] -> exp -> matmul with a transposed weight -> + bias -> transpose -> relu, and the
+    bias-added result as a second output: a prologue, a folded weight transpose, a group with two
+    outputs (a transpose is no epilogue a schedule rule inlines after the matmul)."""
+    x, w, b = _t("x", [N, 16]), _t("w", [8, 16]), _t("b", [8])
+
+    def make(bb, x, w, b):
+        e = bb.emit(O.exp(x))
+        m = bb.emit(O.matmul(e, bb.emit(O.permute_dims(w, [1, 0]))))
+        a = bb.emit(O.add(m, b))
+        r = bb.emit(O.nn.relu(bb.emit(O.permute_dims(a, [1, 0]))))
+        return relax.Tuple([r, a])
+
+    return _module([x, w, b], make)
+
+
+def _primitive(mod):
+    return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, relax.Function) and f.attrs is not None and PRIMITIVE_ATTR in f.attrs}
+
+
+def _fuse(mod):
+    seq = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
+    return tvm.transform.Sequential(seq)(mod)
+
+
+def _called_prims(mod):
+    calls = []
+    relax.analysis.post_order_visit(
+        mod["main"].body,
+        lambda e: calls.append(e.args[0].name_hint) if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir" else None,
+    )
+    return calls
+
+
+def _run(mod, args):
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(a) for a in args])
+    return [o.numpy() for o in out]  # _layer returns a tuple
+
+
+def test_groups_become_one_primfunc_each_and_compute_the_same():
+    mod = _layer()
+    p = ApplyFusionPlan({"n": 4})
+    lowered = p(mod)
+    assert p.skipped == []
+    assert [(g.members, g.classes) for g in p.applied] == [
+        (["lv", "lv1", "lv2"], ["one-to-one", "shuffle", "many-to-many"]),
+        (["lv3", "lv4", "lv5"], ["one-to-one", "shuffle", "one-to-one"]),  # two outputs: lv3 and lv5
+    ]
+    prims = _primitive(lowered)
+    assert sorted(prims) == sorted(g.fused for g in p.applied)
+    # FuseOps leaves the outlined groups alone; FuseTIR makes each one PrimFunc. The weight transpose
+    # is indexing inside the matmul's PrimFunc, not a copy of its own.
+    fused = _fuse(lowered)
+    assert sorted(_called_prims(fused)) == sorted(g.fused for g in p.applied)
+    assert not any("transpose" == name for name in _called_prims(fused))
+    rng = np.random.default_rng(0)
+    args = [rng.uniform(-1, 1, s).astype("float32") for s in ((5, 16), (8, 16), (8,))]
+    for out, ref in zip(_run(lowered, args), _run(mod, args)):
+        assert out.shape == ref.shape and np.abs(ref).max() > 0.1
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_pipeline_slot():
+    cuda = to_tvm(resolve("cuda", "sm_90"))
+    names = [s.name for s in pl.stages(cuda, use_mlc=False, graph_passes=["fusion_plan"])]
+    assert names.index("fusion_plan") + 1 == names.index("LegalizeOps")
+    assert "fusion_plan" not in [s.name for s in pl.stages(cuda, use_mlc=False)]
+    assert next(s.phase for s in pl.stages(cuda, use_mlc=False, graph_passes=["fusion_plan"]) if s.name == "fusion_plan") == 2
+
+
+def _unchanged(mod):
+    p = ApplyFusionPlan({"n": 4})
+    out = p(mod)
+    assert tvm_ffi.structural_equal(out, mod), out
+    assert p.applied == [] and p.skipped == []  # nothing planned, not just skipped
+    return p
+
+
+def _untouched(mod):
+    return explain_module(mod, ["main"], 4)["untouched"]
+
+
+def test_op_it_cannot_classify_stays_alone():
+    x = _t("x", [N, 16])
+
+    def make(bb, x):
+        e = bb.emit(O.exp(x))
+        s = bb.emit(O.sort(e, axis=1))  # not in the classifier's table: opaque
+        k = bb.emit(relax.call_dps_packed("my.kernel", [s], relax.TensorType([N, 16], "float32")))
+        return O.negative(k)
+
+    mod = _module([x], make)
+    _unchanged(mod)
+    untouched = _untouched(mod)
+    assert {(u["binding"], u["op"]) for u in untouched} == {("lv1", "relax.sort"), ("lv2", "call_dps_packed:my.kernel")}
+    assert all("not classified" in u["reason"] for u in untouched)
+
+
+def test_dynamic_rank_stays_alone():
+    x = relax.Var("x", relax.TensorType(ndim=-1, dtype="float32"))
+    mod = _module([x], lambda bb, x: O.negative(bb.emit(O.exp(x))))
+    _unchanged(mod)
+    untouched = _untouched(mod)
+    assert [u["binding"] for u in untouched] == ["lv", "gv"]
+    assert all("unknown shape or rank" in u["reason"] for u in untouched)
+
+
+def test_graph_fused_by_another_pipeline_stays_alone():
+    fused = relax.transform.FuseOps()(relax.transform.AnnotateTIROpPattern()(relax.transform.LegalizeOps()(_layer())))
+    _unchanged(fused)
+    untouched = _untouched(fused)
+    primitive = sorted(_primitive(fused))
+    assert sorted(u["function"] for u in untouched if "binding" not in u) == primitive
+    assert all("already fused" in u["reason"] for u in untouched if "binding" not in u)
+    calls = [u for u in untouched if "binding" in u]
+    assert calls and all(u["op"].startswith("call:fused_") for u in calls)
+
+
+def test_group_it_cannot_build_is_skipped_and_said():
+    """zeros([m, 16]) + c: m comes from a shape argument, which an outlined function would not take."""
+    m = tirx.Var("m", "int64")
+    shape = relax.Var("s", relax.ShapeType([m, 16]))
+
+    def make(bb, s):
+        z = bb.emit(O.zeros(relax.ShapeExpr([m, 16]), "float32"))
+        return O.add(z, relax.const(np.arange(16, dtype="float32")))
+
+    mod = _module([shape], make)
+    p = ApplyFusionPlan({"m": 4})
+    out = p(mod)
+    assert tvm_ffi.structural_equal(out, mod)
+    assert [(g.members, g.reason) for g in p.skipped] == [(["lv", "gv"], "uses a symbolic dim its inputs do not define")]
