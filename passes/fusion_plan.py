@@ -11,14 +11,16 @@ an epilogue; a many-to-many consumer (matmul, reduction, norm) of a computing pr
 prologue (yellow: it is recomputed for every tile that loads its output); two many-to-many ops are
 never fused, nor is anything opaque or any packed/extern call (no PrimFunc to merge).
 
-Groups grow backwards from each consumer: producers are visited from the last binding to the
-first, and a producer (with its group) joins the group of its users when all its users are in one
-group (no duplicated work), the edge to each user is green, or yellow and the cost decides for it,
-the merged group keeps at most one many-to-many op (its anchor, the kernel a schedule rule
-recognises), and the rule can inline the rest: after the anchor only ops TVM's pattern analysis
-calls elementwise or broadcast, before it those and views (``_schedulable``). A computing producer that would feed the anchor, directly or through other members,
-is a prologue: the cost decides with the anchor as consumer, whatever the edge's colour. A first
-sweep fuses epilogues and views only (they recompute nothing), a second one prologues.
+A producer (with its group) joins the group of its users when all its users are in one group (no
+duplicated work), the edge to each user is green, or yellow and the cost decides for it, the merged
+group keeps at most one many-to-many op (its anchor, the kernel a schedule rule recognises), and
+the rule can inline the rest: after the anchor only ops TVM's pattern analysis calls elementwise or
+broadcast, before it those and views (``_schedulable``). A computing producer that would feed the
+anchor, directly or through other members, is a prologue: the cost decides with the anchor as
+consumer, whatever the edge's colour. Three sweeps, none recomputing anything but the last: the
+first, from the first binding to the last, grows each anchor's epilogue chain (before its consumers
+group among themselves into something no rule inlines after an anchor); the second, from the last
+binding to the first, fuses the other edges and views into their consumers; the third prologues.
 
 Yellow cost (``yellow_cost``): fusing saves writing and reading back the producer's output;
 it costs recomputing the producer once per ``tile_reuse`` consumer outputs that reuse each of its
@@ -145,8 +147,8 @@ def _plan(infos: list[OpInfo], dims, config, decide_yellow) -> list[Group]:
         return name
 
     # Epilogues and views first (no recompute), then prologues with what is left.
-    for allow_prologue in (False, True):
-        for producer in reversed(ops):
+    for sweep in ("epilogues", "views", "prologues"):
+        for producer in ops if sweep == "epilogues" else reversed(ops):
             consumers = users[producer.name]
             roots = {find(c) for c in consumers}
             own = find(producer.name)
@@ -156,8 +158,10 @@ def _plan(infos: list[OpInfo], dims, config, decide_yellow) -> list[Group]:
             a = anchor[root]
             if anchor[own] is not None and a is not None:
                 continue  # one anchor per group
+            if sweep == "epilogues" and anchor[own] is None:
+                continue
             feeds_anchor = a is not None and any(c == a or c in prologue[root] for c in consumers)
-            if feeds_anchor and producer.mapping not in _VIEWS and not allow_prologue:
+            if feeds_anchor and producer.mapping not in _VIEWS and sweep != "prologues":
                 continue
             if not _schedulable(
                 [by_name[m] for m in parent if find(m) == own], [by_name[m] for m in parent if find(m) == root],

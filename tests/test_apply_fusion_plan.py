@@ -32,8 +32,8 @@ def _module(params, make):
 
 def _layer():
     """x [n, 16] -> exp -> matmul with a transposed weight -> + bias -> transpose -> relu, and the
-    bias-added result as a second output: a prologue, a folded weight transpose, a group with two
-    outputs (a transpose is no epilogue a schedule rule inlines after the matmul)."""
+    exp and bias-added results as outputs too: a prologue, a folded weight transpose, an epilogue, a
+    group with two outputs, and a transpose no schedule rule inlines after a matmul."""
     x, w, b = _t("x", [N, 16]), _t("w", [8, 16]), _t("b", [8])
 
     def make(bb, x, w, b):
@@ -41,7 +41,7 @@ def _layer():
         m = bb.emit(O.matmul(e, bb.emit(O.permute_dims(w, [1, 0]))))
         a = bb.emit(O.add(m, b))
         r = bb.emit(O.nn.relu(bb.emit(O.permute_dims(a, [1, 0]))))
-        return relax.Tuple([r, a])
+        return relax.Tuple([r, a, e])
 
     return _module([x, w, b], make)
 
@@ -76,11 +76,12 @@ def test_groups_become_one_primfunc_each_and_compute_the_same():
     lowered = p(mod)
     assert p.skipped == []
     assert [(g.members, g.classes) for g in p.applied] == [
-        (["lv", "lv1", "lv2"], ["one-to-one", "shuffle", "many-to-many"]),
-        (["lv3", "lv4", "lv5"], ["one-to-one", "shuffle", "one-to-one"]),  # two outputs: lv3 and lv5
+        (["lv", "lv1", "lv2", "lv3"], ["one-to-one", "shuffle", "many-to-many", "one-to-one"]),
+        (["lv4", "lv5"], ["shuffle", "one-to-one"]),
     ]
     prims = _primitive(lowered)
     assert sorted(prims) == sorted(g.fused for g in p.applied)
+    assert len(prims[p.applied[0].fused].ret_ty.fields) == 2  # exp and the bias-added result
     # FuseOps leaves the outlined groups alone; FuseTIR makes each one PrimFunc. The weight transpose
     # is indexing inside the matmul's PrimFunc, not a copy of its own.
     fused = _fuse(lowered)
@@ -88,7 +89,9 @@ def test_groups_become_one_primfunc_each_and_compute_the_same():
     assert not any("transpose" == name for name in _called_prims(fused))
     rng = np.random.default_rng(0)
     args = [rng.uniform(-1, 1, s).astype("float32") for s in ((5, 16), (8, 16), (8,))]
-    for out, ref in zip(_run(lowered, args), _run(mod, args)):
+    outs, refs = _run(lowered, args), _run(mod, args)
+    assert len(outs) == len(refs) == 3
+    for out, ref in zip(outs, refs):
         assert out.shape == ref.shape and np.abs(ref).max() > 0.1
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -163,3 +166,28 @@ def test_group_it_cannot_build_is_skipped_and_said():
     out = p(mod)
     assert tvm_ffi.structural_equal(out, mod)
     assert [(g.members, g.reason) for g in p.skipped] == [(["lv", "gv"], "uses a symbolic dim its inputs do not define")]
+
+
+def test_transformer_layers_same_results_on_cpu():
+    """The zoo's BERT and ViT layers (float32, as the CPU runs them) after PropertyRewrite and the
+    lowered plan compute what they did: compiled with TVM's default CPU pipeline, FuseTIR merging
+    the outlined groups."""
+    import dataclasses
+
+    from fuselight.model import zoo
+    from fuselight.passes import PropertyRewrite
+
+    rng = np.random.default_rng(2)
+    for name in ("bert-encoder", "vit-block"):
+        config = dataclasses.replace(zoo.load(name), dtype="float32")
+        mod = zoo.export_module(config)
+        p = ApplyFusionPlan({"seq_len": 8})
+        lowered = p(PropertyRewrite()(mod))
+        assert len(p.applied) >= 4 and p.skipped == [], name
+        seq = 8 if isinstance(config.seq_len, str) else config.seq_len
+        args = [rng.standard_normal([1, seq, config.hidden_size]).astype("float32")]
+        args += [(rng.standard_normal([int(d) for d in q.ty.shape.values]) * 0.05).astype("float32") for q in mod["forward"].params[1:]]
+        tensors = [tvm.runtime.tensor(a) for a in args]
+        out, ref = (relax.VirtualMachine(tvm.compile(m, target="llvm"), tvm.cpu())["forward"](*tensors).numpy() for m in (lowered, mod))
+        assert np.abs(ref).max() > 0.1
+        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4, err_msg=name)

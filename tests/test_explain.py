@@ -1,4 +1,5 @@
-"""``fuselight explain``: the JSON report of our tiny LLaMA, the text tables, bad input."""
+"""``fuselight explain``: the JSON report of our tiny LLaMA and of the zoo's transformer layers
+(pipelines compared), the text tables, bad input."""
 
 import json
 
@@ -8,13 +9,16 @@ from fuselight.cli import main
 def test_explain_json(capsys):
     assert main(["explain", "--model", "tiny-llama", "--json", "--prompt-len", "37"]) == 0
     report = json.loads(capsys.readouterr().out)
-    for key in ("model", "functions", "rewrites_available", "rewrites_applied", "after_rewrite", "weight_transforms", "groups", "note"):
+    for key in ("model", "functions", "rewrites_available", "rewrites_applied", "after_rewrite", "weight_transforms",
+                "groups", "groups_skipped", "untouched", "pipelines"):  # fmt: skip
         assert key in report, key
     assert report["model"] == "tiny-llama"
-    # E.g. the gate/up projection with its split and silu * up as epilogues.
+    _check_pipelines(report)
+    # The groups the fuselight pipeline lowered, e.g. an output projection with its residual add.
     decode_groups = [g for g in report["groups"] if g["function"] == "decode"]
-    assert all(len(g["members"]) > 1 and len(g["classes"]) == len(g["members"]) for g in report["groups"])
-    assert any({"matmul11", "split2", "silu2", "mul2"} <= set(g["members"]) for g in decode_groups)
+    assert all(len(g["members"]) > 1 and len(g["classes"]) == len(g["members"]) and g["fused"] for g in report["groups"])
+    assert any(g["classes"][-2:] == ["many-to-many", "one-to-one"] for g in decode_groups)
+    assert report["groups_skipped"] == [] and report["untouched"] == []
     assert report["after_rewrite"]["decode"]["planned_kernels"] < report["after_rewrite"]["decode"]["operators"]
     available = report["rewrites_available"]
     assert len(available) >= 15 and all(set(r) == {"name", "law", "precision"} for r in available)
@@ -51,11 +55,45 @@ def test_explain_json(capsys):
     assert matmul["est_flops"] == 2 * 37 * 128 * 256  # tiny-llama's fused qkv: hidden 128 -> 256
 
 
+FIELDS = ("operators", "kernels", "launches_per_decode_step", "est_bytes_per_decode_step")
+
+
+def _check_pipelines(report):
+    pipelines = report["pipelines"]
+    assert set(pipelines) == {"baseline", "fuselight", "fuselight_without_fusion_plan"}
+    for name, counts in pipelines.items():
+        assert all(isinstance(counts[f], int) and counts[f] > 0 for f in FIELDS), name
+    base, ours, unplanned = pipelines["baseline"], pipelines["fuselight"], pipelines["fuselight_without_fusion_plan"]
+    assert "fusion_plan" in ours["passes"] and "fusion_plan" not in unplanned["passes"]
+    assert ours["launches_per_decode_step"] <= min(base["launches_per_decode_step"], unplanned["launches_per_decode_step"])
+    assert ours["est_bytes_per_decode_step"] <= unplanned["est_bytes_per_decode_step"] <= base["est_bytes_per_decode_step"]
+    assert ours["kernels"] < unplanned["kernels"]  # groups FuseOps alone leaves apart
+
+
+def test_explain_graphs(capsys):
+    for graph in ("bert-encoder", "vit-block"):
+        assert main(["explain", "--graph", graph, "--json", "--prompt-len", "197"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["model"] == graph and list(report["functions"]) == ["forward"]
+        _check_pipelines(report)
+        base, ours = report["pipelines"]["baseline"], report["pipelines"]["fuselight"]
+        assert ours["launches_per_decode_step"] < base["launches_per_decode_step"], graph
+        # The attention output's head transpose and reshape fold into the output projection's loads.
+        assert any(g["classes"][:2] == ["reorganize", "many-to-many"] for g in report["groups"]), graph
+        assert report["untouched"] == [] and report["groups_skipped"] == []
+        assert report["rewrites_applied"], graph  # e.g. the head transposes' permute pair
+    assert main(["explain", "--graph", "gpt-99"]) == 2
+    assert "gpt-99" in capsys.readouterr().err
+    assert main(["explain", "--graph", "vit-block", "--model", "tiny-llama"]) == 2
+    assert "either --model or --graph" in capsys.readouterr().err
+
+
 def test_explain_text(capsys):
     assert main(["explain", "--model", "tiny-llama"]) == 0
     out = capsys.readouterr().out
     assert "decode  [kv_len=128]" in out and "relax.nn.rms_norm" in out and "many-to-many" in out
     assert "applied: reshape_reshape x8" in out
+    assert "fuselight_without_fusion_plan" in out and "fusion groups lowered:" in out
 
 
 def test_explain_bad_input(capsys):

@@ -94,9 +94,14 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from .explain import explain, format_text
+    from .explain import explain, explain_graph, format_text
 
-    report = explain(_model_config(args.model, args.dtype), prompt_len=args.prompt_len)
+    if (args.model is None) == (args.graph is None):
+        raise FuselightError("explain: give either --model or --graph")
+    if args.graph is not None:
+        report = explain_graph(args.graph, prompt_len=args.prompt_len)
+    else:
+        report = explain(_model_config(args.model, args.dtype), prompt_len=args.prompt_len)
     print(json.dumps(report, indent=1) if args.json else format_text(report))
     return 0
 
@@ -204,7 +209,8 @@ def _parser() -> argparse.ArgumentParser:
     be.set_defaults(func=cmd_bench_e2e)
 
     e = sub.add_parser("explain", help="the model's operators with classes and costs (no compile)")
-    e.add_argument("--model", required=True, help="preset name (configs/models) or a config.json path")
+    e.add_argument("--model", default=None, help="preset name (configs/models) or a config.json path")
+    e.add_argument("--graph", default=None, help="a transformer layer instead (configs/graphs: bert-encoder, vit-block)")
     e.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: the config's)")
     e.add_argument("--prompt-len", type=int, default=128, help="length the symbolic dims are evaluated at")
     e.add_argument("--json", action="store_true", help="print JSON instead of tables")
