@@ -93,6 +93,26 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_mlc_e2e(args: argparse.Namespace) -> int:
+    from .bench.mlc_e2e import run_mlc_e2e
+
+    libs = {}
+    for item in args.lib:
+        key, sep, path = item.partition("=")
+        impl, at, case = key.partition("@")
+        if not sep or not at or not case:
+            raise FuselightError(f"--lib {item!r}: expected IMPL@CASE=PATH, e.g. mlc@llama-3-8b=llama-mlc.so")
+        libs[(impl, case)] = Path(path)
+    run_mlc_e2e(libs, Path(args.output), model=args.model, device=args.device)
+    return 0
+
+
+def cmd_mlc_compile(args: argparse.Namespace) -> int:
+    from .mlc.cli import compile_main
+
+    return compile_main(args.args)
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     from .explain import explain, explain_graph, format_text
 
@@ -207,6 +227,23 @@ def _parser() -> argparse.ArgumentParser:
                     help="also profile each library's decode steps: kernel time and launches by family")
     be.add_argument("-o", "--output", required=True, help="results JSON")
     be.set_defaults(func=cmd_bench_e2e)
+
+    bm = bsub.add_parser("mlc-e2e", help="MLC-LLM-compiled models with and without fuselight, compared (GPU host)")
+    bm.add_argument("--lib", action="append", default=[],
+                    help="IMPL@CASE=PATH: IMPL mlc or mlc+fuselight, CASE a model name (both impls per case)")
+    bm.add_argument("--model", default="llama-3-8b", help="the case that is this LLaMA preset: float64 check and timing")
+    bm.add_argument("--device", default="cuda", help="cuda, or cpu for llvm libraries")
+    bm.add_argument("-o", "--output", required=True, help="results JSON")
+    bm.set_defaults(func=cmd_bench_mlc_e2e)
+
+    m = sub.add_parser("mlc", help="MLC-LLM with fuselight")
+    msub = m.add_subparsers(dest="mlc_command", required=True)
+    # Everything after 'compile' is forwarded (ours taken out): no option of its own is parsed here.
+    mc = msub.add_parser("compile", prefix_chars="+", help="mlc_llm compile with fuselight in MLC's pipeline",
+                         description="Arguments of 'mlc_llm compile', plus --fuselight-passes a,b, "
+                         "--fuselight-rules fam,..., --fuselight-dump DIR, --no-fuselight (fuselight.mlc.cli).")
+    mc.add_argument("args", nargs=argparse.REMAINDER)
+    mc.set_defaults(func=cmd_mlc_compile)
 
     e = sub.add_parser("explain", help="the model's operators with classes and costs (no compile)")
     e.add_argument("--model", default=None, help="preset name (configs/models) or a config.json path")

@@ -4,7 +4,8 @@ File: ``{"format": 1, "meta": {...}, "records": [record, ...]}``. A record names
 shape point and implementation, and holds the timing (median/p10/p90 in microseconds), the bytes
 and flops the measurement moves and computes (for GB/s and TFLOP/s), the relative error against a
 float64 reference (null where none was checked), and where it ran. ``metric`` says how the report
-presents it. Baseline and fuselight records also say where the baseline's passes came from.
+presents it. Compiled impls' records (baseline, fuselight, mlc, mlc+fuselight) also say where the
+MLC passes came from.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from ..errors import FuselightError
 from ..jsonfile import read_json_object
 
 FORMAT = 1
-IMPLS = (*PIPELINES, "torch")
+# MLC-LLM's own models compiled by MLC's pipeline, and with fuselight in it (``fuselight mlc compile``).
+MLC_IMPLS = ("mlc", "mlc+fuselight")
+IMPLS = (*PIPELINES, "torch", *MLC_IMPLS)
 METRICS = ("tflops", "gbps", "tokens_per_s", "ms_per_token")
-# Impls compiled by fuselight's pipelines: their records carry ``baseline_source``.
-COMPILED_IMPLS = PIPELINES
+# Compiled impls: their records carry ``baseline_source`` (where the MLC passes came from).
+COMPILED_IMPLS = (*PIPELINES, *MLC_IMPLS)
 COMMIT_ENV = "FUSELIGHT_GIT_COMMIT"
 
 

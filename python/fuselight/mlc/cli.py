@@ -1,0 +1,142 @@
+"""``fuselight mlc compile ...``: MLC-LLM's ``mlc_llm compile`` with fuselight in its pipeline.
+
+Every argument but ours goes to MLC's compile command unchanged. Ours:
+
+- ``--fuselight-passes a,b`` graph passes (``none``: no passes; default ``fuselight.passes.default()``);
+- ``--fuselight-rules fam,...`` rule families (``none``: DLight's rules alone; default all);
+- ``--fuselight-dump DIR`` the module after each of our steps and ``schedule.json``;
+- ``--no-fuselight`` MLC's own pipeline (the baseline), with the same target handling and output.
+
+Two platform adjustments to MLC's command: the "thrust" library MLC adds to CUDA targets is left out
+where TVM was built without it (TVM would only warn and fall back), and a ``.so`` output for a CUDA
+or llvm target is written by ``fuselight.compile.write_library``: the library, a metadata sidecar
+(pipeline ``mlc`` or ``mlc+fuselight``, MLC's version) and, for CUDA, cubins compiled ahead of time,
+so ``fuselight.runtime.load_library`` runs it on a host with the TVM runtime alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..bench.results import MLC_IMPLS
+from ..errors import FuselightError
+from . import SOURCE_ENV, describe, import_mlc_llm
+
+MLC_COMPILE_MODULE = "mlc_llm.cli.compile"
+TARGET_DETECTION = "detect_target_and_host"
+# What the library's sidecar calls its pipeline: the results' impl names.
+PIPELINE_MLC, PIPELINE_MLC_FUSELIGHT = MLC_IMPLS
+_LIBRARY_SUFFIX = ".so"
+_THRUST = "thrust"
+_THRUST_FUNC = "tvm.contrib.thrust.sort"
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Our options, and the arguments left for ``mlc_llm compile``."""
+    p = argparse.ArgumentParser(prog="fuselight mlc compile", add_help=False)
+    p.add_argument("--fuselight-passes", default=None)
+    p.add_argument("--fuselight-rules", default=None)
+    p.add_argument("--fuselight-dump", default=None)
+    p.add_argument("--no-fuselight", action="store_true")
+    return p.parse_known_args(list(argv))
+
+
+def _names(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    return tuple(name for name in text.split(",") if name and name != "none")
+
+
+def options_from_args(ours: argparse.Namespace) -> Any:
+    """``fuselight.mlc.pipeline.Options`` from our parsed flags (None with ``--no-fuselight``)."""
+    from .pipeline import Options
+
+    if ours.no_fuselight:
+        given = [f for f in ("fuselight_passes", "fuselight_rules", "fuselight_dump") if getattr(ours, f) is not None]
+        if given:
+            raise FuselightError(f"--no-fuselight with --{given[0].replace('_', '-')}: pick one")
+        return None
+    return Options(
+        passes=_names(ours.fuselight_passes),
+        rules=_names(ours.fuselight_rules),
+        dump=Path(ours.fuselight_dump) if ours.fuselight_dump else None,
+    )
+
+
+def compile_main(argv: Sequence[str]) -> int:
+    """Run MLC-LLM's compile command on ``argv`` (ours taken out) with fuselight enabled or not."""
+    ours, forwarded = parse_args(argv)
+    if import_mlc_llm() is None:
+        raise FuselightError(
+            f"MLC-LLM is not available: install mlc_llm or set {SOURCE_ENV} to an MLC-LLM source checkout"
+        )
+    options = options_from_args(ours)
+    from . import pipeline
+
+    command = importlib.import_module(MLC_COMPILE_MODULE)
+    detect = getattr(command, TARGET_DETECTION, None)
+    if detect is None or not callable(getattr(command, "main", None)):
+        raise FuselightError(f"this MLC-LLM's {MLC_COMPILE_MODULE} lacks main or {TARGET_DETECTION}")
+    name = PIPELINE_MLC if options is None else PIPELINE_MLC_FUSELIGHT
+    setattr(command, TARGET_DETECTION, _adjusted_detection(detect, name, options))
+    try:
+        if options is None:
+            pipeline.disable()
+            command.main(forwarded)
+        else:
+            with pipeline.enabled(options):
+                command.main(forwarded)
+    finally:
+        setattr(command, TARGET_DETECTION, detect)
+    return 0
+
+
+def _adjusted_detection(detect: Callable[..., Any], name: str, options: Any) -> Callable[..., Any]:
+    def detect_target_and_host(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        target, build_func = detect(*args, **kwargs)
+        target = without_missing_thrust(target)
+        return target, _library_build(build_func, name, options)
+
+    return detect_target_and_host
+
+
+def without_missing_thrust(target: Any) -> Any:
+    """``target`` without "thrust" in its libs when TVM was built without thrust."""
+    import tvm
+
+    libs = list(target.attrs.get("libs", []) or [])
+    if _THRUST not in libs or tvm.get_global_func(_THRUST_FUNC, allow_missing=True) is not None:
+        return target
+    exported = dict(target.export())
+    exported["libs"] = [lib for lib in libs if lib != _THRUST]
+    if not exported["libs"]:
+        del exported["libs"]
+    return tvm.target.Target(exported)
+
+
+def _library_build(mlc_build: Callable[..., Any], name: str, options: Any) -> Callable[..., Any]:
+    """MLC's build function, or for a ``.so`` on cuda/llvm ours: library, sidecar and AOT cubins."""
+
+    def build(mod: Any, args: Any, pipeline: Any = None) -> None:
+        kind = args.target.kind.name
+        if Path(args.output).suffix != _LIBRARY_SUFFIX or kind not in ("cuda", "llvm"):
+            mlc_build(mod, args, pipeline=pipeline)
+            return
+        from tvm import relax
+
+        from ..compile import library_metadata, write_library
+        from ..target import arch_of, resolve
+
+        spec = resolve(kind, arch_of(args.target) if kind == "cuda" else None)
+        executable = relax.build(mod, target=args.target, relax_pipeline=pipeline, system_lib=False)
+        extra: dict[str, Any] = {"mlc_model_type": args.model.name, "quantization": args.quantization.name}
+        if options is not None:
+            extra["fuselight"] = options.describe()
+        meta = library_metadata(spec, name, describe(import_mlc_llm()), **extra)
+        write_library(executable, Path(args.output), meta, spec)
+
+    return build
