@@ -26,6 +26,7 @@ from .apply_fusion_plan import ApplyFusionPlan
 from .classify import Classify, classify_module
 from .fold_norm_weight import FoldNormWeight
 from .fuse_attention import FuseAttention
+from .fuse_gate_up_silu import FuseGateUpSiLU
 from .merge_sibling_matmuls import MergeSiblingMatmuls
 from .paged_attention import PagedAttentionKernels
 from .property_rewrite import PropertyRewrite
@@ -47,6 +48,8 @@ PASSES: dict[str, GraphPass] = {
         # Before accumulate_matmul_fp32, which rewrites the matmuls FuseAttention matches.
         GraphPass("fuse_attention", "before_fuse_transpose_matmul", FuseAttention),
         GraphPass("accumulate_matmul_fp32", "before_fuse_transpose_matmul", AccumulateMatmulFP32),
+        # After accumulate_matmul_fp32: the fused kernel accumulates as the matmul it replaces.
+        GraphPass("fuse_gate_up_silu", "before_fuse_transpose_matmul", FuseGateUpSiLU),
         # Moves scales across R.matmul, which FuseTransposeMatmul lowers to TIR; not in default() until measured.
         GraphPass("property_rewrite", "before_fuse_transpose_matmul", PropertyRewrite),
         GraphPass("paged_attention", "after_graph_passes", PagedAttentionKernels),
@@ -58,7 +61,7 @@ PASSES: dict[str, GraphPass] = {
 
 def default() -> list[str]:
     """Names of the passes the fuselight pipeline runs by default, in order."""
-    return ["fuse_attention", "accumulate_matmul_fp32", "paged_attention", "add_rms_norm_kernels"]
+    return ["fuse_attention", "accumulate_matmul_fp32", "fuse_gate_up_silu", "paged_attention", "add_rms_norm_kernels"]
 
 
 def get(name: str) -> GraphPass:
@@ -67,4 +70,4 @@ def get(name: str) -> GraphPass:
     return PASSES[name]
 
 
-__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "Classify", "FoldNormWeight", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "FuseAttention", "GraphPass", "Slot", "classify_module", "default", "get"]
+__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "Classify", "FoldNormWeight", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "FuseAttention", "FuseGateUpSiLU", "GraphPass", "Slot", "classify_module", "default", "get"]

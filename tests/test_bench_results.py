@@ -108,7 +108,7 @@ def test_time_fn_on_cpu_respects_budget():
 
 def test_full_suite_matches_llama_shapes():
     cases = {c.name: c for c in kernels.load_suite("full")}
-    gemms = [c for c in cases.values() if c.op == "gemm"]
+    gemms = [c for c in cases.values() if c.op == "gemm" and not c.static]
     assert sorted((c.dims["n"], c.dims["k"]) for c in gemms) == sorted(
         [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
     )
@@ -126,6 +126,22 @@ def test_full_suite_matches_llama_shapes():
     assert flops == 2 * 1024 * 1024 * 128 * 32 and nbytes == (2 * 1024 * 32 * 128 + 2 * 1024 * 8 * 128) * 2
     assert cases["attention-decode-32x8x128"].cost(8192)[0] == (2 * 32 * 128 + 2 * 8192 * 8 * 128) * 2
     assert cases["softmax-128256-float32"].cost(4)[0] == 2 * 4 * 128256 * 4
+    # The gate+up projection with silu(gate) * up fused: the M sweep, and decode (M = 1 compiled
+    # static) next to the plain GEMV of the same weight; it writes half the GEMM's width.
+    fused = cases["gemm-gate-up-silu-28672x4096"]
+    assert fused.sweep == gemms[0].sweep and not fused.static
+    for name in ("gemm-28672x4096-m1", "gemm-gate-up-silu-28672x4096-m1"):
+        assert cases[name].static and cases[name].sweep == (1,) and cases[name].to_dict()["static"]
+    assert fused.cost(16)[0] == (16 * 4096 + 28672 * 4096 + 16 * 14336) * 2
+
+
+def test_static_case_needs_one_sweep_value():
+    raw = {"op": "gemm_gate_up_silu", "n": 64, "k": 32, "dtype": "float16", "static": True}
+    assert kernels.case_from_dict({**raw, "sweep": [3]}).name == "gemm-gate-up-silu-64x32-m3"
+    with pytest.raises(FuselightError, match="static"):
+        kernels.case_from_dict({**raw, "sweep": [1, 2]})
+    with pytest.raises(FuselightError, match="static"):
+        kernels.case_from_dict({**raw, "sweep": [1], "static": "yes"})
 
 
 def test_bad_case_definitions():

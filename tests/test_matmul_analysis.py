@@ -288,7 +288,10 @@ def test_takes_every_matmul_of_the_llama_model():
     stages = pl.stages(target, graph_passes=pl.default_passes(), rules=[])
     with target:
         mod = tvm.transform.Sequential([s.pass_ for s in stages if s.phase <= 3])(mod)
-    names = {gv.name_hint: analyze_matmul(f) for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
+    # Scheduled kernels (graph passes that schedule what they create: fuse_gate_up_silu's decode
+    # GEMV here) never reach the rules.
+    names = {gv.name_hint: analyze_matmul(f) for gv, f in mod.functions.items()
+             if isinstance(f, tirx.PrimFunc) and "tirx.is_scheduled" not in (f.attrs or {})}
     matmuls = {n: d for n, d in names.items() if "matmul" in n}
     assert matmuls and all(d is not None for d in matmuls.values()), matmuls
     assert any(d.m_static is None for d in matmuls.values())  # prefill: M = seq_len

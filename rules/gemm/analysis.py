@@ -10,8 +10,11 @@ stages, each a perfect loop nest over one block::
 
 ``analyze_matmul`` returns the GEMM (A's leading dimensions folded into M, B a 2-D weight, N and K
 static) and the epilogue as one expression of the fp32 accumulator, composed through the chain, so
-a template can write ``Out`` directly and the intermediates vanish. Anything else (another stage
-shape, an intermediate read twice or by a later stage, strided buffers, other dtypes) gives None.
+a template can write ``Out`` directly and the intermediates vanish. One stage of the chain may be
+"paired" (a gated MLP's ``silu(gate) * up``, ``passes.fuse_gate_up_silu``): over N / 2 columns, it
+reads its input at ``[v..., vn]`` and ``[v..., vn + N / 2]``; the epilogue then takes both
+accumulators (``operands.Epilogue.pair_offset``). Anything else (another stage shape, an
+intermediate read twice or by a later stage, other offsets, strided buffers, other dtypes) gives None.
 """
 
 from __future__ import annotations
@@ -146,11 +149,21 @@ def _matmul(stage: _Stage) -> tuple[tirx.Buffer, tirx.Buffer, tirx.Buffer, str] 
     return None
 
 
+def _paired_load(load: tirx.BufferLoad, vars_: list[tirx.Var], offset: int) -> bool:
+    """Whether ``load`` reads ``[v..., vn + offset]``."""
+    if len(load.indices) != len(vars_) or not _same_vars(load.indices[:-1], vars_[:-1]):
+        return False
+    diff = arith.Analyzer().simplify(load.indices[-1] - vars_[-1])
+    return _is_const(diff, offset)
+
+
 def _elementwise(
-    stage: _Stage, prev: tirx.Buffer, older: list[tirx.Buffer], extents: tuple[Any, ...]
+    stage: _Stage, prev: tirx.Buffer, older: list[tirx.Buffer], extents: tuple[Any, ...],
+    pair_offset: int | None = None,
 ) -> bool:
     """Whether ``stage`` is ``Out[v...] = f(prev[v...], ...)`` over ``extents``, reading none of the
-    ``older`` intermediates (the chain writes only its last stage's output)."""
+    ``older`` intermediates (the chain writes only its last stage's output). With ``pair_offset``:
+    ``f(prev[v...], prev[v..., vn + pair_offset], ...)``, reading both."""
     block, store = stage.block, stage.store
     if block.init is not None or any(int(iv.iter_type) != _DATA_PAR for iv in block.iter_vars):
         return False
@@ -163,21 +176,27 @@ def _elementwise(
     stmt_functor.post_order_visit(
         store.value, lambda n: loads.append(n) if isinstance(n, tirx.BufferLoad) else None
     )
-    reads_prev = False
+    reads_prev = reads_pair = False
     for load in loads:
         if load.buffer.same_as(store.buffer) or any(load.buffer.same_as(o) for o in older):
             return False
         if load.buffer.same_as(prev):
-            if not _same_vars(load.indices, vars_):
+            if _same_vars(load.indices, vars_):
+                reads_prev = True
+            elif pair_offset is not None and _paired_load(load, vars_, pair_offset):
+                reads_pair = True
+            else:
                 return False
-            reads_prev = True
-    return reads_prev
+    return reads_prev and (pair_offset is None or reads_pair)
 
 
-def _replace_loads(expr: Any, buffer: tirx.Buffer, value: Any) -> Any:
+def _replace_loads(expr: Any, buffer: tirx.Buffer, value: Any, vn: Any = None, paired: Any = None) -> Any:
+    """``expr`` with its loads of ``buffer`` replaced by ``value``; with ``paired``, those whose last
+    index is not ``vn`` (the paired column) by ``paired``."""
+
     def post(node: Any) -> Any:
         if isinstance(node, tirx.BufferLoad) and node.buffer.same_as(buffer):
-            return value
+            return value if paired is None or node.indices[-1].same_as(vn) else paired
         return None
 
     return stmt_functor.ir_transform(tirx.Evaluate(expr), None, post, ["tirx.BufferLoad"]).value
@@ -229,26 +248,45 @@ def analyze_matmul(func: tirx.PrimFunc) -> MatmulDesc | None:
         m = m * e
     m = arith.Analyzer().simplify(m)
 
-    # The chain: each stage reads the previous one's output, which must be an intermediate.
+    # The chain: each stage reads the previous one's output, which must be an intermediate; one
+    # stage may pair column vn with vn + N / 2 (the later ones run over N / 2 columns).
     prev = c
     chain: list[_Stage] = []
+    paired_at: int | None = None
+    half = n // 2 if n % 2 == 0 else None
     for stage in stages[1:]:
         older = [c, *(s.store.buffer for s in chain)][:-1]
-        if not any(prev.same_as(x) for x in allocs) or not _elementwise(stage, prev, older, extents):
+        if not any(prev.same_as(x) for x in allocs):
             return None
+        if not _elementwise(stage, prev, older, extents):
+            halved = (*extents[:-1], tirx.IntImm(_dtype(extents[-1]), half)) if half else None
+            if paired_at is not None or halved is None or not _elementwise(stage, prev, older, halved, half):
+                return None
+            paired_at, extents = len(chain), halved
         chain.append(stage)
         prev = stage.store.buffer
     out = prev
     if any(out.same_as(x) for x in allocs) or not _plain(out):
         return None
-    def value(row: Any, col: Any, acc: Any) -> Any:
-        v = acc if str(c.dtype) == "float32" else tirx.Cast(str(c.dtype), acc)
+
+    def value(row: Any, col: Any, acc: Any, acc_up: Any = None) -> Any:
+        def base(a: Any) -> Any:
+            return a if str(c.dtype) == "float32" else tirx.Cast(str(c.dtype), a)
+
+        v = base(acc)
+        up = base(acc_up) if paired_at is not None else None
         src = c
-        for stage in chain:
+        for i, stage in enumerate(chain):
             vars_ = [iv.var for iv in stage.block.iter_vars]
-            idx = _indices(row, col, vars_)
-            expr = _replace_loads(stage.store.value, src, v)
-            v = stmt_functor.substitute(expr, dict(zip(vars_, idx)))
+            if paired_at is not None and i < paired_at:
+                # Before the pairing, the chain runs on both columns.
+                expr = _replace_loads(stage.store.value, src, up)
+                up = stmt_functor.substitute(expr, dict(zip(vars_, _indices(row, col + half, vars_))))
+            if i == paired_at:
+                expr = _replace_loads(stage.store.value, src, v, vars_[-1], up)
+            else:
+                expr = _replace_loads(stage.store.value, src, v)
+            v = stmt_functor.substitute(expr, dict(zip(vars_, _indices(row, col, vars_))))
             src = stage.store.buffer
         return v
 
@@ -261,7 +299,8 @@ def analyze_matmul(func: tirx.PrimFunc) -> MatmulDesc | None:
         return tuple(_indices(row, col, [tirx.Var("i", _dtype(x)) for x in extents]))
 
     operands = GemmOperands(
-        a=a, b=b, m=m, n=n, k=k, b_layout=b_layout, dtype=dtype, out=Epilogue(out, index, value)
+        a=a, b=b, m=m, n=n, k=k, b_layout=b_layout, dtype=dtype,
+        out=Epilogue(out, index, value, half if paired_at is not None else None),
     )
     return MatmulDesc(
         operands=operands,

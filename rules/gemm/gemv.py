@@ -15,6 +15,10 @@ steps round-robin (split-K inside the block, which keeps more loads in flight fo
 and needs no second launch); their fp32 partial tiles are summed
 through shared memory and the epilogue (``ops.out``) runs once per output. M may be symbolic (at
 most ``cfg.max_m``, at least 1: the caller branches on it); the grid does not depend on it.
+
+With a paired epilogue (``silu(gate) * up``: output column c pairs weight rows c and c + n / 2) a
+block's 16 rows are 8 gate rows and the 8 matching up rows (rows g and g + 8 of the mma): every
+lane then holds both accumulators of its outputs, and the block writes 8 output columns.
 """
 
 from __future__ import annotations
@@ -141,13 +145,34 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     m_dtype = "int64" if isinstance(ops.m, int) else str(ops.m.ty.dtype)
     m = T.Cast("int32", ops.m) if not isinstance(ops.m, int) else ops.m
     words = k // 2  # a row of K elements in 32-bit words
+    pair = ops.out.pair_offset
+    # Weight rows g and g + 8 of block bx (rows past N read row N - 1 and are never stored); paired:
+    # gate row c and up row c + pair of output column c = 8 bx + g (c clamped to pair - 1 likewise).
+    block_cols = MMA_M if pair is None else MMA_M // 2
+    out_n = ops.out_n
+
+    def weight_rows(bx, g):
+        if pair is None:
+            return T.min(bx * MMA_M + g, n - 1), T.min(bx * MMA_M + g + 8, n - 1)
+        c = T.min(bx * block_cols + g, pair - 1)
+        return c, c + pair
+
+    def out_col(bx, o):
+        # Accumulator e of lane l: weight row l / 4 (+8 for e >= 2) of the block.
+        if pair is None:
+            return bx * MMA_M + o // 4 % WARP // 4 + o % 4 // 2 * 8
+        return bx * block_cols + o // 4 % WARP // 4
+
+    def stored(o):
+        # Paired: the lane's gate accumulators (e < 2) write; e + 2 holds the up row.
+        return True if pair is None else o % 4 < 2
 
     # fmt: off
     @T.prim_func(s_tir=True, check_well_formed=False)
     def body():
         W = T.decl_buffer((n * words,), "uint32", data=ops.b.data)
         X = T.decl_buffer((ops.m * words,), "uint32", data=ops.a.data)
-        for bx in T.thread_binding(-(-n // MMA_M), thread="blockIdx.x"):
+        for bx in T.thread_binding(-(-out_n // block_cols), thread="blockIdx.x"):
             for tid in T.thread_binding(threads, thread="threadIdx.x"):
                 with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", cfg.min_blocks_per_sm), T.sblock("gemv"):
                     T.reads()
@@ -161,13 +186,12 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                     b = T.sblock_alloc_buffer((2 * tiles * 2,), "uint32", scope="local")
                     acc = T.sblock_alloc_buffer((tiles * 4,), "float32", scope="local")
                     red = T.sblock_alloc_buffer((warps * outputs,), "float32", scope="shared")
-                    total = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    total = T.sblock_alloc_buffer((1 if pair is None else 2,), "float32", scope="local")
                     warp: T.let[T.int32] = T.Cast("int32", tid) // WARP
                     lane: T.let[T.int32] = T.Cast("int32", tid) % WARP
-                    # Rows past N (a partial last block) read row N - 1 and are never stored. Offsets
-                    # are 64-bit until TVM proves they fit in 32 (2^31 words: the largest weights).
-                    w_lo: T.let[T.int64] = T.Cast("int64", T.min(T.Cast("int32", bx) * MMA_M + lane // 4, n - 1)) * words + lane % 4 * PIECE_WORDS
-                    w_hi: T.let[T.int64] = T.Cast("int64", T.min(T.Cast("int32", bx) * MMA_M + lane // 4 + 8, n - 1)) * words + lane % 4 * PIECE_WORDS
+                    # Offsets are 64-bit until TVM proves they fit in 32 (2^31 words: the largest weights).
+                    w_lo: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[0]) * words + lane % 4 * PIECE_WORDS
+                    w_hi: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[1]) * words + lane % 4 * PIECE_WORDS
                     for i in T.unroll(tiles * 4):
                         acc[i] = T.float32(0)
                     for r in T.serial(rounds):
@@ -207,15 +231,21 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                     T.tvm_storage_sync("shared")
                     for it in T.serial(-(-outputs // threads)):
                         o: T.let[T.int32] = it * threads + T.Cast("int32", tid)
-                        # Accumulator e of lane l in tile t: weight row l / 4 (+8 for e >= 2),
-                        # token t * 8 + 2 (l % 4) + e % 2.
-                        col: T.let[T.int32] = T.Cast("int32", bx) * MMA_M + o // 4 % WARP // 4 + o % 4 // 2 * 8
+                        # Accumulator e of lane l in tile t: token t * 8 + 2 (l % 4) + e % 2.
+                        col: T.let[T.int32] = out_col(T.Cast("int32", bx), o)
                         row: T.let[T.int32] = o // (4 * WARP) * MMA_N + o // 4 % 4 * 2 + o % 2
-                        if o < outputs and row < m and col < n:
+                        if o < outputs and stored(o) and row < m and col < out_n:
                             total[0] = red[o]
                             for j in T.serial(1, warps):
                                 total[0] = total[0] + red[j * outputs + o]
-                            ops.out.buffer[ops.out.index(T.Cast(m_dtype, row), T.Cast(m_dtype, col))] = ops.out.value(
-                                T.Cast(m_dtype, row), T.Cast(m_dtype, col), total[0])
+                            if pair is None:
+                                ops.out.buffer[ops.out.index(T.Cast(m_dtype, row), T.Cast(m_dtype, col))] = ops.out.value(
+                                    T.Cast(m_dtype, row), T.Cast(m_dtype, col), total[0])
+                            else:
+                                total[1] = red[o + 2]
+                                for j in T.serial(1, warps):
+                                    total[1] = total[1] + red[j * outputs + o + 2]
+                                ops.out.buffer[ops.out.index(T.Cast(m_dtype, row), T.Cast(m_dtype, col))] = ops.out.value(
+                                    T.Cast(m_dtype, row), T.Cast(m_dtype, col), total[0], total[1])
     # fmt: on
     return body.body

@@ -9,6 +9,14 @@ A is addressed as row-major ``m x k`` (all leading dimensions of the analysed A 
 rows), B as row-major ``n x k`` ("NT") or ``k x n`` ("NN"); both through flat element offsets, so
 a template only needs ``access_ptr``. ``out.value`` is the fused epilogue (casts, bias, residual,
 activation) as an expression of the fp32 accumulator; it may read other buffers of the function.
+
+A "paired" epilogue (``out.pair_offset`` = n / 2, a gated MLP's ``silu(gate) * up``) combines
+two accumulator columns into one output: for ``c < n / 2``::
+
+    out.buffer[out.index(r, c)] = out.value(r, c, acc[r, c], acc[r, c + pair_offset])
+
+and writes nothing else (the output is ``m x n / 2``). A template serving it arranges its tiles so
+that the thread holding column ``c`` also holds ``c + pair_offset``.
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ class Epilogue:
 
     buffer: Any  # tvm.tirx.Buffer
     index: Callable[[Any, Any], tuple]  # (row, col) -> the buffer's indices
-    value: Callable[[Any, Any, Any], Any]  # (row, col, fp32 accumulator) -> value in buffer.dtype
+    # (row, col, fp32 accumulator) -> value in buffer.dtype; paired: (row, col, acc, acc at col + pair_offset)
+    value: Callable[..., Any]
+    pair_offset: int | None = None  # n / 2 for a paired epilogue, else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +51,17 @@ class GemmOperands:
     k: int
     b_layout: str  # one of B_LAYOUTS
     dtype: str  # one of DTYPES
-    out: Epilogue
+    out: Epilogue | None  # None: a plain GEMM priced or tuned, never written
+
+    @property
+    def paired(self) -> bool:
+        """Whether the epilogue pairs columns c and c + n / 2 (no epilogue given: a plain GEMM)."""
+        return self.out is not None and self.out.pair_offset is not None
+
+    @property
+    def out_n(self) -> int:
+        """Columns of the output: n, or n / 2 with a paired epilogue."""
+        return self.out.pair_offset if self.paired else self.n
 
     def a_offset(self, row: Any, col: Any) -> Any:
         """Flat element offset of A[row, col]."""

@@ -146,6 +146,8 @@ def check_plan(plan: GemmPlan, ops: GemmOperands) -> None:
         )
     if isinstance(ops.m, int) and ops.m <= 0:
         raise FuselightError(f"gemm: m must be positive, got {ops.m}")
+    if ops.paired:
+        raise FuselightError("mma.sync gemm: paired (gate/up) epilogues unsupported")
     if not isinstance(plan.split_k, int) or isinstance(plan.split_k, bool) or plan.split_k < 1:
         raise FuselightError(f"gemm plan: split_k must be a positive integer, got {plan.split_k!r}")
     tiles = [("main", plan.main)] + ([("rest", plan.rest)] if plan.rest is not None else [])

@@ -17,7 +17,11 @@ tiles so concurrent blocks share A and B in L2; the producer loads the next tile
 consumers store the last. The epilogue stages each consumer warpgroup's 64 rows in ``EPI_COLS``-wide
 fp32 chunks through a buffer of its own (the slots are still being filled with the next tile), then
 applies ``ops.out.value`` to 8 adjacent columns a thread: 16-byte coalesced stores, and 16-byte loads
-of whatever the epilogue reads (a residual). Needs the arch-specific target (sm_90a): TVM's CUDA compile and
+of whatever the epilogue reads (a residual). A paired epilogue (``silu(gate) * up``, see
+``operands``) loads each B tile as two TMA boxes, ``block_n / 2`` gate rows and the matching up rows
+``pair_offset`` further: a thread's accumulator columns c and c + block_n / 2 then pair, a chunk
+stages 32 gate and the matching 32 up columns, and the block writes ``block_n / 2`` output columns.
+Needs the arch-specific target (sm_90a): TVM's CUDA compile and
 ``fuselight.cuda_compile`` both build for it. Shared memory is dynamic (up to 227 KiB, opted in at
 launch by TVM's runtime).
 """
@@ -180,6 +184,12 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
     consumer_warps = consumers // WARP
     pieces = EPI_COLS // EPI_VEC  # per chunk row
     out_buf = ops.out.buffer
+    pair = ops.out.pair_offset
+    # Output pieces a chunk row yields (paired: its gate half pairs with its up half); output
+    # columns a tile yields.
+    out_pieces = pieces if pair is None else pieces // 2
+    out_bn = bn if pair is None else bn // 2
+    b_box = out_bn  # B rows one TMA box loads (two boxes a slot when paired)
 
     def desc(base, byte_offset):
         # Start address is the descriptor's low field, in 16-byte units: offsets add to it.
@@ -225,6 +235,13 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
     def tile_col(t, m_tiles):
         return T.truncdiv(T.truncmod(t, tile.group_m * n_tiles), rows_in_group(t, m_tiles)) * bn
 
+    def acc_group(cc, jj):
+        # The accumulators' 8-column group staged as piece jj of chunk cc: paired, pieces 0-3 are
+        # gate columns of the tile's first half, 4-7 the up columns block_n / 2 further.
+        if pair is None:
+            return cc * pieces + jj
+        return cc * out_pieces + jj % out_pieces + jj // out_pieces * (out_bn // EPI_VEC)
+
     def tma_load(smem, offset, slot, tensor_map, kt, row):
         return T.ptx.cp_async.bulk.tensor.g2s_cta(
             2, smem.access_ptr("w", offset=offset), full(smem, slot), T.address_of(tensor_map), 1, "",
@@ -238,7 +255,7 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
         a_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         b_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.evaluate(encode(a_map, ops.a, m, bm))
-        T.evaluate(encode(b_map, ops.b, n, bn))
+        T.evaluate(encode(b_map, ops.b, n, b_box))
         m_tiles: T.let[T.int32] = T.ceildiv(m, bm)
         blocks: T.let[T.int32] = T.min(m_tiles * n_tiles, tile.max_blocks)
         for bx in T.thread_binding(blocks, thread="blockIdx.x"):
@@ -251,7 +268,7 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
                     buf_dyn_shmem = T.sblock_alloc_buffer((tile.smem_bytes,), "uint8", scope="shared.dyn", align=ATOM_BYTES)
                     acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
                     smem_desc = T.sblock_alloc_buffer((1,), "uint64", scope="local")
-                    vals = T.sblock_alloc_buffer((WGMMA_M * pieces // WARPGROUP * EPI_VEC,), out_buf.dtype, scope="local")
+                    vals = T.sblock_alloc_buffer((WGMMA_M * out_pieces // WARPGROUP * EPI_VEC,), out_buf.dtype, scope="local")
                     # The epilogue chunks, through a plain pointer: each warpgroup syncs its own with a
                     # named barrier, which TVM's shared-memory sync planner does not know (it would put
                     # a block-wide barrier under the consumers' branch).
@@ -283,7 +300,11 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
                                         T.ptx.mbarrier.try_wait(empty(buf_dyn_shmem, slot), T.truncmod(T.truncdiv(it, stages) + 1, 2))
                                     T.ptx.mbarrier.arrive.expect_tx(full(buf_dyn_shmem, slot), tile.slot_bytes)
                                     T.evaluate(tma_load(buf_dyn_shmem, slot * a_slot, slot, a_map, kt, m0))
-                                    T.evaluate(tma_load(buf_dyn_shmem, b_base + slot * b_slot, slot, b_map, kt, n0))
+                                    if pair is None:
+                                        T.evaluate(tma_load(buf_dyn_shmem, b_base + slot * b_slot, slot, b_map, kt, n0))
+                                    else:
+                                        T.evaluate(tma_load(buf_dyn_shmem, b_base + slot * b_slot, slot, b_map, kt, n0 // 2))
+                                        T.evaluate(tma_load(buf_dyn_shmem, b_base + slot * b_slot + b_slot // 2, slot, b_map, kt, pair + n0 // 2))
                     else:
                         T.ptx.setmaxnreg(True, CONSUMER_REGS[tile.warpgroups])
                         for ti in T.serial(my_tiles):
@@ -319,23 +340,30 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
                                     for h in T.unroll(2):
                                         for e in T.vectorized(2):
                                             epi[wg * epi_chunk + ((tid % WARPGROUP) // WARP * 16 + (tid % WARP) // 4 + h * 8) * EPI_COLS
-                                                + T.bitwise_xor(jj, (tid % WARP) // 4) * EPI_VEC + tid % 4 * 2 + e] = acc[(cc * pieces + jj) * 4 + h * 2 + e]
+                                                + T.bitwise_xor(jj, (tid % WARP) // 4) * EPI_VEC + tid % 4 * 2 + e] = acc[acc_group(cc, jj) * 4 + h * 2 + e]
                                 T.cuda.warpgroup_sync(1 + wg)
-                                # Thread t of the warpgroup: piece t % 8 of rows t / 8 + 16 i. All values
-                                # first (rows past M clamped to the last row, so the epilogue's loads are
-                                # unconditional and overlap), then the stores of rows below M.
-                                for i in T.unroll(WGMMA_M * pieces // WARPGROUP):
-                                    row: T.let[T.int32] = i * (WARPGROUP // pieces) + (tid % WARPGROUP) // pieces
+                                # Thread t of the warpgroup: output piece t % p of rows t / p + (128 / p) i
+                                # (p = out_pieces). All values first (rows past M clamped to the last row, so
+                                # the epilogue's loads are unconditional and overlap), then the stores of rows below M.
+                                for i in T.unroll(WGMMA_M * out_pieces // WARPGROUP):
+                                    row: T.let[T.int32] = i * (WARPGROUP // out_pieces) + (tid % WARPGROUP) // out_pieces
                                     for e in T.vectorized(EPI_VEC):
-                                        vals[i * EPI_VEC + e] = ops.out.value(
-                                            T.Cast("int64", T.min(m0 + wg * WGMMA_M + row, m - 1)), n0 + cc * EPI_COLS + tid % pieces * EPI_VEC + e,
-                                            epi[wg * epi_chunk + row * EPI_COLS + T.bitwise_xor(tid % pieces, row % 8) * EPI_VEC + e],
-                                        )
-                                for i in T.unroll(WGMMA_M * pieces // WARPGROUP):
-                                    r: T.let[T.int32] = m0 + wg * WGMMA_M + i * (WARPGROUP // pieces) + (tid % WARPGROUP) // pieces
+                                        if pair is None:
+                                            vals[i * EPI_VEC + e] = ops.out.value(
+                                                T.Cast("int64", T.min(m0 + wg * WGMMA_M + row, m - 1)), n0 + cc * EPI_COLS + tid % pieces * EPI_VEC + e,
+                                                epi[wg * epi_chunk + row * EPI_COLS + T.bitwise_xor(tid % pieces, row % 8) * EPI_VEC + e],
+                                            )
+                                        else:
+                                            vals[i * EPI_VEC + e] = ops.out.value(
+                                                T.Cast("int64", T.min(m0 + wg * WGMMA_M + row, m - 1)), n0 // 2 + cc * (EPI_COLS // 2) + tid % out_pieces * EPI_VEC + e,
+                                                epi[wg * epi_chunk + row * EPI_COLS + T.bitwise_xor(tid % out_pieces, row % 8) * EPI_VEC + e],
+                                                epi[wg * epi_chunk + row * EPI_COLS + T.bitwise_xor(tid % out_pieces + out_pieces, row % 8) * EPI_VEC + e],
+                                            )
+                                for i in T.unroll(WGMMA_M * out_pieces // WARPGROUP):
+                                    r: T.let[T.int32] = m0 + wg * WGMMA_M + i * (WARPGROUP // out_pieces) + (tid % WARPGROUP) // out_pieces
                                     if r < m:
                                         for e in T.vectorized(EPI_VEC):
-                                            out_buf[ops.out.index(T.Cast("int64", r), n0 + cc * EPI_COLS + tid % pieces * EPI_VEC + e)] = vals[i * EPI_VEC + e]
+                                            out_buf[ops.out.index(T.Cast("int64", r), n0 * out_bn // bn + cc * (EPI_COLS * out_bn // bn) + tid % out_pieces * EPI_VEC + e)] = vals[i * EPI_VEC + e]
                                 # The chunk is read before the next overwrites it.
                                 T.cuda.warpgroup_sync(1 + wg)
     # fmt: on

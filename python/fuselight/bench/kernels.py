@@ -49,6 +49,12 @@ def _gemm_residual_cost(d: dict[str, int], m: int) -> tuple[int, int]:
     return elements + m * d["n"], flops + m * d["n"]  # the residual read, one add an output
 
 
+def _gemm_gate_up_silu_cost(d: dict[str, int], m: int) -> tuple[int, int]:
+    n, k = d["n"], d["k"]
+    # silu(gate) * up: the output is half the GEMM's width; sigmoid, two multiplies an output
+    return m * k + n * k + m * n // 2, 2 * m * n * k + 3 * m * n // 2
+
+
 def _rmsnorm_cost(d: dict[str, int], m: int) -> tuple[int, int]:
     h = d["hidden"]
     # square, sum, scale, weight: four operations an element
@@ -79,6 +85,8 @@ OPS: dict[str, OpSpec] = {
     "gemm": OpSpec("m", ("n", "k"), "tflops", _gemm_cost),
     # A linear layer whose output adds the residual stream: the epilogue a fused GEMM keeps on chip.
     "gemm_residual": OpSpec("m", ("n", "k"), "tflops", _gemm_residual_cost),
+    # The gated MLP's gate+up projection (gate rows, then up rows) with silu(gate) * up applied.
+    "gemm_gate_up_silu": OpSpec("m", ("n", "k"), "tflops", _gemm_gate_up_silu_cost),
     "rmsnorm": OpSpec("m", ("hidden",), "gbps", _rmsnorm_cost),
     "softmax": OpSpec("rows", ("cols",), "gbps", _softmax_cost),
     "attention_prefill": OpSpec("seq", _ATTENTION_DIMS, "tflops", _prefill_cost),
@@ -96,6 +104,8 @@ class Case:
     dims: dict[str, int]
     sweep: tuple[int, ...]
     attrs: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The swept dimension compiled as a constant (a decode shape): the sweep then has one value.
+    static: bool = False
 
     @property
     def spec(self) -> OpSpec:
@@ -121,6 +131,7 @@ class Case:
             "dims": self.dims,
             "sweep": list(self.sweep),
             "attrs": self.attrs,
+            **({"static": True} if self.static else {}),
         }
 
 
@@ -166,8 +177,11 @@ def case_from_dict(raw: Any, sweeps: dict[str, list[int]] | None = None, where: 
         or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sweep)
     ):
         raise FuselightError(f"{where}: field 'sweep' must be a non-empty list of positive integers")
-    name = raw.get("name") or _default_name(op, dtype, dims)
-    return Case(name=name, op=op, dtype=dtype, dims=dims, sweep=tuple(sweep), attrs=attrs)
+    static = raw.get("static", False)
+    if not isinstance(static, bool) or (static and len(sweep) != 1):
+        raise FuselightError(f"{where}: field 'static' must be a boolean, true only with a one-value sweep")
+    name = raw.get("name") or _default_name(op, dtype, dims) + (f"-{OPS[op].sweep_var}{sweep[0]}" if static else "")
+    return Case(name=name, op=op, dtype=dtype, dims=dims, sweep=tuple(sweep), attrs=attrs, static=static)
 
 
 def select(cases: list[Case], names: list[str] | None) -> list[Case]:

@@ -43,6 +43,17 @@ def _gemm_residual(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
     return [x, w, r], lambda bb: relax.op.add(gemm(bb), r)
 
 
+def _gemm_gate_up_silu(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
+    (x, w), gemm = _gemm(case, n, relax)
+
+    def body(bb: Any) -> Any:
+        halves = bb.emit(relax.op.split(gemm(bb), 2, axis=-1))
+        gate, up = bb.emit(relax.TupleGetItem(halves, 0)), bb.emit(relax.TupleGetItem(halves, 1))
+        return relax.op.multiply(relax.op.nn.silu(gate), up)
+
+    return [x, w], body
+
+
 def _rmsnorm(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
     h = case.dims["hidden"]
     x = relax.Var("x", relax.TensorType([n, h], case.dtype))
@@ -96,6 +107,7 @@ def _lowest(dtype: str) -> float:
 _BUILDERS: dict[str, Callable[[Case, Any, Any], tuple[list, Callable]]] = {
     "gemm": _gemm,
     "gemm_residual": _gemm_residual,
+    "gemm_gate_up_silu": _gemm_gate_up_silu,
     "rmsnorm": _rmsnorm,
     "softmax": _softmax,
     "attention_prefill": lambda case, n, relax: _attention(case, n, n, True, relax),
@@ -104,10 +116,11 @@ _BUILDERS: dict[str, Callable[[Case, Any, Any], tuple[list, Callable]]] = {
 
 
 def relax_module(case: Case) -> Any:
-    """The case as an IRModule with one function ``main``; the swept dimension is symbolic."""
+    """The case as an IRModule with one function ``main``; the swept dimension is symbolic (a
+    constant for a ``static`` case)."""
     from tvm import relax, tirx
 
-    n = tirx.Var(case.spec.sweep_var, "int64")
+    n = case.sweep[0] if case.static else tirx.Var(case.spec.sweep_var, "int64")
     params, body = _BUILDERS[case.op](case, n, relax)
     bb = relax.BlockBuilder()
     with bb.function(_FUNC, params):

@@ -87,6 +87,7 @@ def _attention_inputs(case: Case, q_len: int, kv_len: int, rnd: _Random) -> list
 _INPUTS: dict[str, Callable[[Case, int, _Random, dict], list]] = {
     "gemm": _gemm_inputs,
     "gemm_residual": _gemm_residual_inputs,
+    "gemm_gate_up_silu": _gemm_inputs,
     "rmsnorm": _rmsnorm_inputs,
     "softmax": _softmax_inputs,
     "attention_prefill": lambda case, n, rnd, fixed: _attention_inputs(case, n, n, rnd),
@@ -119,6 +120,10 @@ def _reference(torch: Any, case: Case, inputs: list) -> Any:
     if case.op == "gemm_residual":
         x, w, r = inputs
         return x.double() @ w.double().T + r.double()
+    if case.op == "gemm_gate_up_silu":
+        x, w = inputs
+        gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
     if case.op == "rmsnorm":
         x, w = (t.double() for t in inputs)
         return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + case.attrs["eps"]) * w
@@ -184,6 +189,14 @@ def _torch_fn(torch: Any, case: Case, inputs: list, device: str) -> Callable[[],
     if case.op == "gemm_residual":
         x, w, r = inputs  # the GEMM, then the add as its own kernel
         return lambda: F.linear(x, w) + r
+    if case.op == "gemm_gate_up_silu":
+        x, w = inputs  # the GEMM, then silu(gate) * up as PyTorch's own kernels
+
+        def gate_up() -> Any:
+            gate, up = F.linear(x, w).chunk(2, dim=-1)
+            return F.silu(gate) * up
+
+        return gate_up
     if case.op == "rmsnorm":
         x, w = inputs
         return lambda: _torch_rmsnorm(torch, x, w, case.attrs["eps"])

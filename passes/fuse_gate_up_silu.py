@@ -1,0 +1,216 @@
+"""Fuse the gated MLP's SiLU and multiply into the gate+up projection: one kernel writes ``silu(gate) * up``.
+
+A LLaMA MLP computes its gate and up projections as one linear layer whose weight holds the gate
+rows, then the up rows, and splits the result in two halves::
+
+    y = matmul(x, permute_dims(w))                  # [..., 2I]   (or astype(matmul(.., "float32")))
+    gate, up = split(y, 2, axis=-1)
+    out = multiply(silu(gate), up)                  # [..., I]    (operands of multiply either way)
+
+This pass replaces that chain by one ``call_tir`` of a PrimFunc (TE) computing the matmul into
+``[..., 2I]`` (accumulating in the matmul's output dtype, then cast where the graph casts) followed
+by one elementwise stage ``out[..., j] = silu(C[..., j]) * C[..., j + I]``, scheduled right away by
+fuselight's GEMM rules (``rules.Matmul`` for dynamic M, ``rules.Gemv`` for decode; their analysis
+sees a "paired" epilogue and writes one kernel whose tiles hold both halves, so the ``[..., 2I]``
+intermediate never reaches memory). Only where a rule schedules it: DLight's Matmul rule cannot
+inline an epilogue that reads two columns (it fails an assertion), so an unscheduled fused
+function must never reach it; elsewhere (other targets, shapes the templates do not take) the
+graph stays as it is. ``FuseGateUpSiLU(schedule=False)`` fuses without scheduling (any target:
+the plain TE function, e.g. to check the numbers on the CPU). Runs before ``FuseTransposeMatmul``
+(which lowers linear layers to TIR). Only exact matches change: two equal halves of a static even
+width, SiLU on the first half, every intermediate used by the chain alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import tvm
+from tvm import relax, te, tirx
+from tvm.relax.expr_functor import mutator
+
+from ..relax_rewrite import FunctionRewriter
+
+PRIMFUNC_NAME = "gate_up_matmul_swiglu"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Match:
+    x: relax.Expr
+    w: relax.Expr  # [2I, K]
+    acc_dtype: str  # the matmul's output dtype (what it accumulates in)
+    out_dtype: str  # after the graph's cast, if any
+
+
+def _op(expr: Any, name: str) -> bool:
+    return isinstance(expr, relax.Call) and expr.op == tvm.ir.Op.get(name)
+
+
+def _static_int(expr: Any) -> int | None:
+    return int(expr.value) if isinstance(expr, tirx.IntImm) else None
+
+
+def _shape(expr: Any) -> list[Any] | None:
+    """The dimensions of a tensor-typed ``expr`` whose shape is known, else None."""
+    ty = getattr(expr, "ty", None)
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    return list(ty.shape.values)
+
+
+def _uses(func: relax.Function) -> dict[relax.Var, int]:
+    counts: dict[relax.Var, int] = {}
+
+    def visit(expr: Any) -> None:
+        if isinstance(expr, relax.Var):
+            counts[expr] = counts.get(expr, 0) + 1
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return counts
+
+
+def _match(mul: relax.Call, var2val: Any, uses: dict[relax.Var, int]) -> _Match | None:
+    """The gate+up matmul feeding ``multiply(silu(gate), up)``, or None (see the module docstring)."""
+
+    def bound(var: Any, op: str, n_uses: int = 1) -> relax.Call | None:
+        # ``var``'s value if it is a call of ``op`` and ``var`` has exactly ``n_uses`` uses.
+        if not isinstance(var, relax.Var) or uses.get(var, 0) != n_uses or var not in var2val:
+            return None
+        value = var2val[var]
+        return value if _op(value, op) else None
+
+    def item(var: Any) -> tuple[relax.Var, int] | None:
+        if not isinstance(var, relax.Var) or uses.get(var, 0) != 1 or var not in var2val:
+            return None
+        value = var2val[var]
+        if isinstance(value, relax.TupleGetItem) and isinstance(value.tuple_value, relax.Var):
+            return value.tuple_value, int(value.index)
+        return None
+
+    for s, u in ((mul.args[0], mul.args[1]), (mul.args[1], mul.args[0])):
+        silu = bound(s, "relax.nn.silu")
+        gate, up = (item(silu.args[0]) if silu is not None else None), item(u)
+        if gate is None or up is None or not gate[0].same_as(up[0]) or (gate[1], up[1]) != (0, 1):
+            continue
+        split = bound(gate[0], "relax.split", n_uses=2)
+        if split is None:
+            continue
+        y = split.args[0]
+        shape = _shape(y)
+        ndim = len(shape) if shape is not None else 0
+        width = _static_int(shape[-1]) if ndim else None
+        sections = split.attrs.indices_or_sections
+        halves = (isinstance(sections, tirx.IntImm) and int(sections) == 2) or (
+            not isinstance(sections, tirx.IntImm) and len(sections) == 1 and width is not None
+            and _static_int(sections[0]) == width // 2
+        )
+        if width is None or width % 2 or not halves or int(split.attrs.axis) not in (-1, ndim - 1):
+            continue
+        out_dtype = str(y.ty.dtype)
+        cast = bound(y, "relax.astype")
+        matmul = bound(cast.args[0] if cast is not None else y, "relax.matmul")
+        if matmul is None:
+            continue
+        x, wt = matmul.args
+        transpose = wt if isinstance(wt, relax.Var) and wt in var2val and _op(var2val[wt], "relax.permute_dims") else None
+        if transpose is None:
+            continue
+        permute = var2val[transpose]
+        w = permute.args[0]
+        axes = permute.attrs.axes
+        w_shape, x_shape = _shape(w), _shape(x)
+        if w_shape is None or len(w_shape) != 2 or (axes is not None and [int(a) for a in axes] != [1, 0]):
+            continue
+        if x_shape is None or len(x_shape) < 2 or str(x.ty.dtype) != str(w.ty.dtype):
+            continue
+        if _static_int(w_shape[0]) != width or _static_int(w_shape[1]) is None:
+            continue
+        return _Match(x=x, w=w, acc_dtype=str(matmul.ty.dtype), out_dtype=out_dtype)
+    return None
+
+
+def gate_up_silu_te(x: te.Tensor, w: te.Tensor, acc_dtype: str, out_dtype: str) -> te.Tensor:
+    """``silu(C[..., :I]) * C[..., I:]`` of ``C = cast(x @ w^T)``: the matmul (accumulated in
+    ``acc_dtype``, cast to ``out_dtype``) and the paired elementwise stage."""
+    width, k = w.shape  # static (checked by the match), in the graph's index dtype
+    half = tirx.IntImm(str(width.ty.dtype), int(width) // 2)
+    lead = list(x.shape[:-1])
+    r = te.reduce_axis((tirx.IntImm(str(k.ty.dtype), 0), k), "k")
+
+    def product(*i: Any) -> Any:
+        a, b = x[(*i[:-1], r)], w[i[-1], r]
+        if acc_dtype != str(x.dtype):
+            a, b = a.astype(acc_dtype), b.astype(acc_dtype)
+        return te.sum(a * b, axis=r)
+
+    c = te.compute((*lead, width), product, name="NT_matmul")
+
+    def value(*i: Any) -> Any:
+        gate, up = c[(*i[:-1], i[-1])], c[(*i[:-1], i[-1] + half)]
+        if out_dtype != acc_dtype:
+            gate, up = gate.astype(out_dtype), up.astype(out_dtype)
+        # silu as LegalizeOps writes relax.nn.silu (TOPI: x * sigmoid(x)).
+        return gate * te.sigmoid(gate) * up
+
+    return te.compute((*lead, half), value, name="silu_multiply")
+
+
+def _schedule(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc | None:
+    """``func`` as the first of fuselight's GEMM rules that schedules it (the order of phase 4), or None."""
+    from fuselight.rules.gemv import Gemv
+    from fuselight.rules.matmul import Matmul
+
+    for rule in (Matmul(), Gemv()):
+        scheduled = rule.apply(func, target, False)
+        if scheduled is not None:
+            return scheduled.mod["main"].without_attr("global_symbol")  # te names it "main"
+    return None
+
+
+@tvm.transform.module_pass(opt_level=0, name="FuseGateUpSiLU")
+class FuseGateUpSiLU:
+    """Replace ``multiply(silu(gate), up)`` of a split gate+up projection by one fused call (see the module docstring)."""
+
+    def __init__(self, schedule: bool = True) -> None:
+        self.schedule = schedule
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        target = tvm.target.Target.current(allow_none=True)
+        if self.schedule and target is None:
+            return mod
+        return _Rewriter(mod, target if self.schedule else None).transform()
+
+
+@mutator
+class _Rewriter(FunctionRewriter):
+    def __init__(self, mod: tvm.IRModule, target: tvm.target.Target | None) -> None:
+        super().__init__(mod)
+        self.target = target  # None: fuse without scheduling
+        self.matches: dict[relax.Call, _Match] = {}
+        for _, func in mod.functions_items():
+            if not isinstance(func, relax.Function):
+                continue
+            var2val, uses = relax.analysis.get_var2val(func), _uses(func)
+            for value in var2val.values():
+                if _op(value, "relax.multiply"):
+                    found = _match(value, var2val, uses)
+                    if found is not None:
+                        self.matches[value] = found
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        found = self.matches.get(call)
+        if found is None:
+            return super().visit_call_(call)
+        x = te.placeholder(_shape(found.x), str(found.x.ty.dtype), "x")
+        w = te.placeholder(_shape(found.w), str(found.w.ty.dtype), "w")
+        out = gate_up_silu_te(x, w, found.acc_dtype, found.out_dtype)
+        func = te.create_prim_func([x, w, out]).with_attr("tirx.noalias", True)
+        if self.target is not None:
+            func = _schedule(func, self.target)
+            if func is None:
+                return super().visit_call_(call)
+        gv = self.builder_.add_func(func.without_attr("global_symbol"), PRIMFUNC_NAME)
+        return relax.call_tir(
+            gv, [self.visit_expr(found.x), self.visit_expr(found.w)], relax.TensorType(list(out.shape), found.out_dtype)
+        )
