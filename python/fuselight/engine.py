@@ -6,6 +6,7 @@ VM functions are those ``fuselight.model.llama.export_module`` documents.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -42,19 +43,23 @@ class Engine:
         max_total_seq_len: int | None = None,
         prefill_chunk_size: int | None = None,
         page_size: int | None = None,
+        param_specs: Sequence[tuple[str, tuple[int, ...]]] | None = None,
     ) -> None:
         """``vm``: a ``tvm.runtime.vm.VirtualMachine``; ``params``: tensors on ``device`` in
-        ``param_names_and_shapes(config)`` order. Unset sizes come from ``runtime_config()``;
-        ``prefill_chunk_size`` must not exceed the one the library was built with."""
+        ``param_specs`` order (``(name, shape)``; None: ``param_names_and_shapes(config)``, our
+        model's). Of ``config`` only ``name``, ``hidden_size``, ``vocab_size`` and ``dtype`` are read,
+        so another model with the same functions (MLC-LLM's) runs with its own parameter list.
+        Unset sizes come from ``runtime_config()``; ``prefill_chunk_size`` must not exceed the one
+        the library was built with."""
         defaults = runtime_config()
         max_total_seq_len = max_total_seq_len or defaults["max_total_seq_len"]
         prefill_chunk_size = prefill_chunk_size or defaults["prefill_chunk_size"]
         page_size = page_size or defaults["page_size"]
-        expected = param_names_and_shapes(config)
+        expected = list(param_specs) if param_specs is not None else param_names_and_shapes(config)
         if len(params) != len(expected):
             raise FuselightError(f"model {config.name!r} takes {len(expected)} parameters, got {len(params)}")
         for (name, shape), p in zip(expected, params, strict=True):
-            if tuple(p.shape) != shape:
+            if tuple(p.shape) != tuple(shape):
                 raise FuselightError(f"parameter {name!r} has shape {tuple(p.shape)}, expected {shape}")
             if str(p.dtype) != config.dtype:
                 raise FuselightError(f"parameter {name!r} has dtype {p.dtype}, expected {config.dtype}")

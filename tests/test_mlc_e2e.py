@@ -1,0 +1,73 @@
+"""``fuselight bench mlc-e2e``'s parts that need no MLC-LLM library: model info, weights, argument checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fuselight.bench.mlc_e2e import model_info, random_weights, run_mlc_e2e
+from fuselight.cli import main as cli_main
+from fuselight.errors import FuselightError
+
+HIDDEN, VOCAB, INTER = 64, 100, 96
+
+
+def _metadata(dtype: str = "float16") -> dict:
+    """MLC's ``_metadata`` for a 2-layer Qwen2-like model (biases on the fused QKV projection)."""
+    params = [("model.embed_tokens.weight", [VOCAB, HIDDEN])]
+    for i in range(2):
+        p = f"model.layers.{i}."
+        params += [(p + "self_attn.c_attn.weight", [3 * HIDDEN, HIDDEN]), (p + "self_attn.c_attn.bias", [3 * HIDDEN]),
+                   (p + "self_attn.o_proj.weight", [HIDDEN, HIDDEN]), (p + "mlp.gate_up_proj.weight", [2 * INTER, HIDDEN]),
+                   (p + "mlp.down_proj.weight", [HIDDEN, INTER]), (p + "input_layernorm.weight", [HIDDEN]),
+                   (p + "post_attention_layernorm.weight", [HIDDEN])]
+    params += [("model.norm.weight", [HIDDEN]), ("lm_head.weight", [VOCAB, HIDDEN])]
+    return {"model_type": "qwen2", "prefill_chunk_size": 128,
+            "params": [{"name": n, "shape": s, "dtype": dtype, "preprocs": []} for n, s in params]}
+
+
+def test_model_info_from_mlc_metadata() -> None:
+    info = model_info("qwen2", _metadata(), Path("lib.so"))
+    assert (info.hidden_size, info.vocab_size, info.dtype, info.num_layers) == (HIDDEN, VOCAB, "float16", 2)
+    assert info.params[0] == ("model.embed_tokens.weight", (VOCAB, HIDDEN))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda m: m.update(params=[]), "lists no parameters"),
+        (lambda m: m["params"][1].update(dtype="float32"), "several dtypes"),
+        (lambda m: m.update(params=m["params"][1:]), "embed_tokens.weight"),
+    ],
+)
+def test_bad_metadata_is_an_error(change, message) -> None:
+    meta = _metadata()
+    change(meta)
+    with pytest.raises(FuselightError, match=message):
+        model_info("qwen2", meta, Path("lib.so"))
+
+
+def test_random_weights_follow_the_model_weights_distributions() -> None:
+    torch = pytest.importorskip("torch")
+    info = model_info("qwen2", _metadata("float32"), Path("lib.so"))
+    weights = random_weights(info, torch.device("cpu"), seed=3)
+    assert list(weights) == [name for name, _ in info.params]
+    assert all(tuple(weights[n].shape) == s for n, s in info.params)
+    norm = weights["model.layers.0.input_layernorm.weight"]
+    assert abs(float(norm.mean()) - 1.0) < 0.05 and 0.05 < float(norm.std()) < 0.2
+    down = weights["model.layers.1.mlp.down_proj.weight"]
+    assert float(down.std()) == pytest.approx(INTER**-0.5 / 2, rel=0.1)  # 1/sqrt(fan-in), over sqrt(2 * layers)
+    again = random_weights(info, torch.device("cpu"), seed=3)
+    assert all(torch.equal(weights[n], again[n]) for n in weights)
+
+
+def test_each_case_needs_both_libraries(tmp_path) -> None:
+    with pytest.raises(FuselightError, match="case 'qwen2': needs a library for each of mlc, mlc\\+fuselight"):
+        run_mlc_e2e({("mlc", "qwen2"): tmp_path / "a.so"}, tmp_path / "out.json")
+    with pytest.raises(FuselightError, match="implementation must be one of mlc, mlc\\+fuselight"):
+        run_mlc_e2e({("baseline", "qwen2"): tmp_path / "a.so"}, tmp_path / "out.json")
+
+
+def test_cli_lib_needs_impl_and_case(tmp_path, capsys) -> None:
+    assert cli_main(["bench", "mlc-e2e", "--lib", "mlc=a.so", "-o", str(tmp_path / "o.json")]) == 2
+    assert "expected IMPL@CASE=PATH" in capsys.readouterr().err
