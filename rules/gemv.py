@@ -5,8 +5,9 @@ epilogue, here only with a static M. ``schedule`` takes the functions the Matmul
 next rule (static M below the dispatch config's ``min_static_m``) and writes the GEMV template's
 body (``rules.gemm.gemv``, the config bucket of ``configs/gemm/gemv.json`` for that M) over the
 function's own buffers: the signature, the parameters and the epilogue stay, the intermediates
-vanish. Other weights layouts, M without a bucket and targets without a config go on to the next
-rule (DLight's GEMV).
+vanish (a paired ``silu(gate) * up`` epilogue included: decode's gate+up projection writes
+``[M, I]`` directly). Other weights layouts, M without a bucket and targets without a config go on
+to the next rule (DLight's GEMV).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ where M is too small to fill the GPU, the Hopper wgmma template above) and write
 body for each, behind a host-side branch on M, over the function's own buffers: the signature,
 the parameters and the epilogue stay, the intermediates vanish. Functions whose M is a small constant (decode
 GEMVs, below ``min_static_m`` of the dispatch config) and targets without a config are left to the
-next rule.
+next rule. A paired epilogue (``passes.fuse_gate_up_silu``: ``silu(gate) * up`` of a gate+up
+projection) is priced as the plain GEMM of the same N and K, among the plans whose template takes
+one (wgmma; mma.sync does not yet).
 """
 
 from __future__ import annotations
