@@ -120,7 +120,7 @@ class _Site:
     after the group (its outputs), and the members whose bindings are dropped."""
 
     gv: tvm.ir.GlobalVar
-    inputs: list[relax.Var]
+    inputs: list[relax.Expr]  # vars and constants
     outputs: list[relax.Var]
     members: set[relax.Var]
 
@@ -190,11 +190,16 @@ def _outline(builder, checked: _BuildCheck, func: relax.Function, group: Group, 
             record.reason = f"{b.var.name} is not an op call"
             return None
     member_vars = {b.var for b in members}
-    inputs: list[relax.Var] = []
+    # Inputs: vars from outside the group, and constants (FuseTIR takes none inside a Primitive
+    # function: passed in as parameters, as FuseOps lifts them).
+    inputs: dict[relax.Expr, None] = {}
     for b in members:
         for v in relax.analysis.free_vars(b.value):
-            if v not in member_vars and v not in inputs:
-                inputs.append(v)
+            if v not in member_vars:
+                inputs[v] = None
+        for leaf in _leaves(b.value):
+            if isinstance(leaf, relax.Constant):
+                inputs[leaf] = None
     # Outputs: members read by any binding outside the group or by the function's result.
     last = members[-1].var
     position = {b.var: i for i, b in enumerate(block.bindings)}
@@ -216,7 +221,7 @@ def _outline(builder, checked: _BuildCheck, func: relax.Function, group: Group, 
         record.reason = "a result is read before the group's last member"
         return None
     outputs = [b.var for b in members if b.var in readers]
-    sub = _function(members, inputs, outputs)
+    sub = _function(members, list(inputs), outputs)
     if relax.analysis.free_symbolic_vars(sub):
         record.reason = "uses a symbolic dim its inputs do not define"
         return None
@@ -226,7 +231,7 @@ def _outline(builder, checked: _BuildCheck, func: relax.Function, group: Group, 
     names = [_op_name(b.value) for b in members if isinstance(b.value, relax.Call)]
     gv = builder.add_func(sub, "fused_" + "_".join(names)[:80])
     record.fused = gv.name_hint
-    return _Site(gv, inputs, outputs, member_vars)
+    return _Site(gv, list(inputs), outputs, member_vars)
 
 
 _PACKED = ("relax.call_dps_packed", "relax.call_pure_packed", "relax.call_packed", "relax.call_tir_inplace")
@@ -243,9 +248,9 @@ def _op_name(call: relax.Call) -> str:
     return call.op.name.removeprefix("relax.").replace(".", "_")
 
 
-def _function(members: list[relax.Binding], inputs: list[relax.Var], outputs: list[relax.Var]) -> relax.Function:
-    params = [relax.Var(v.name, v.ty) for v in inputs]
-    vmap: dict[relax.Var, relax.Expr] = dict(zip(inputs, params))
+def _function(members: list[relax.Binding], inputs: list[relax.Expr], outputs: list[relax.Var]) -> relax.Function:
+    params = [relax.Var(v.name if isinstance(v, relax.Var) else f"const{i}", v.ty) for i, v in enumerate(inputs)]
+    vmap: dict[relax.Expr, relax.Expr] = dict(zip(inputs, params))
     bb = relax.BlockBuilder()
     with bb.function("group", params, attrs={PRIMITIVE_ATTR: True}, private=True):
         with bb.dataflow():
@@ -257,9 +262,17 @@ def _function(members: list[relax.Binding], inputs: list[relax.Var], outputs: li
     return bb.get()["group"]
 
 
-def _substitute(expr: relax.Expr, vmap: Mapping[relax.Var, relax.Expr]) -> relax.Expr:
-    """``expr`` (a binding's value in normal form: leaves and tuples of them) with vars replaced."""
-    if isinstance(expr, relax.Var):
+def _leaves(expr: relax.Expr) -> list[relax.Expr]:
+    if isinstance(expr, relax.Call):
+        return [leaf for a in expr.args for leaf in _leaves(a)]
+    if isinstance(expr, relax.Tuple):
+        return [leaf for f in expr.fields for leaf in _leaves(f)]
+    return [expr]
+
+
+def _substitute(expr: relax.Expr, vmap: Mapping[relax.Expr, relax.Expr]) -> relax.Expr:
+    """``expr`` (a binding's value in normal form: leaves and tuples of them) with vars and constants replaced."""
+    if isinstance(expr, (relax.Var, relax.Constant)):
         return vmap.get(expr, expr)
     if isinstance(expr, relax.Tuple):
         return relax.Tuple([_substitute(f, vmap) for f in expr.fields])
@@ -303,6 +316,6 @@ class _BuildCheck:
                 if isinstance(b.value, relax.Call) and b.value.op.name != "relax.call_tir":
                     return f"LegalizeOps cannot lower {b.value.op.name}"
             relax.transform.FuseTIR()(legal)
-        except tvm.TVMError as err:
+        except RuntimeError as err:  # TVM's InternalError: FuseTIR cannot build the group
             return f"FuseTIR cannot merge it: {str(err).strip().splitlines()[-1][:200]}"
         return None

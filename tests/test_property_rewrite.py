@@ -1,5 +1,5 @@
-"""PropertyRewrite: random Relax graphs compute the same after the rewrite and cost no more; each
-catalogue entry applied where legal and refused where not."""
+"""PropertyRewrite: random Relax graphs compute the same after the rewrite and the lowered fusion plan
+and cost no more; each catalogue entry applied where legal and refused where not."""
 
 import itertools
 from collections import Counter
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import tvm
 from fuselight.errors import FuselightError
-from fuselight.passes import PASSES
+from fuselight.passes import PASSES, ApplyFusionPlan, cost_model
 from fuselight.passes.classify import classify_module
+from fuselight.passes.fusion_plan import estimate
 from fuselight.passes.property_rewrite import (
     APPLIED_ATTR,
     CATALOGUE,
@@ -206,16 +207,21 @@ def _inputs(func, rng):
     return out
 
 
-def _compile(pairs):
-    """All graphs' before and after versions in one library: compile time is mostly per library."""
-    funcs = {}
-    for i, (_recipe, before, after, _applied) in enumerate(pairs):
-        funcs[f"before{i}"] = before["main"].with_attr("global_symbol", f"before{i}")
-        funcs[f"after{i}"] = after["main"].with_attr("global_symbol", f"after{i}")
-    return relax.VirtualMachine(tvm.compile(tvm.IRModule(funcs), target="llvm"), tvm.cpu())
+def _compile(pairs, lower=None):
+    """All graphs' before and after versions in one library: compile time is mostly per library.
+    ``lower``: a pass run over the after versions alone first (the lowered fusion plan)."""
+    after = tvm.IRModule({f"after{i}": a["main"].with_attr("global_symbol", f"after{i}") for i, (_r, _b, a, _x) in enumerate(pairs)})
+    if lower is not None:
+        after = lower(after)
+    for i, (_recipe, before, _after, _applied) in enumerate(pairs):
+        after[f"before{i}"] = before["main"].with_attr("global_symbol", f"before{i}")
+    return relax.VirtualMachine(tvm.compile(after, target="llvm"), tvm.cpu())
 
 
 def test_random_graphs_same_results_and_no_more_cost():
+    """PropertyRewrite, then the fusion plan lowered (ApplyFusionPlan): the estimated cost (bytes
+    moved, launches, recomputes) of the fused graph is never above the original's, every op its own
+    kernel, and the results are the same on the CPU."""
     pairs = []
 
     @settings(max_examples=RANDOM_GRAPHS, deadline=None, derandomize=True, database=None,
@@ -233,20 +239,36 @@ def test_random_graphs_same_results_and_no_more_cost():
     assert len(pairs) >= RANDOM_GRAPHS
     # Numerics outside hypothesis: compiling graphs in batches is what keeps 500 of them fast.
     rng = np.random.default_rng(0)
+    config = cost_model.load("sm_90")
     seen: Counter = Counter()
+    fused = Counter()
     for start in range(0, len(pairs), COMPILE_BATCH):
         batch = pairs[start : start + COMPILE_BATCH]
-        vm = _compile(batch)
-        for i, (recipe, before, _after, applied) in enumerate(batch):
+        lower = ApplyFusionPlan({"n": COST_AT[-1]})
+        vm = _compile(batch, lower)
+        fused["groups skipped"] += len(lower.skipped)
+        for i, (recipe, before, after, applied) in enumerate(batch):
+            groups = [g.members for g in lower.applied if g.function == f"after{i}"]
+            fused["graphs fused"] += bool(groups)
+            fused["groups fused"] += len(groups)
+            for n in COST_AT:
+                old = estimate(before["main"], classify_module(before)["main"], [], {"n": n}, config)
+                new = estimate(after["main"], classify_module(after)["main"], groups, {"n": n}, config)
+                assert new.bytes <= old.bytes and new.total(config) <= old.total(config), (recipe, groups, n, new, old)
             args = [tvm.runtime.tensor(a) for a in _inputs(before["main"], rng)]
             ref, out = vm[f"before{i}"](*args).numpy(), vm[f"after{i}"](*args).numpy()
             assert out.shape == ref.shape and out.dtype == ref.dtype, recipe
             scale = max(1.0, float(np.max(np.abs(ref))))
-            np.testing.assert_allclose(out, ref, rtol=RTOL, atol=ATOL_SCALE * scale, err_msg=f"{recipe} {applied}")
+            np.testing.assert_allclose(out, ref, rtol=RTOL, atol=ATOL_SCALE * scale, err_msg=f"{recipe} {groups} {applied}")
             seen.update(applied)
+    shapes = Counter("symbolic" if r[0] == "symbolic" else "static" for r, *_ in pairs)
+    print(f"\n{len(pairs)} random graphs ({shapes['symbolic']} symbolic, {shapes['static']} static rows):"
+          f" {sum(seen.values())} rewrites applied, {fused['groups fused']} fusion groups lowered in"
+          f" {fused['graphs fused']} graphs, {fused['groups skipped']} skipped")  # fmt: skip
     # The random graphs exercise the catalogue (all 20 entries with hypothesis 6.155; each entry also
-    # has its own tests below).
+    # has its own tests below) and the fusion plan.
     assert len(seen) >= 18, seen
+    assert fused["graphs fused"] >= len(pairs) // 2 and fused["groups skipped"] == 0, fused
 
 
 # ---- each catalogue entry ----------------------------------------------------------------------------
