@@ -4,8 +4,9 @@ TVM's built-in decode kernel gives each (sequence, KV head) one block and walks 
 in it: 8 blocks for LLaMA-3-8B at batch 1 on a 132-SM GPU. This one splits the context of each
 sequence across blocks so that batch x KV heads x splits fills the GPU, then merges the partial
 results by their log-sum-exp in a second kernel. A block serves every query head of its KV head
-(GQA), so each K/V byte is read once; threads load several rows before using them to keep enough
-loads in flight. The function has the signature, buffers and output conventions (base-2 lse) of
+(GQA), so each K/V byte is read once; a thread's next rows are loading while it uses the current ones,
+the scores of all rows and heads of a step are reduced together by shuffles, and the merge folds the
+splits in several thread rows at once, so no step waits on one memory or shuffle latency at a time. The function has the signature, buffers and output conventions (base-2 lse) of
 TVM's ``batch_decode_paged_kv``, so the KV cache runtime calls it in its place.
 """
 
@@ -37,6 +38,7 @@ class DecodeConfig:
     target_blocks: int  # split until batch x KV heads x splits reaches about this many blocks
     max_splits: int  # bounds the workspace
     min_rows_per_split: int  # short contexts stay in few splits
+    merge_groups: int  # thread rows of the merge kernel, each folding every merge_groups-th split
 
 
 def load_decode_config(arch: str) -> DecodeConfig:
@@ -64,12 +66,30 @@ def flash_decode_paged(
     BDY = _WARP // bdx * config.warps  # rows processed side by side in a block
     U = config.rows_per_step
     MIN_ROWS, TARGET, MAX_SPLITS = config.min_rows_per_split, config.target_blocks, config.max_splits
+    MG = config.merge_groups
     LOG2E = math.log2(math.e)
     LOG_BDX = int(math.log2(BDX))
 
     def _num_splits(batch):
         # an expression, not a let-bound var: grid extents and the workspace shape both use it
         return T.min(T.max(T.ceildiv(TARGET, batch * H_kv), 1), MAX_SPLITS)
+
+    @T.macro(hygienic=False)  # reads the kernel's buffers and thread indices where it is used
+    def load_rows(k, v, row_begin, row_end, page_begin, step):
+        # Rows step * U * BDY + ... of the split into registers; rows past the end read as zeros.
+        for u in T.unroll(U):
+            row: T.let[T.int32] = row_begin + (step * U + u) * BDY + ty
+            if row < row_end:
+                page_no: T.let[T.int32] = page_table_values[page_begin + T.floordiv(row, PAGE)]
+                slot: T.let[T.int32] = T.floormod(row, PAGE)
+                for e in T.vectorized(VEC):
+                    k[u, e] = pages[page_no, 0, by, slot, tx * VEC + e]
+                for e in T.vectorized(VEC):
+                    v[u, e] = pages[page_no, 1, by, slot, tx * VEC + e]
+            else:
+                for e in T.serial(VEC):
+                    k[u, e] = T.cast(0, dtype)
+                    v[u, e] = T.cast(0, dtype)
 
     # pylint: disable=invalid-name,too-many-locals,too-many-statements
     @T.prim_func(s_tir=True)
@@ -127,6 +147,8 @@ def flash_decode_paged(
                                 d = T.sblock_alloc_buffer((G,), "float32", scope="local")
                                 k = T.sblock_alloc_buffer((U, VEC), dtype, scope="local")
                                 v = T.sblock_alloc_buffer((U, VEC), dtype, scope="local")
+                                k_next = T.sblock_alloc_buffer((U, VEC), dtype, scope="local")
+                                v_next = T.sblock_alloc_buffer((U, VEC), dtype, scope="local")
                                 bounds = T.sblock_alloc_buffer((2,), "int32", scope="local")
                                 sc = T.sblock_alloc_buffer((U, G), "float32", scope="local")
                                 mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
@@ -150,20 +172,10 @@ def flash_decode_paged(
                                     for g in T.serial(G):
                                         m[g] = T.float32(_NEG)
                                         d[g] = T.float32(0)
+                                    load_rows(k, v, row_begin, row_end, page_begin, 0)
                                     for step in T.serial(T.ceildiv(row_end - row_begin, BDY * U)):
-                                        for u in T.unroll(U):
-                                            row: T.let[T.int32] = row_begin + (step * U + u) * BDY + ty
-                                            if row < row_end:
-                                                page_no: T.let[T.int32] = page_table_values[page_begin + T.floordiv(row, PAGE)]
-                                                slot: T.let[T.int32] = T.floormod(row, PAGE)
-                                                for e in T.vectorized(VEC):
-                                                    k[u, e] = pages[page_no, 0, by, slot, tx * VEC + e]
-                                                for e in T.vectorized(VEC):
-                                                    v[u, e] = pages[page_no, 1, by, slot, tx * VEC + e]
-                                            else:
-                                                for e in T.serial(VEC):
-                                                    k[u, e] = T.cast(0, dtype)
-                                                    v[u, e] = T.cast(0, dtype)
+                                        # The next step's rows are in flight while this step's are used.
+                                        load_rows(k_next, v_next, row_begin, row_end, page_begin, step + 1)
                                         # All U x G partial dot products first, then reduced across
                                         # the row's BDX lanes by butterfly shuffles, independent of one
                                         # another (one allreduce each would serialise on its latency).
@@ -193,6 +205,9 @@ def flash_decode_paged(
                                                     for e in T.unroll(VEC):
                                                         o[g, e] = o[g, e] + p * T.cast(v[u, e], "float32")
                                             m[g] = mx[0]
+                                        for u, e in T.grid(U, VEC):
+                                            k[u, e] = k_next[u, e]
+                                            v[u, e] = v_next[u, e]
                                     # merge the row groups of the block through shared memory
                                     for g in T.serial(G):
                                         for e in T.serial(VEC):
@@ -219,29 +234,55 @@ def flash_decode_paged(
 
         for bz in T.thread_binding(B, thread="blockIdx.y"):
             for h in T.thread_binding(H_qo, thread="blockIdx.x"):
-                for tx in T.thread_binding(BDX, thread="threadIdx.x"):
-                    with T.sblock("merge"):
-                        T.reads()
-                        T.writes()
-                        acc = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
-                        mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        w = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        kv_len: T.let[T.int32] = paged_kv_len(page_table_indptr, length_info, bz, PAGE)
-                        used: T.let[T.int32] = T.ceildiv(kv_len, _split_rows(kv_len, _num_splits(B), MIN_ROWS))
-                        mx[0] = T.float32(_NEG)
-                        for sp in T.serial(used):
-                            mx[0] = T.max(mx[0], lse_part[bz, h, sp])
-                        w[0] = T.float32(0)
-                        for e in T.serial(VEC):
-                            acc[e] = T.float32(0)
-                        for sp in T.serial(used):
-                            f: T.let[T.float32] = T.exp2(lse_part[bz, h, sp] - mx[0])
-                            w[0] += f
+                for ty in T.thread_binding(MG, thread="threadIdx.y"):
+                    for tx in T.thread_binding(BDX, thread="threadIdx.x"):
+                        with T.sblock("merge"):
+                            T.reads()
+                            T.writes()
+                            acc = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
+                            mw = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                            o_sm = T.sblock_alloc_buffer((MG, D), "float32", scope="shared")
+                            mw_sm = T.sblock_alloc_buffer((MG, 2), "float32", scope="shared")
+                            kv_len: T.let[T.int32] = paged_kv_len(page_table_indptr, length_info, bz, PAGE)
+                            used: T.let[T.int32] = T.ceildiv(kv_len, _split_rows(kv_len, _num_splits(B), MIN_ROWS))
+                            # Each of the MG thread rows folds splits ty, ty + MG, ... (online, so
+                            # their loads are independent of one another's results), then row 0
+                            # merges the MG partial results.
+                            mw[0] = T.float32(_NEG)
+                            mw[1] = T.float32(0)
                             for e in T.serial(VEC):
-                                acc[e] += O_part[bz, h, sp, tx * VEC + e] * f
-                        # an empty sequence: output 0 and lse -5e4, as TVM's kernel gives
-                        for e in T.serial(VEC):
-                            output[bz, h, tx * VEC + e] = T.cast(T.if_then_else(used > 0, acc[e] / w[0], T.float32(0)), dtype)
-                        lse[bz, h] = T.if_then_else(used > 0, mx[0] + T.log2(w[0]), T.float32(_NEG))
+                                acc[e] = T.float32(0)
+                            for i in T.serial(T.ceildiv(used - ty, MG)):
+                                l_sp: T.let[T.float32] = lse_part[bz, h, i * MG + ty]
+                                m_new: T.let[T.float32] = T.max(mw[0], l_sp)
+                                r: T.let[T.float32] = T.exp2(mw[0] - m_new)
+                                f: T.let[T.float32] = T.exp2(l_sp - m_new)
+                                mw[1] = mw[1] * r + f
+                                for e in T.unroll(VEC):
+                                    acc[e] = acc[e] * r + O_part[bz, h, i * MG + ty, tx * VEC + e] * f
+                                mw[0] = m_new
+                            for e in T.serial(VEC):
+                                o_sm[ty, tx * VEC + e] = acc[e]
+                            mw_sm[ty, 0] = mw[0]
+                            mw_sm[ty, 1] = mw[1]
+                            T.tvm_storage_sync("shared")
+                            if ty == 0:
+                                mw[0] = T.float32(_NEG)
+                                for j in T.serial(MG):
+                                    mw[0] = T.max(mw[0], mw_sm[j, 0])
+                                mw[1] = T.float32(0)
+                                for e in T.serial(VEC):
+                                    acc[e] = T.float32(0)
+                                for j in T.serial(MG):
+                                    f2: T.let[T.float32] = T.exp2(mw_sm[j, 0] - mw[0])
+                                    mw[1] += mw_sm[j, 1] * f2
+                                    for e in T.serial(VEC):
+                                        acc[e] += o_sm[j, tx * VEC + e] * f2
+                                # an empty sequence: output 0 and lse -5e4, as TVM's kernel gives
+                                for e in T.serial(VEC):
+                                    output[bz, h, tx * VEC + e] = T.cast(
+                                        T.if_then_else(used > 0, acc[e] / mw[1], T.float32(0)), dtype
+                                    )
+                                lse[bz, h] = T.if_then_else(used > 0, mw[0] + T.log2(mw[1]), T.float32(_NEG))
 
     return decode
