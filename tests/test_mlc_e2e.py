@@ -21,15 +21,22 @@ def _metadata(dtype: str = "float16") -> dict:
                    (p + "self_attn.o_proj.weight", [HIDDEN, HIDDEN]), (p + "mlp.gate_up_proj.weight", [2 * INTER, HIDDEN]),
                    (p + "mlp.down_proj.weight", [HIDDEN, INTER]), (p + "input_layernorm.weight", [HIDDEN]),
                    (p + "post_attention_layernorm.weight", [HIDDEN])]
-    params += [("model.norm.weight", [HIDDEN]), ("lm_head.weight", [VOCAB, HIDDEN])]
+    # MLC leaves the vocabulary symbolic in its Llama, Mistral and Phi-3 heads.
+    params += [("model.norm.weight", [HIDDEN]), ("lm_head.weight", ["vocab_size", HIDDEN])]
     return {"model_type": "qwen2", "prefill_chunk_size": 128,
             "params": [{"name": n, "shape": s, "dtype": dtype, "preprocs": []} for n, s in params]}
 
 
+SIZES = {"vocab_size": VOCAB, "hidden_size": HIDDEN}
+
+
 def test_model_info_from_mlc_metadata() -> None:
-    info = model_info("qwen2", _metadata(), Path("lib.so"))
+    info = model_info("qwen2", _metadata(), Path("lib.so"), SIZES)
     assert (info.hidden_size, info.vocab_size, info.dtype, info.num_layers) == (HIDDEN, VOCAB, "float16", 2)
     assert info.params[0] == ("model.embed_tokens.weight", (VOCAB, HIDDEN))
+    assert info.params[-1] == ("lm_head.weight", (VOCAB, HIDDEN))
+    with pytest.raises(FuselightError, match="'lm_head.weight' has dimension 'vocab_size' and the library's metadata"):
+        model_info("qwen2", _metadata(), Path("lib.so"))
 
 
 @pytest.mark.parametrize(
@@ -44,12 +51,12 @@ def test_bad_metadata_is_an_error(change, message) -> None:
     meta = _metadata()
     change(meta)
     with pytest.raises(FuselightError, match=message):
-        model_info("qwen2", meta, Path("lib.so"))
+        model_info("qwen2", meta, Path("lib.so"), SIZES)
 
 
 def test_random_weights_follow_the_model_weights_distributions() -> None:
     torch = pytest.importorskip("torch")
-    info = model_info("qwen2", _metadata("float32"), Path("lib.so"))
+    info = model_info("qwen2", _metadata("float32"), Path("lib.so"), SIZES)
     weights = random_weights(info, torch.device("cpu"), seed=3)
     assert list(weights) == [name for name, _ in info.params]
     assert all(tuple(weights[n].shape) == s for n, s in info.params)

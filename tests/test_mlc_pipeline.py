@@ -205,6 +205,7 @@ def test_cli_compiles_a_runnable_library(stub, tmp_path) -> None:
     assert meta["pipeline"] == "mlc+fuselight"
     assert meta["baseline_source"] == "mlc-llm@0.0.stub"
     assert meta["fuselight"]["passes"] == ["accumulate_matmul_fp32"]
+    assert meta["mlc_model_config"] == {"hidden": 16, "out": 8}  # sizes MLC may leave symbolic
     assert (dump / mp.SCHEDULE_LOG_FILE).is_file() and (dump / "fuselight-01-accumulate_matmul_fp32.py").is_file()
     assert mp.enabled_options() is None  # the command leaves MLC's pipeline as it found it
     vm, dev, _ = load_library(lib, "cpu")

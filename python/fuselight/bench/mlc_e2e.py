@@ -59,12 +59,23 @@ def mlc_settings() -> dict[str, Any]:
     return read_json_object(path, missing=f"MLC settings not found: {path}")["e2e"]
 
 
-def model_info(case: str, metadata: dict[str, Any], path: Path) -> ModelInfo:
-    """The model an MLC library was built for, from its ``_metadata``."""
+def model_info(case: str, metadata: dict[str, Any], path: Path, sizes: dict[str, Any] | None = None) -> ModelInfo:
+    """The model an MLC library was built for, from its ``_metadata``; ``sizes`` gives the dims MLC
+    leaves symbolic (its Llama, Mistral and Phi-3 write the vocabulary as "vocab_size")."""
     params = metadata.get("params")
     if not isinstance(params, list) or not params:
         raise FuselightError(f"{path}: MLC metadata lists no parameters (not an MLC-LLM model library?)")
-    specs = tuple((p["name"], tuple(int(d) for d in p["shape"])) for p in params)
+    sizes = sizes or {}
+
+    def dim(name: str, d: Any) -> int:
+        if isinstance(d, int):
+            return d
+        if isinstance(sizes.get(d), int) and not isinstance(sizes.get(d), bool):
+            return sizes[d]
+        raise FuselightError(f"{path}: parameter {name!r} has dimension {d!r} and the library's metadata gives no value "
+                             "(build it with 'fuselight mlc compile')")
+
+    specs = tuple((p["name"], tuple(dim(p["name"], d) for d in p["shape"])) for p in params)
     dtypes = {p["dtype"] for p in params}
     if len(dtypes) != 1:
         raise FuselightError(f"{path}: parameters of several dtypes {sorted(dtypes)} (expected an unquantized model)")
@@ -139,14 +150,17 @@ def _logits(runner: Any, ids: np.ndarray, prompt: int, steps: int, long: int, sy
     return out
 
 
-def _open(tvm: Any, th: Any, path: Path, device: str, case: str, weights_for: Any, max_len: int) -> tuple[Any, dict, dict]:
+def _open(
+    tvm: Any, th: Any, path: Path, device: str, case: str, config: ModelConfig | None, weights_for: Any, max_len: int
+) -> tuple[Any, dict, dict]:
     """``(runner, fuselight sidecar, MLC metadata)`` of one library; ``weights_for(info)`` gives its tensors."""
     from ..engine import Engine
     from .e2e import _TvmRunner
 
     vm, dev, meta = load_library(path, device)
     mlc_meta = read_mlc_metadata(vm)
-    info = model_info(case, mlc_meta, path)
+    sizes = {**meta.get("mlc_model_config", {}), **(dataclasses.asdict(config) if config is not None else {})}
+    info = model_info(case, mlc_meta, path, sizes)
     weights = weights_for(info)
     params = [tvm.runtime.from_dlpack(weights[name]) for name, _ in info.params]
     engine = Engine(vm, params, info, dev, max_total_seq_len=max_len,
@@ -261,7 +275,7 @@ def _run_case(
     mlc_meta: dict[str, Any] = {}
     for impl in IMPLS:
         print(f"{case} {impl}: loading {pair[impl]}", flush=True)
-        runner, meta, mlc_meta = _open(run.tvm, run.th, pair[impl], run.device, case, weights_for, run.max_len)
+        runner, meta, mlc_meta = _open(run.tvm, run.th, pair[impl], run.device, case, config, weights_for, run.max_len)
         info, weights = shared["info"], shared["weights"]
         if ids is None:
             ids = np.random.default_rng(run.seed).integers(0, info.vocab_size, size=run.max_len, dtype=np.int32)

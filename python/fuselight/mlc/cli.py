@@ -17,6 +17,7 @@ so ``fuselight.runtime.load_library`` runs it on a host with the TVM runtime alo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -133,10 +134,21 @@ def _library_build(mlc_build: Callable[..., Any], name: str, options: Any) -> Ca
 
         spec = resolve(kind, arch_of(args.target) if kind == "cuda" else None)
         executable = relax.build(mod, target=args.target, relax_pipeline=pipeline, system_lib=False)
-        extra: dict[str, Any] = {"mlc_model_type": args.model.name, "quantization": args.quantization.name}
+        extra: dict[str, Any] = {
+            "mlc_model_type": args.model.name,
+            "quantization": args.quantization.name,
+            # The sizes MLC leaves symbolic in the parameter list (vocab_size) are fixed here.
+            "mlc_model_config": _plain_fields(args.config),
+        }
         if options is not None:
             extra["fuselight"] = options.describe()
         meta = library_metadata(spec, name, describe(import_mlc_llm()), **extra)
         write_library(executable, Path(args.output), meta, spec)
 
     return build
+
+
+def _plain_fields(config: Any) -> dict[str, Any]:
+    """The model config's number, string and boolean fields (MLC's configs are dataclasses)."""
+    fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(vars(config))
+    return {k: v for k, v in fields.items() if isinstance(v, (bool, int, float, str))}

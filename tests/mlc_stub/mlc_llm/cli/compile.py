@@ -50,7 +50,7 @@ def main(argv):
     target, build = detect_target_and_host(parsed.device)
     config = json.loads(Path(parsed.model).read_text())
     args = argparse.Namespace(target=target, output=Path(parsed.output), model=_Named("stub"),
-                              quantization=_Named("q0f32"))
+                              quantization=_Named("q0f32"), config=argparse.Namespace(**config))
     with target:
         build(make_module(config["hidden"], config["out"]), args,
               pipeline=relax.get_pipeline("mlc_llm", target=target))
