@@ -17,7 +17,9 @@ group keeps at most one many-to-many op (its anchor, the kernel a schedule rule 
 the rule can inline the rest: after the anchor only ops TVM's pattern analysis calls elementwise or
 broadcast, before it those and views (``_schedulable``). A computing producer that would feed the
 anchor, directly or through other members, is a prologue: the cost decides with the anchor as
-consumer, whatever the edge's colour. Three sweeps, none recomputing anything but the last: the
+consumer, whatever the edge's colour; a reshape (a free view when left alone) does not join an
+anchor's prologue (the schedule rules match the anchor's buffers as they are), a transpose (a copy
+when left alone) folds into its loads. Three sweeps, none recomputing anything but the last: the
 first, from the first binding to the last, grows each anchor's epilogue chain (before its consumers
 group among themselves into something no rule inlines after an anchor); the second, from the last
 binding to the first, fuses the other edges and views into their consumers; the third prologues.
@@ -161,6 +163,8 @@ def _plan(infos: list[OpInfo], dims, config, decide_yellow) -> list[Group]:
             if sweep == "epilogues" and anchor[own] is None:
                 continue
             feeds_anchor = a is not None and any(c == a or c in prologue[root] for c in consumers)
+            if feeds_anchor and producer.mapping == "reorganize":
+                continue  # a view costs nothing left alone; in the group, rules would no longer see the anchor's own shapes
             if feeds_anchor and producer.mapping not in _VIEWS and sweep != "prologues":
                 continue
             if not _schedulable(

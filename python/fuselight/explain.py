@@ -16,9 +16,10 @@ kernels on the rewritten graph. For LLaMA, the weight transforms (``MergeSibling
 ``FoldNormWeight``) are in the catalogue too; as they change the weights the caller passes, they are
 not applied here: ``weight_transforms`` counts where each would apply.
 
-``pipelines``: the MLC baseline, the fuselight pipeline (its default passes) and, to show what the
-fusion plan itself does, the fuselight pipeline without ``fusion_plan`` (TVM's FuseOps fusing
-alone), each run for CUDA sm_90 through FuseTIR and dead-code elimination (scheduling changes no
+``pipelines``: the MLC baseline, the fuselight pipeline (its default passes), and to show what the
+graph passes themselves do, the fuselight pipeline without ``fusion_plan`` (TVM's FuseOps fusing
+alone) and the baseline with ``property_rewrite`` and ``fusion_plan`` only (``graph_passes_only``),
+each run for CUDA sm_90 through FuseTIR and dead-code elimination (scheduling changes no
 count): per pipeline ``operators``
 (the step function's operators after its graph passes), ``kernels`` (PrimFuncs in the module),
 ``launches_per_decode_step`` (kernel launches of one call of the step function, ``decode`` for
@@ -26,7 +27,7 @@ LLaMA, ``forward`` for a layer: a reshape left alone is a view, not a launch; a 
 call launches the cache's kernels too) and ``est_bytes_per_decode_step`` (what those launches read
 and write, each PrimFunc call counting its arguments in full, at ``prompt_len``). ``groups`` are the
 fusion groups the fuselight pipeline lowered (function, members, classes, the fused function),
-``groups_skipped`` the planned groups it left alone and why.
+``groups_skipped`` the planned groups it left alone and why; ``graph_passes_only`` lists its own.
 
 ``untouched``: what the passes leave alone because they can't prove anything about it: operators
 the classifier can't classify (opaque), tensors of unknown shape or rank, functions already fused
@@ -47,6 +48,8 @@ from .config import ModelConfig
 MODEL_FUNCTIONS = ("embed", "prefill", "decode")
 # Where the pipelines are compared.
 PIPELINE_TARGET = ("cuda", "sm_90")
+# The graph passes of the fusion issue, run alone over the baseline.
+GRAPH_PASSES = ["property_rewrite", "fusion_plan"]
 
 
 def explain(config: ModelConfig, prompt_len: int) -> dict[str, Any]:
@@ -160,11 +163,13 @@ def compare_pipelines(mod, step: str, prompt_len: int) -> dict[str, Any]:
     fuselight, lowering = _run_pipeline(mod, step, prompt_len, default(), bounds)
     without = [p for p in default() if p != "fusion_plan"]
     unplanned, _ = _run_pipeline(mod, step, prompt_len, without, bounds)
+    alone, alone_lowering = _run_pipeline(mod, step, prompt_len, GRAPH_PASSES, bounds)
     return {
         "pipelines": {
             "baseline": {"source": baseline_source(), **baseline},
-            "fuselight": {"passes": default(), **fuselight},
+            "fuselight": {"passes": default(), "groups_lowered": len(lowering.applied), **fuselight},
             "fuselight_without_fusion_plan": {"passes": without, **unplanned},
+            "graph_passes_only": {"passes": GRAPH_PASSES, **alone, "groups": [g.to_dict() for g in alone_lowering.applied]},
         },
         "groups": [g.to_dict() for g in lowering.applied] if lowering is not None else [],
         "groups_skipped": [g.to_dict() for g in lowering.skipped] if lowering is not None else [],
