@@ -117,12 +117,13 @@ class _UniqueNames(FunctionRewriter):
 @dataclasses.dataclass
 class _Site:
     """Where an outlined group is called: its function, the external inputs, the member vars read
-    after the group (its outputs), and the members whose bindings are dropped."""
+    after the group (its outputs), its members (their bindings dropped) and the last of them."""
 
     gv: tvm.ir.GlobalVar
     inputs: list[relax.Expr]  # vars and constants
     outputs: list[relax.Var]
     members: set[relax.Var]
+    last: relax.Var  # where the call goes
 
 
 @mutator
@@ -148,9 +149,8 @@ class _Outliner(FunctionRewriter):
                     skipped.append(record)
                     continue
                 applied.append(record)
-                last = next(m for m in _bindings_of(func, group.members) if m.var.name == group.members[-1]).var
-                self.sites[last] = site
-                self.dropped |= site.members - {last}
+                self.sites[site.last] = site
+                self.dropped |= site.members - {site.last}
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         site = self.sites.get(binding.var)
@@ -165,11 +165,6 @@ class _Outliner(FunctionRewriter):
         results = self.builder_.emit(call, name_hint=f"{site.gv.name_hint}_out")
         for i, var in enumerate(site.outputs):
             self.builder_.emit_normalized(relax.VarBinding(var, self.builder_.normalize(relax.TupleGetItem(results, i))))
-
-
-def _bindings_of(func: relax.Function, names: list[str]) -> list[relax.Binding]:
-    wanted = set(names)
-    return [b for block in func.body.blocks for b in block.bindings if b.var.name in wanted]
 
 
 def _outline(builder, checked: _BuildCheck, func: relax.Function, group: Group, record: Outlined) -> _Site | None:
@@ -221,6 +216,9 @@ def _outline(builder, checked: _BuildCheck, func: relax.Function, group: Group, 
         record.reason = "a result is read before the group's last member"
         return None
     outputs = [b.var for b in members if b.var in readers]
+    if not outputs:
+        record.reason = "its result is unused"
+        return None
     sub = _function(members, list(inputs), outputs)
     if relax.analysis.free_symbolic_vars(sub):
         record.reason = "uses a symbolic dim its inputs do not define"
@@ -231,7 +229,7 @@ def _outline(builder, checked: _BuildCheck, func: relax.Function, group: Group, 
     names = [_op_name(b.value) for b in members if isinstance(b.value, relax.Call)]
     gv = builder.add_func(sub, "fused_" + "_".join(names)[:80])
     record.fused = gv.name_hint
-    return _Site(gv, list(inputs), outputs, member_vars)
+    return _Site(gv, list(inputs), outputs, member_vars, last)
 
 
 _PACKED = ("relax.call_dps_packed", "relax.call_pure_packed", "relax.call_packed", "relax.call_tir_inplace")

@@ -191,3 +191,15 @@ def test_transformer_layers_same_results_on_cpu():
         out, ref = (relax.VirtualMachine(tvm.compile(m, target="llvm"), tvm.cpu())["forward"](*tensors).numpy() for m in (lowered, mod))
         assert np.abs(ref).max() > 0.1
         np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_group_with_unused_result_is_skipped():
+    x = _t("x", [N, 16])
+
+    def make(bb, x):
+        bb.emit(O.negative(bb.emit(O.exp(x))))  # dead: nothing reads it
+        return O.sigmoid(x)
+
+    p = ApplyFusionPlan({"n": 4})
+    p(_module([x], make))
+    assert [(g.members, g.reason) for g in p.skipped] == [(["lv", "lv1"], "its result is unused")]
