@@ -39,12 +39,33 @@ def test_model_info_from_mlc_metadata() -> None:
         model_info("qwen2", _metadata(), Path("lib.so"))
 
 
+def _phi3_metadata() -> dict:
+    """MLC's Phi-3 names its parameters differently: transformer.embd, transformer.h.N, ln.weight, mixer.out_proj."""
+    params = [("transformer.embd.weight", ["vocab_size", HIDDEN])]
+    for i in range(3):
+        p = f"transformer.h.{i}."
+        params += [(p + "ln.weight", [HIDDEN]), (p + "mixer.qkv_proj.weight", [3 * HIDDEN, HIDDEN]),
+                   (p + "mixer.out_proj.weight", [HIDDEN, HIDDEN]), (p + "post_attention_layernorm.weight", [HIDDEN])]
+    params += [("transformer.norm.weight", [HIDDEN]), ("lm_head.weight", ["vocab_size", HIDDEN])]
+    return {"model_type": "phi3", "params": [{"name": n, "shape": s, "dtype": "float32"} for n, s in params]}
+
+
+def test_phi3_names() -> None:
+    torch = pytest.importorskip("torch")
+    info = model_info("phi3", _phi3_metadata(), Path("lib.so"), SIZES)
+    assert (info.hidden_size, info.vocab_size, info.num_layers) == (HIDDEN, VOCAB, 3)
+    weights = random_weights(info, torch.device("cpu"), seed=0)
+    assert abs(float(weights["transformer.h.0.ln.weight"].mean()) - 1.0) < 0.05  # a norm: around 1
+    out = weights["transformer.h.2.mixer.out_proj.weight"]
+    assert float(out.std()) == pytest.approx(HIDDEN**-0.5 / 6**0.5, rel=0.1)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
         (lambda m: m.update(params=[]), "lists no parameters"),
         (lambda m: m["params"][1].update(dtype="float32"), "several dtypes"),
-        (lambda m: m.update(params=m["params"][1:]), "embed_tokens.weight"),
+        (lambda m: m.update(params=m["params"][1:]), "no single 2-D token embedding"),
     ],
 )
 def test_bad_metadata_is_an_error(change, message) -> None:

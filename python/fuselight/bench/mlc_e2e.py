@@ -35,7 +35,12 @@ from .timing import device_name, synchronizer
 
 SUITE = "mlc-e2e"
 IMPLS = MLC_IMPLS
-_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+# Parameter names across MLC's models: Llama/Mistral/Qwen2 "model.layers.N.", "model.embed_tokens",
+# "*norm.weight"; Phi-3 "transformer.h.N.", "transformer.embd", "ln.weight", "mixer.out_proj".
+_LAYER_INDEX = re.compile(r"\.(?:layers|h)\.(\d+)\.")
+_EMBED = re.compile(r"(?:^|\.)(?:embed_tokens|embd)\.weight$")
+_NORM = re.compile(r"(?:norm|(?:^|\.)ln)\.weight$")
+_OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +84,9 @@ def model_info(case: str, metadata: dict[str, Any], path: Path, sizes: dict[str,
     dtypes = {p["dtype"] for p in params}
     if len(dtypes) != 1:
         raise FuselightError(f"{path}: parameters of several dtypes {sorted(dtypes)} (expected an unquantized model)")
-    embed = [shape for name, shape in specs if name.endswith("embed_tokens.weight")]
+    embed = [shape for name, shape in specs if _EMBED.search(name)]
     if len(embed) != 1 or len(embed[0]) != 2:
-        raise FuselightError(f"{path}: no single 2-D embed_tokens.weight among the parameters")
+        raise FuselightError(f"{path}: no single 2-D token embedding (embed_tokens or embd) among the parameters")
     vocab, hidden = embed[0]
     return ModelInfo(case, hidden, vocab, dtypes.pop(), specs)
 
@@ -96,25 +101,26 @@ def random_weights(info: ModelInfo, device: Any, seed: int) -> dict[str, Any]:
     also over sqrt(2 * layers)), biases at 1/sqrt(hidden)."""
     import torch
 
-    from ..model.weights import EMBED_STD, NORM_NOISE_STD, is_norm_weight
+    from ..model.weights import EMBED_STD, NORM_NOISE_STD
 
     gen = torch.Generator(device=device).manual_seed(seed)
     dtype = getattr(torch, info.dtype)
     weights = {}
     for name, shape in info.params:
-        if is_norm_weight(name):
+        norm = len(shape) == 1 and bool(_NORM.search(name))
+        if norm:
             std = NORM_NOISE_STD
-        elif name.endswith("embed_tokens.weight"):
+        elif _EMBED.search(name):
             std = EMBED_STD
         elif len(shape) == 2:
             std = 1.0 / math.sqrt(shape[1])
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                std /= math.sqrt(2 * info.num_layers)
+            if name.endswith(_OUTPUT_PROJECTIONS):
+                std /= math.sqrt(2 * max(1, info.num_layers))
         else:
             std = 1.0 / math.sqrt(info.hidden_size)
         t = torch.empty(shape, dtype=dtype, device=device)
         t.normal_(0.0, std, generator=gen)
-        if is_norm_weight(name):
+        if norm:
             t += 1.0
         weights[name] = t
     return weights
