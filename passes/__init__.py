@@ -50,7 +50,7 @@ PASSES: dict[str, GraphPass] = {
         GraphPass("accumulate_matmul_fp32", "before_fuse_transpose_matmul", AccumulateMatmulFP32),
         # After accumulate_matmul_fp32: the fused kernel accumulates as the matmul it replaces.
         GraphPass("fuse_gate_up_silu", "before_fuse_transpose_matmul", FuseGateUpSiLU),
-        # Moves scales across R.matmul, which FuseTransposeMatmul lowers to TIR; not in default() until measured.
+        # Moves scales across R.matmul, which FuseTransposeMatmul lowers to TIR.
         GraphPass("property_rewrite", "before_fuse_transpose_matmul", PropertyRewrite),
         GraphPass("paged_attention", "after_graph_passes", PagedAttentionKernels),
         GraphPass("add_rms_norm_kernels", "after_graph_passes", AddRMSNormKernels),
@@ -61,7 +61,10 @@ PASSES: dict[str, GraphPass] = {
 
 def default() -> list[str]:
     """Names of the passes the fuselight pipeline runs by default, in order."""
-    return ["fuse_attention", "accumulate_matmul_fp32", "fuse_gate_up_silu", "paged_attention", "add_rms_norm_kernels"]
+    return [
+        "fuse_attention", "accumulate_matmul_fp32", "fuse_gate_up_silu", "property_rewrite", "paged_attention", "add_rms_norm_kernels",
+        "fusion_plan",
+    ]  # fmt: skip
 
 
 def get(name: str) -> GraphPass:

@@ -469,11 +469,11 @@ def test_named_subset_and_unknown_name():
         PropertyRewrite(["no_such_rewrite"])
 
 
-def test_registered_not_default():
+def test_registered_and_default():
     from fuselight.passes import default
 
     assert PASSES["property_rewrite"].slot == "before_fuse_transpose_matmul"
-    assert "property_rewrite" not in default()
+    assert "property_rewrite" in default()
 
 
 def test_tiny_llama_collapses_reshapes():
