@@ -44,6 +44,8 @@ def test_cuda_graph_captures_decode_and_needs_cuda():
     with_graph, without = (fc.build(cfg, spec, "fuselight", cuda_graph=g) for g in (True, False))
     assert "decode_cuda_graph_capture" in with_graph.executable.as_text()
     assert "cuda_graph" not in without.executable.as_text()
+    # Kernels replayed from a graph still count as launches of the step, in the same order.
+    assert with_graph.stats == without.stats
     with pytest.raises(FuselightError, match="CUDA graphs need a cuda target"):
         fc.build(cfg, resolve("llvm"), "baseline", cuda_graph=True)
 

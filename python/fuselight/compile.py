@@ -27,6 +27,8 @@ KERNEL_LAUNCHES_ATTR = "fuselight.kernel_launches"
 # Format of a library's metadata sidecar.
 METADATA_FORMAT = 1
 _ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
+# The builtin that replays (or captures) a CUDA graph of a capture function.
+_CUDA_GRAPH_BUILTIN = "vm.builtin.cuda_graph.run_or_capture"
 # The pass config RewriteCUDAGraph reads.
 CUDA_GRAPH_CONFIG = "relax.backend.use_cuda_graph"
 
@@ -120,6 +122,7 @@ def _decode_attention_launches(mod: Any) -> int:
 
 def kernel_stats(mod: Any) -> KernelStats:
     """Count PrimFuncs and the kernel launches one call of ``decode`` makes."""
+    import tvm
     from tvm import relax, tirx
 
     prims = {gv: f for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
@@ -127,7 +130,8 @@ def kernel_stats(mod: Any) -> KernelStats:
     attention_calls = 0
 
     # After CallTIRRewrite a kernel call is a Call whose op is the PrimFunc's GlobalVar, and the
-    # KV cache's attention is a Call of an ExternFunc.
+    # KV cache's attention is a Call of an ExternFunc. With CUDA graphs, a run of kernels moves into
+    # a capture function that ``decode`` hands to the graph builtin: its kernels count where it runs.
     def visit(expr: Any) -> None:
         nonlocal attention_calls
         if not isinstance(expr, relax.Call):
@@ -136,6 +140,12 @@ def kernel_stats(mod: Any) -> KernelStats:
             calls.append(expr.op.name_hint)
         elif isinstance(expr.op, relax.ExternFunc) and expr.op.global_symbol == _ATTENTION_BUILTIN:
             attention_calls += 1
+        elif (
+            expr.op.same_as(tvm.ir.Op.get("relax.call_builtin_with_ctx"))
+            and isinstance(expr.args[0], relax.ExternFunc)
+            and expr.args[0].global_symbol == _CUDA_GRAPH_BUILTIN
+        ):
+            relax.analysis.post_order_visit(mod[expr.args[1].fields[0]], visit)
 
     decode = next((f for gv, f in mod.functions.items() if gv.name_hint == "decode"), None)
     if decode is None:
