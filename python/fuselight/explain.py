@@ -180,7 +180,7 @@ def _run_pipeline(mod, step: str, prompt_len: int, graph_passes: Sequence[str] |
     """The counts for one pipeline, and its ``fusion_plan`` pass (None if it runs none)."""
     from tvm import relax
 
-    from .compile import KV_CACHE_KERNELS_PER_DECODE_ATTENTION
+    from .compile import KV_CACHE_KERNELS_PER_DECODE_ATTENTION, _decode_attention_launches
     from .passes.classify import KV_LEN, NON_CALL_OPS, classify_binding, classify_module
     from .passes.fusion_plan import io_bytes
     from .pipeline import stages
@@ -205,7 +205,8 @@ def _run_pipeline(mod, step: str, prompt_len: int, graph_passes: Sequence[str] |
                 launches += 1
                 cost = io_bytes(binding, dims)  # a fused PrimFunc may be opaque to the classifier
             elif info.op.startswith("call_dps_packed:vm.builtin.attention_kv_cache"):
-                launches += 1 + KV_CACHE_KERNELS_PER_DECODE_ATTENTION
+                # As `fuselight compile` counts: the cache's kernels, and the decode kernel's launches.
+                launches += KV_CACHE_KERNELS_PER_DECODE_ATTENTION + _decode_attention_launches(mod)
                 cost = info.cost(dims)[1]
             elif info.op.startswith(("call_dps_packed:", "call_pure_packed:", "call_packed:")):
                 launches += 1
