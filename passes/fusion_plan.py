@@ -43,7 +43,14 @@ from tvm import relax
 
 from ..errors import FuselightError
 from . import cost_model
-from .classify import MAPPINGS, NON_CALL_OPS, OpInfo, _evaluate, _nbytes, classify_module
+from .classify import (
+    MAPPINGS,
+    NON_CALL_OPS,
+    OpInfo,
+    _evaluate,
+    _nbytes,
+    classify_module,
+)
 
 Color = Literal["green", "yellow", "red"]
 

@@ -94,7 +94,12 @@ def explain_module(mod, functions: Sequence[str], prompt_len: int) -> dict[str, 
     from .passes.apply_fusion_plan import PRIMITIVE_ATTR
     from .passes.classify import KV_LEN, MAPPINGS, NON_CALL_OPS, classify_module
     from .passes.fusion_plan import kernels, plan_fusion
-    from .passes.property_rewrite import APPLIED_ATTR, REFUSED_ATTR, PropertyRewrite, catalogue
+    from .passes.property_rewrite import (
+        APPLIED_ATTR,
+        REFUSED_ATTR,
+        PropertyRewrite,
+        catalogue,
+    )
 
     classified = classify_module(mod)
     rewritten = PropertyRewrite()(mod)
@@ -180,7 +185,10 @@ def _run_pipeline(mod, step: str, prompt_len: int, graph_passes: Sequence[str] |
     """The counts for one pipeline, and its ``fusion_plan`` pass (None if it runs none)."""
     from tvm import relax
 
-    from .compile import KV_CACHE_KERNELS_PER_DECODE_ATTENTION, _decode_attention_launches
+    from .compile import (
+        KV_CACHE_KERNELS_PER_DECODE_ATTENTION,
+        _decode_attention_launches,
+    )
     from .passes.classify import KV_LEN, NON_CALL_OPS, classify_binding, classify_module
     from .passes.fusion_plan import io_bytes
     from .pipeline import stages
