@@ -109,3 +109,15 @@ def test_explain_bad_input(capsys):
     assert err.startswith("error: ") and "llama-99b" in err
     assert main(["explain", "--model", "tiny-llama", "--prompt-len", "0"]) == 2
     assert "prompt-len" in capsys.readouterr().err
+
+
+def test_a_fused_chain_of_reshapes_counts_as_a_view_and_arithmetic_does_not():
+    from tvm import te, topi
+
+    from fuselight.explain import _is_view
+
+    x = te.placeholder((4, 6), "float32", name="x")
+    chain = topi.reshape(topi.reshape(x, (2, 12)), (24,))
+    assert _is_view(te.create_prim_func([x, chain]))  # what FuseOps makes of a reshape pair
+    scaled = topi.reshape(topi.multiply(x, 2.0), (24,))
+    assert not _is_view(te.create_prim_func([x, scaled]))
