@@ -11,6 +11,7 @@ from fuselight.explain import explain_module
 from fuselight.passes import ApplyFusionPlan
 from fuselight.passes.apply_fusion_plan import PRIMITIVE_ATTR
 from fuselight.target import resolve, to_tvm
+from relax_module import single_function as _module
 from tvm import relax, tirx
 from tvm.relax import op as O
 
@@ -19,15 +20,6 @@ N = tirx.Var("n", "int64")
 
 def _t(name, shape, dtype="float32"):
     return relax.Var(name, relax.TensorType(shape, dtype))
-
-
-def _module(params, make):
-    bb = relax.BlockBuilder()
-    with bb.function("main", params):
-        with bb.dataflow():
-            out = bb.emit_output(make(bb, *params))
-        bb.emit_func_output(out)
-    return bb.get()
 
 
 def _layer():

@@ -5,19 +5,11 @@ import pytest
 from fuselight.errors import FuselightError
 from fuselight.passes.classify import MAPPINGS
 from fuselight.passes.fusion_plan import CLASS_PAIRS, kernels, plan_fusion
+from relax_module import single_function as _module
 from tvm import relax, tirx
 from tvm.relax import op as O
 
 N = tirx.Var("n", "int64")
-
-
-def _module(params, make):
-    bb = relax.BlockBuilder()
-    with bb.function("main", params):
-        with bb.dataflow():
-            out = bb.emit_output(make(bb, *params))
-        bb.emit_func_output(out)
-    return bb.get()
 
 
 def _t(name, shape, dtype="float32"):
