@@ -83,7 +83,8 @@ class _TakeWithParams(dl.ScheduleRule):
 
 
 def test_steps_run_at_the_anchors(stub, tmp_path) -> None:
-    options = mp.Options(passes=("accumulate_matmul_fp32", "paged_attention"), rules=("matmul",), dump=tmp_path)
+    options = mp.Options(passes=("accumulate_matmul_fp32", "paged_attention", "fusion_plan"), rules=("matmul",),
+                         dump=tmp_path)
     anchors = stub.FuseTransposeMatmul, stub.LowBatchGemvSpecialize
     with mp.enabled(options):
         _run_pipeline(_module())
@@ -91,14 +92,14 @@ def test_steps_run_at_the_anchors(stub, tmp_path) -> None:
     assert stub.RAN == ["phase1", "phase2", "phase4", "phase5"]  # MLC's own passes all ran, once
     dumps = sorted(p.name for p in tmp_path.glob("fuselight-*.py"))
     assert dumps == ["fuselight-01-accumulate_matmul_fp32.py", "fuselight-02-paged_attention.py",
-                     "fuselight-03-rules-matmul.py"]
+                     "fuselight-03-fusion_plan.py", "fuselight-04-rules-matmul.py"]
     # Before MLC's FuseTransposeMatmul, after it, and in the schedule phase (after lowering to TIR).
-    first, second, third = (tmp_path / name for name in dumps)
+    first, second, _plan, third = (tmp_path / name for name in dumps)
     assert "permute_dims" in first.read_text() and "NT_matmul" not in first.read_text()
     assert "NT_matmul" in second.read_text() and "R.nn.softmax" in second.read_text()
     assert "R.nn.softmax" not in third.read_text() and "T.prim_func" in third.read_text()
     log = json.loads((tmp_path / mp.SCHEDULE_LOG_FILE).read_text())
-    assert log["options"] == {"passes": ["accumulate_matmul_fp32", "paged_attention"], "rules": ["matmul"]}
+    assert log["options"] == {"passes": ["accumulate_matmul_fp32", "paged_attention", "fusion_plan"], "rules": ["matmul"]}
 
 
 def test_rule_families_are_tried_in_order_and_logged(stub, monkeypatch, tmp_path) -> None:

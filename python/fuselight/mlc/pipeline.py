@@ -6,7 +6,8 @@ and has no hook for more passes. While a wrapped pipeline runs, two names in tha
 
 - ``FuseTransposeMatmul`` (end of the graph phase): fuselight's graph passes of the
   "before_fuse_transpose_matmul" slot, MLC's FuseTransposeMatmul, then those of the
-  "after_graph_passes" slot, as in ``fuselight.pipeline``;
+  "after_graph_passes" and "before_legalize" slots, as in ``fuselight.pipeline`` (MLC's graph phase
+  ends with FuseTransposeMatmul; its next passes lower to TIR);
 - ``LowBatchGemvSpecialize`` (start of the schedule phase): fuselight's rules, one
   ``ApplyDefaultSchedule`` per rule family in ``fuselight.rules`` order (a function goes to the first
   family that takes it, as with one list), then MLC's LowBatchGemvSpecialize and DLight's rules.
@@ -181,6 +182,8 @@ def _anchors_replaced(module: types.ModuleType, options: Options, log: ScheduleL
                 *steps.each([(p.name, p.make()) for p in ours if p.slot == "before_fuse_transpose_matmul"]),
                 graph(*args, **kwargs),
                 *steps.each([(p.name, p.make()) for p in ours if p.slot == "after_graph_passes"]),
+                # MLC's graph phase ends with FuseTransposeMatmul: right after it is before legalization.
+                *steps.each([(p.name, p.make()) for p in ours if p.slot == "before_legalize"]),
             ]
         )
 
