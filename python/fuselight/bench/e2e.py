@@ -145,7 +145,8 @@ def reference_logits(config: ModelConfig, weights: dict[str, Any], ids: np.ndarr
 
 
 def _relerr(out: Any, ref: Any) -> float:
-    out = out.reshape(-1).double()
+    """||out - ref|| / ||ref|| of two torch tensors of the same size, flattened, in float64."""
+    out, ref = out.reshape(-1).double(), ref.reshape(-1).double()
     return float((out - ref).norm() / ref.norm())
 
 

@@ -30,6 +30,7 @@ from ..jsonfile import read_json_object
 from ..paths import config_dir
 from ..runtime import init_tvm, load_library, release_memory
 from . import bench_config
+from .e2e import _relerr
 from .results import MLC_IMPLS, git_commit, write_results
 from .timing import device_name, synchronizer
 
@@ -137,11 +138,6 @@ def _llama_weights(config: ModelConfig, info: ModelInfo, device: Any, seed: int)
         diff = sorted(set(ours.items()) ^ set(theirs.items()))[:3]
         raise FuselightError(f"case {info.name!r}: MLC's parameters differ from model {config.name!r}'s: {diff}")
     return weights
-
-
-def _relerr(out: Any, ref: Any) -> float:
-    out, ref = out.reshape(-1).double(), ref.reshape(-1).double()
-    return float((out - ref).norm() / ref.norm())
 
 
 def _logits(runner: Any, ids: np.ndarray, prompt: int, steps: int, long: int, sync: Any) -> list[Any]:

@@ -177,14 +177,14 @@ def _anchors_replaced(module: types.ModuleType, options: Options, log: ScheduleL
 
     def graph_phase(*args: Any, **kwargs: Any) -> tvm.transform.Pass:
         ours = [get_graph_pass(name) for name in options.pass_names]
+
+        def slot(which: str) -> list[tvm.transform.Pass]:
+            return steps.each([(p.name, p.make()) for p in ours if p.slot == which])
+
+        # MLC's graph phase ends with FuseTransposeMatmul: right after it is before legalization.
         return tvm.transform.Sequential(
-            [
-                *steps.each([(p.name, p.make()) for p in ours if p.slot == "before_fuse_transpose_matmul"]),
-                graph(*args, **kwargs),
-                *steps.each([(p.name, p.make()) for p in ours if p.slot == "after_graph_passes"]),
-                # MLC's graph phase ends with FuseTransposeMatmul: right after it is before legalization.
-                *steps.each([(p.name, p.make()) for p in ours if p.slot == "before_legalize"]),
-            ]
+            [*slot("before_fuse_transpose_matmul"), graph(*args, **kwargs), *slot("after_graph_passes"),
+             *slot("before_legalize")]
         )
 
     def schedule_phase(*args: Any, **kwargs: Any) -> tvm.transform.Pass:
