@@ -8,8 +8,9 @@ replaces it with the tensor-core flash-attention template ``fuselight.rules.flas
 the scores on chip. Where the template cannot serve (head dims, dtypes, arches it has no config
 for, a causal mask whose diagonal it does not share), ``apply`` returns None and DLight's default
 rules schedule the reference function instead. The template tiles queries (times the GQA group)
-per block and walks all keys in each: decode-shaped calls (one query) get B x Hkv blocks, which
-leaves most of a large GPU idle at long contexts; a split-KV dense kernel would serve them better.
+per block and walks all keys in each, which for a call with one query (decode) would be B x Hkv
+blocks on the whole GPU: without a causal mask (one query under it sees only the first key), such
+calls branch at run time to the split-KV kernels of ``fuselight.rules.flash.decode``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tvm.target import Target
 from ..errors import FuselightError
 from ..passes.fuse_attention import ATTENTION_ATTR, AttentionSpec, attention_prim_func
 from .base import AnalyzeScheduleRule
+from .flash.decode import dense_decode, load_decode_config
 from .flash.prefill import flash_attention_dense, load_prefill_config
 
 # Attributes of the reference function the scheduled kernel keeps (the template sets its own others).
@@ -67,15 +69,23 @@ class FlashAttention(AnalyzeScheduleRule):
             return None
         if spec.additive_mask and spec.mask_dtype != spec.dtype:
             return None
+        arch = str(target.attrs.get("arch", ""))
+        kwargs = {"sm_scale": spec.scale, "layout": spec.layout, "additive_mask": spec.additive_mask}
+        heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype)
         try:
-            config = load_prefill_config(str(target.attrs.get("arch", "")), spec.head_dim)
-            kernel = flash_attention_dense(
-                spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype,
-                causal=spec.causal, sm_scale=spec.scale, layout=spec.layout,
-                additive_mask=spec.additive_mask, config=config,
-            )
+            config = load_prefill_config(arch, spec.head_dim)
         except FuselightError:
-            return None  # no tile config for this arch or head dim, or a dtype it does not take
+            return None  # no tile config for this arch or head dim
+        decode = None
+        if not spec.causal:
+            try:
+                decode = dense_decode(*heads, **kwargs, config=load_decode_config(arch))
+            except FuselightError:
+                pass  # no decode config or head layout it takes: the prefill kernel serves Sq = 1 too
+        try:
+            kernel = flash_attention_dense(*heads, causal=spec.causal, **kwargs, config=config, decode=decode)
+        except FuselightError:
+            return None  # a dtype or head dim the template does not take
         kernel = kernel.without_attr("global_symbol")
         for key in KEPT_ATTRS:
             if key in func.attrs:

@@ -513,6 +513,20 @@ def test_rule_swaps_in_the_template_with_our_signature() -> None:
         assert kernel.attrs[ATTENTION_ATTR] is not None
 
 
+def test_rule_branches_one_query_calls_to_split_kv_decode() -> None:
+    """Without a causal mask the kernel runs the split-KV decode kernels (split and merge) where
+    Sq is 1 at run time, the flash kernel elsewhere; under one, where a single query sees only the
+    first key, always the flash kernel."""
+    cuda = to_tvm(resolve("cuda", "sm_90"))
+    for spec, kernels in ((dataclasses.replace(SPEC, causal=False, additive_mask=True, mask_dtype="float16",
+                                               same_length=False), 3), (SPEC, 1)):
+        sch = FlashAttention().apply(attention_prim_func(spec).with_attr("target", cuda), cuda, False)
+        kernel = sch.mod["main"].with_attr("global_symbol", "main")  # the rule leaves naming to the module
+        source = tvm.compile(tvm.IRModule({"main": kernel}), target=cuda).mod.imports[0].inspect_source("cuda")
+        assert source.count("__global__") == 2 * kernels  # a declaration and a definition each
+        assert ("lse_part" in source) == (kernels == 3)  # the splits' partial results
+
+
 def _cuda_build(mod: tvm.IRModule, schedule_rules) -> str:
     from fuselight.pipeline import fuselight_pipeline
     from fuselight.runtime import cuda_sources
@@ -526,6 +540,7 @@ def _cuda_build(mod: tvm.IRModule, schedule_rules) -> str:
 
 GPU_GRAPHS = {
     "suite_prefill": lambda: _suite_module("attention_prefill"),
+    "suite_decode": lambda: _suite_module("attention_decode"),
     "bert_shared_mask": lambda: _bert("shared", "float16", heads=2, dim=64)[0],
 }
 

@@ -1,4 +1,4 @@
-"""Split-KV (flash-decoding) attention of one query token per sequence over TVM's paged KV cache.
+"""Split-KV (flash-decoding) attention of one query token per sequence: over TVM's paged KV cache and dense.
 
 TVM's built-in decode kernel gives each (sequence, KV head) one block and walks the whole context
 in it: 8 blocks for LLaMA-3-8B at batch 1 on a 132-SM GPU. This one splits the context of each
@@ -6,8 +6,13 @@ sequence across blocks so that batch x KV heads x splits fills the GPU, then mer
 results by their log-sum-exp in a second kernel. A block serves every query head of its KV head
 (GQA), so each K/V byte is read once; a thread's next rows are loading while it uses the current ones,
 the scores of all rows and heads of a step are reduced together by shuffles, and the merge folds the
-splits in several thread rows at once, so no step waits on one memory or shuffle latency at a time. The function has the signature, buffers and output conventions (base-2 lse) of
-TVM's ``batch_decode_paged_kv``, so the KV cache runtime calls it in its place.
+splits in several thread rows at once, so no step waits on one memory or shuffle latency at a time.
+
+``flash_decode_paged`` has the signature, buffers and output conventions (base-2 lse) of TVM's
+``batch_decode_paged_kv``, so the KV cache runtime calls it in its place. ``flash_decode_dense`` is
+plain attention of one query row over dense K/V (graph-level fusion, as ``prefill
+.flash_attention_dense`` but for a static query length of 1). Both are the same two kernels
+(``_kernels``), differing only in how a sequence's length and a K/V row are found.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import math
 
 import tvm
 from tvm.script import tirx as T
+
+from types import SimpleNamespace
 
 from fuselight.errors import FuselightError
 
@@ -29,6 +36,8 @@ _NEG = -5e4
 _LOAD_BYTES = 16  # each thread loads 16 bytes of a K/V row at once
 _WARP = 32
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+LAYOUTS = ("BSHD", "BHSD")  # of the dense q, k, v and out
+LOG2E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +59,23 @@ def _split_rows(kv_len, num_splits, min_rows: int):
     return T.max(T.ceildiv(kv_len, num_splits), min_rows)
 
 
-def flash_decode_paged(
-    num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, page_size: int, config: DecodeConfig
-) -> tvm.tirx.PrimFunc:
-    """The decode kernel for one head layout; a drop-in for TVM's ``batch_decode_paged_kv``."""
+@dataclasses.dataclass(frozen=True)
+class _Heads:
+    """One head layout and the thread shape it gets: BDX lanes of VEC elements cover a head row."""
+
+    qo: int
+    kv: int
+    dim: int
+    dtype: str
+    vec: int
+    bdx: int
+
+    @property
+    def group(self) -> int:
+        return self.qo // self.kv
+
+
+def _heads(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str) -> _Heads:
     if dtype not in _DTYPE_BYTES:
         raise FuselightError(f"decode attention: dtype {dtype!r} is not one of {', '.join(_DTYPE_BYTES)}")
     if num_qo_heads % num_kv_heads:
@@ -62,80 +84,49 @@ def flash_decode_paged(
     bdx = head_dim // vec
     if head_dim % vec or bdx > _WARP or _WARP % bdx:
         raise FuselightError(f"decode attention: head dim {head_dim} unsupported for {dtype} (needs {vec} x 2^k <= {vec * _WARP})")
-    H_qo, H_kv, D, G, VEC, BDX, PAGE = num_qo_heads, num_kv_heads, head_dim, num_qo_heads // num_kv_heads, vec, bdx, page_size
-    BDY = _WARP // bdx * config.warps  # rows processed side by side in a block
+    return _Heads(num_qo_heads, num_kv_heads, head_dim, dtype, vec, bdx)
+
+
+def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
+    """The split and merge kernels as macros, and the split count, for one head layout.
+
+    ``split(io, batch, seq, sm_scale)`` and ``merge(io, batch, seq)`` read the query from ``io.Q``
+    and write ``io.output`` (both [batch, qo heads, dim]) and, where given, ``io.lse``, through the
+    fp32 partials ``io.O_part`` [batch, qo heads, splits, dim] and ``io.lse_part``. ``seq`` says how
+    the K/V of a sequence are found: ``seq.length(io, b)`` its KV length, ``seq.base(io, b)`` a
+    value computed once per block, ``seq.load_row(io, k, v, u, b, h, lane, base, row)`` (a macro)
+    row ``row``'s elements of head ``h`` for ``lane`` into ``k[u, :]``, ``v[u, :]``, and
+    ``seq.bias(io, b, row)`` what is added to the row's base-2 score (None: nothing).
+    """
+    H_qo, H_kv, D, G, VEC, BDX, dtype = heads.qo, heads.kv, heads.dim, heads.group, heads.vec, heads.bdx, heads.dtype
+    BDY = _WARP // BDX * config.warps  # rows processed side by side in a block
     U = config.rows_per_step
     MIN_ROWS, TARGET, MAX_SPLITS = config.min_rows_per_split, config.target_blocks, config.max_splits
     MG = config.merge_groups
-    LOG2E = math.log2(math.e)
     LOG_BDX = int(math.log2(BDX))
 
-    def _num_splits(batch):
+    def num_splits(batch):
         # an expression, not a let-bound var: grid extents and the workspace shape both use it
         return T.min(T.max(T.ceildiv(TARGET, batch * H_kv), 1), MAX_SPLITS)
 
-    @T.macro(hygienic=False)  # reads the kernel's buffers and thread indices where it is used
-    def load_rows(k, v, row_begin, row_end, page_begin, step):
+    @T.macro
+    def load_rows(io, seq, k, v, b, h, lane, ty, base, row_begin, row_end, step):
         # Rows step * U * BDY + ... of the split into registers; rows past the end read as zeros.
         for u in T.unroll(U):
             row: T.let[T.int32] = row_begin + (step * U + u) * BDY + ty
             if row < row_end:
-                page_no: T.let[T.int32] = page_table_values[page_begin + T.floordiv(row, PAGE)]
-                slot: T.let[T.int32] = T.floormod(row, PAGE)
-                for e in T.vectorized(VEC):
-                    k[u, e] = pages[page_no, 0, by, slot, tx * VEC + e]
-                for e in T.vectorized(VEC):
-                    v[u, e] = pages[page_no, 1, by, slot, tx * VEC + e]
+                seq.load_row(io, k, v, u, b, h, lane, base, row)
             else:
                 for e in T.serial(VEC):
                     k[u, e] = T.cast(0, dtype)
                     v[u, e] = T.cast(0, dtype)
 
     # pylint: disable=invalid-name,too-many-locals,too-many-statements
-    @T.prim_func(s_tir=True)
-    def decode(
-        Q_handle: T.handle,
-        pages_handle: T.handle,
-        page_table_indptr_handle: T.handle,
-        page_table_values_handle: T.handle,
-        var_length_info: T.handle,
-        k_rope_pos_offset_handle: T.handle,
-        q_rope_position_handle: T.handle,
-        output_handle: T.handle,
-        lse_handle: T.handle,
-        rotary_mode: T.int32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-        sm_scale: T.float32,
-    ):
-        T.func_attr({"tirx.is_scheduled": True, "global_symbol": GLOBAL_SYMBOL, "fuselight.kernel_launches": 2})
-        B = T.int32()
-        nnz_pages = T.int32()
-        max_num_pages = T.int32()
-        page_indptr_elem_offset = T.int32()
-        page_values_elem_offset = T.int32()
-        k_rope_pos_offset_elem_offset = T.int32()
-        q_rope_position_elem_offset = T.int32()
-        length_info_elem_offset = T.int32()
-
-        Q = T.match_buffer(Q_handle, (B, H_qo, D), dtype)
-        pages = T.match_buffer(pages_handle, (max_num_pages, 2, H_kv, PAGE, D), dtype)
-        page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_elem_offset)
-        page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
-        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_rope_pos_offset_elem_offset)  # noqa: F841
-        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_position_elem_offset)  # noqa: F841
-        output = T.match_buffer(output_handle, (B, H_qo, D), dtype)
-        lse = T.match_buffer(lse_handle, (B, H_qo), "float32")
-        length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_info_elem_offset)
-        # RoPE must already be in the cache (applied on append): never attend to un-rotated keys.
-        assert rotary_mode == 0, "fuselight_decode_paged_kv: rotary_mode 1 (RoPE inside attention) is not supported"
-
-        O_part = T.alloc_buffer((B, H_qo, _num_splits(B), D), "float32", scope="global")
-        lse_part = T.alloc_buffer((B, H_qo, _num_splits(B)), "float32", scope="global")
-
-        for bz in T.thread_binding(B, thread="blockIdx.z"):
+    @T.macro
+    def split(io, batch, seq, sm_scale):
+        for bz in T.thread_binding(batch, thread="blockIdx.z"):
             for by in T.thread_binding(H_kv, thread="blockIdx.y"):
-                for bx in T.thread_binding(_num_splits(B), thread="blockIdx.x"):
+                for bx in T.thread_binding(num_splits(batch), thread="blockIdx.x"):
                     for ty in T.thread_binding(BDY, thread="threadIdx.y"):
                         for tx in T.thread_binding(BDX, thread="threadIdx.x"):
                             with T.sblock("split"):
@@ -157,25 +148,25 @@ def flash_decode_paged(
                                 o_smem = T.sblock_alloc_buffer((BDY, G, D), "float32", scope="shared")
                                 md_smem = T.sblock_alloc_buffer((BDY, G, 2), "float32", scope="shared")
 
-                                page_begin: T.let[T.int32] = page_table_indptr[bz]
-                                kv_len: T.let[T.int32] = paged_kv_len(page_table_indptr, length_info, bz, PAGE)
+                                base: T.let[T.int32] = seq.base(io, bz)
+                                kv_len: T.let[T.int32] = seq.length(io, bz)
                                 # in registers, not lets: TVM would inline the divisions into every use
-                                bounds[0] = _split_rows(kv_len, _num_splits(B), MIN_ROWS)
+                                bounds[0] = _split_rows(kv_len, num_splits(batch), MIN_ROWS)
                                 bounds[1] = T.min((bx + 1) * bounds[0], kv_len)
                                 bounds[0] = bx * bounds[0]
                                 row_begin: T.let[T.int32] = bounds[0]
                                 row_end: T.let[T.int32] = bounds[1]
                                 if T.tvm_thread_invariant(row_begin < row_end):
                                     for g, e in T.grid(G, VEC):
-                                        q[g, e] = T.cast(Q[bz, by * G + g, tx * VEC + e], "float32") * sm_scale * LOG2E
+                                        q[g, e] = T.cast(io.Q[bz, by * G + g, tx * VEC + e], "float32") * sm_scale * LOG2E
                                         o[g, e] = T.float32(0)
                                     for g in T.serial(G):
                                         m[g] = T.float32(_NEG)
                                         d[g] = T.float32(0)
-                                    load_rows(k, v, row_begin, row_end, page_begin, 0)
+                                    load_rows(io, seq, k, v, bz, by, tx, ty, base, row_begin, row_end, 0)
                                     for step in T.serial(T.ceildiv(row_end - row_begin, BDY * U)):
                                         # The next step's rows are in flight while this step's are used.
-                                        load_rows(k_next, v_next, row_begin, row_end, page_begin, step + 1)
+                                        load_rows(io, seq, k_next, v_next, bz, by, tx, ty, base, row_begin, row_end, step + 1)
                                         # All U x G partial dot products first, then reduced across
                                         # the row's BDX lanes by butterfly shuffles, independent of one
                                         # another (one allreduce each would serialise on its latency).
@@ -188,6 +179,12 @@ def flash_decode_paged(
                                                 sc[u, g] += T.tvm_warp_shuffle_xor(
                                                     T.tvm_warp_activemask(), sc[u, g], T.shift_right(BDX, sh + 1), _WARP, _WARP
                                                 )
+                                        if seq.bias is not None:
+                                            for u in T.unroll(U):
+                                                row_u: T.let[T.int32] = row_begin + (step * U + u) * BDY + ty
+                                                if row_u < row_end:
+                                                    for g in T.serial(G):
+                                                        sc[u, g] += seq.bias(io, bz, row_u)
                                         # One rescale per head for the U rows (rows past the end are masked).
                                         for g in T.serial(G):
                                             mx[0] = m[g]
@@ -229,10 +226,12 @@ def flash_decode_paged(
                                                 for e in T.serial(VEC):
                                                     acc[e] += o_smem[j, gi * BDY + ty, tx * VEC + e] * f
                                             for e in T.serial(VEC):
-                                                O_part[bz, by * G + gi * BDY + ty, bx, tx * VEC + e] = acc[e] / dsum[0]
-                                            lse_part[bz, by * G + gi * BDY + ty, bx] = mx[0] + T.log2(dsum[0])
+                                                io.O_part[bz, by * G + gi * BDY + ty, bx, tx * VEC + e] = acc[e] / dsum[0]
+                                            io.lse_part[bz, by * G + gi * BDY + ty, bx] = mx[0] + T.log2(dsum[0])
 
-        for bz in T.thread_binding(B, thread="blockIdx.y"):
+    @T.macro
+    def merge(io, batch, seq):
+        for bz in T.thread_binding(batch, thread="blockIdx.y"):
             for h in T.thread_binding(H_qo, thread="blockIdx.x"):
                 for ty in T.thread_binding(MG, thread="threadIdx.y"):
                     for tx in T.thread_binding(BDX, thread="threadIdx.x"):
@@ -243,8 +242,8 @@ def flash_decode_paged(
                             mw = T.sblock_alloc_buffer((2,), "float32", scope="local")
                             o_sm = T.sblock_alloc_buffer((MG, D), "float32", scope="shared")
                             mw_sm = T.sblock_alloc_buffer((MG, 2), "float32", scope="shared")
-                            kv_len: T.let[T.int32] = paged_kv_len(page_table_indptr, length_info, bz, PAGE)
-                            used: T.let[T.int32] = T.ceildiv(kv_len, _split_rows(kv_len, _num_splits(B), MIN_ROWS))
+                            kv_len: T.let[T.int32] = seq.length(io, bz)
+                            used: T.let[T.int32] = T.ceildiv(kv_len, _split_rows(kv_len, num_splits(batch), MIN_ROWS))
                             # Each of the MG thread rows folds splits ty, ty + MG, ... (online, so
                             # their loads are independent of one another's results), then row 0
                             # merges the MG partial results.
@@ -253,13 +252,13 @@ def flash_decode_paged(
                             for e in T.serial(VEC):
                                 acc[e] = T.float32(0)
                             for i in T.serial(T.ceildiv(used - ty, MG)):
-                                l_sp: T.let[T.float32] = lse_part[bz, h, i * MG + ty]
+                                l_sp: T.let[T.float32] = io.lse_part[bz, h, i * MG + ty]
                                 m_new: T.let[T.float32] = T.max(mw[0], l_sp)
                                 r: T.let[T.float32] = T.exp2(mw[0] - m_new)
                                 f: T.let[T.float32] = T.exp2(l_sp - m_new)
                                 mw[1] = mw[1] * r + f
                                 for e in T.unroll(VEC):
-                                    acc[e] = acc[e] * r + O_part[bz, h, i * MG + ty, tx * VEC + e] * f
+                                    acc[e] = acc[e] * r + io.O_part[bz, h, i * MG + ty, tx * VEC + e] * f
                                 mw[0] = m_new
                             for e in T.serial(VEC):
                                 o_sm[ty, tx * VEC + e] = acc[e]
@@ -280,9 +279,160 @@ def flash_decode_paged(
                                         acc[e] += o_sm[j, tx * VEC + e] * f2
                                 # an empty sequence: output 0 and lse -5e4, as TVM's kernel gives
                                 for e in T.serial(VEC):
-                                    output[bz, h, tx * VEC + e] = T.cast(
+                                    io.output[bz, h, tx * VEC + e] = T.cast(
                                         T.if_then_else(used > 0, acc[e] / mw[1], T.float32(0)), dtype
                                     )
-                                lse[bz, h] = T.if_then_else(used > 0, mw[0] + T.log2(mw[1]), T.float32(_NEG))
+                                if io.lse is not None:
+                                    io.lse[bz, h] = T.if_then_else(used > 0, mw[0] + T.log2(mw[1]), T.float32(_NEG))
+
+    return SimpleNamespace(split=split, merge=merge, num_splits=num_splits)
+
+
+@T.macro
+def _paged_row(io, k, v, u, b, h, lane, page_begin, row):
+    page_no: T.let[T.int32] = io.page_values[page_begin + T.floordiv(row, io.page_size)]
+    slot: T.let[T.int32] = T.floormod(row, io.page_size)
+    for e in T.vectorized(io.vec):
+        k[u, e] = io.pages[page_no, 0, h, slot, lane * io.vec + e]
+    for e in T.vectorized(io.vec):
+        v[u, e] = io.pages[page_no, 1, h, slot, lane * io.vec + e]
+
+
+# TVM's paged KV cache: a sequence's pages listed from page_indptr[b], rows in page order.
+_PAGED = SimpleNamespace(
+    length=lambda io, b: paged_kv_len(io.page_indptr, io.length_info, b, io.page_size),
+    base=lambda io, b: io.page_indptr[b],
+    load_row=_paged_row,
+    bias=None,
+)
+
+
+def flash_decode_paged(
+    num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, page_size: int, config: DecodeConfig
+) -> tvm.tirx.PrimFunc:
+    """The decode kernel for one head layout; a drop-in for TVM's ``batch_decode_paged_kv``."""
+    heads = _heads(num_kv_heads, num_qo_heads, head_dim, dtype)
+    kernels = _kernels(heads, config)
+    H_qo, H_kv, D, PAGE, VEC = heads.qo, heads.kv, heads.dim, page_size, heads.vec
+
+    # pylint: disable=invalid-name
+    @T.prim_func(s_tir=True)
+    def decode(
+        Q_handle: T.handle,
+        pages_handle: T.handle,
+        page_table_indptr_handle: T.handle,
+        page_table_values_handle: T.handle,
+        var_length_info: T.handle,
+        k_rope_pos_offset_handle: T.handle,
+        q_rope_position_handle: T.handle,
+        output_handle: T.handle,
+        lse_handle: T.handle,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": GLOBAL_SYMBOL, "fuselight.kernel_launches": 2})
+        B = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+
+        Q = T.match_buffer(Q_handle, (B, H_qo, D), dtype)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, H_kv, PAGE, D), dtype)
+        page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_elem_offset)
+        page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_rope_pos_offset_elem_offset)  # noqa: F841
+        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_position_elem_offset)  # noqa: F841
+        output = T.match_buffer(output_handle, (B, H_qo, D), dtype)
+        lse = T.match_buffer(lse_handle, (B, H_qo), "float32")
+        length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_info_elem_offset)
+        # RoPE must already be in the cache (applied on append): never attend to un-rotated keys.
+        assert rotary_mode == 0, "fuselight_decode_paged_kv: rotary_mode 1 (RoPE inside attention) is not supported"
+
+        O_part = T.alloc_buffer((B, H_qo, kernels.num_splits(B), D), "float32", scope="global")
+        lse_part = T.alloc_buffer((B, H_qo, kernels.num_splits(B)), "float32", scope="global")
+        kernels.split(
+            SimpleNamespace(
+                Q=Q, O_part=O_part, lse_part=lse_part, pages=pages, page_indptr=page_table_indptr,
+                page_values=page_table_values, length_info=length_info, page_size=PAGE, vec=VEC,
+            ),
+            B, _PAGED, sm_scale,
+        )
+        kernels.merge(
+            SimpleNamespace(
+                output=output, lse=lse, O_part=O_part, lse_part=lse_part, page_indptr=page_table_indptr,
+                length_info=length_info, page_size=PAGE,
+            ),
+            B, _PAGED,
+        )
 
     return decode
+
+
+@T.macro
+def _dense_row(io, k, v, u, b, h, lane, base, row):
+    for e in T.vectorized(io.vec):
+        k[u, e] = io.k[b, row, h, lane * io.vec + e] if io.bshd else io.k[b, h, row, lane * io.vec + e]
+    for e in T.vectorized(io.vec):
+        v[u, e] = io.v[b, row, h, lane * io.vec + e] if io.bshd else io.v[b, h, row, lane * io.vec + e]
+
+
+def _dense_bias(io, b, row):
+    # the additive mask [MB, 1, 1, Skv] (MB 1 or the batch), in the scores' base 2
+    mb = T.if_then_else(io.mask_batch == 1, T.int64(0), T.Cast("int64", b))
+    return T.cast(io.mask[mb, 0, 0, row], "float32") * LOG2E
+
+
+def dense_decode(
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    *,
+    sm_scale: float,
+    layout: str,
+    additive_mask: bool,
+    config: DecodeConfig,
+):
+    """Plain attention of one query row, ``out = softmax(q k^T * sm_scale [+ mask]) v``, split over K/V.
+
+    A macro ``body(q, k, v, mask, mask_batch, out, batch, kv_len)`` over the buffers of
+    ``prefill.flash_attention_dense`` (``layout`` "BSHD": q/out [B, Sq, Hq, D], k/v [B, Skv, Hkv, D];
+    "BHSD": q/out [B, Hq, Sq, D], k/v [B, Hkv, Skv, D]), which runs it where Sq is 1 at run time.
+    With ``additive_mask``, ``mask`` [MB, 1, 1, Skv] in ``dtype`` (MB = 1 or B) is added to the
+    scaled scores. No causal mask: the caller takes it only where the one query sees every key.
+    """
+    if layout not in LAYOUTS:
+        raise FuselightError(f"decode attention: layout {layout!r} unsupported (supported: {', '.join(LAYOUTS)})")
+    heads = _heads(num_kv_heads, num_qo_heads, head_dim, dtype)
+    kernels = _kernels(heads, config)
+    H_qo, D, VEC = heads.qo, heads.dim, heads.vec
+    bshd = layout == "BSHD"
+    seq = SimpleNamespace(
+        length=lambda io, b: T.Cast("int32", io.kv_len), base=lambda io, b: T.int32(0), load_row=_dense_row,
+        bias=_dense_bias if additive_mask else None,
+    )
+
+    @T.macro
+    def body(q, k, v, mask, mask_batch, out, batch, kv_len):
+        # With one query row both layouts of q and out are [B, Hq, D] in memory.
+        Q = T.decl_buffer((batch, H_qo, D), dtype, data=q.data)
+        output = T.decl_buffer((batch, H_qo, D), dtype, data=out.data)
+        B: T.let[T.int32] = T.Cast("int32", batch)
+        O_part = T.alloc_buffer((B, H_qo, kernels.num_splits(B), D), "float32", scope="global")
+        lse_part = T.alloc_buffer((B, H_qo, kernels.num_splits(B)), "float32", scope="global")
+        kernels.split(
+            SimpleNamespace(
+                Q=Q, O_part=O_part, lse_part=lse_part, k=k, v=v, kv_len=kv_len, bshd=bshd, vec=VEC,
+                mask=mask, mask_batch=mask_batch,
+            ),
+            B, seq, T.float32(sm_scale),
+        )
+        kernels.merge(SimpleNamespace(output=output, lse=None, O_part=O_part, lse_part=lse_part, kv_len=kv_len), B, seq)
+
+    return body

@@ -639,6 +639,7 @@ def flash_attention_dense(
     layout: str,
     additive_mask: bool,
     config: PrefillConfig,
+    decode=None,
 ):
     """Plain attention ``out = softmax(q k^T * sm_scale [+ mask]) v`` with grouped-query heads.
 
@@ -646,7 +647,9 @@ def flash_attention_dense(
     k/v [B, Hkv, Skv, D]. B, Sq, Skv are symbolic int64. ``causal`` is bottom-right aligned (query i
     sees key j iff ``j <= i + Skv - Sq``). With ``additive_mask`` a ``mask`` [MB, 1, Sq, Skv] in
     ``dtype`` (MB = 1 or B) is added to the scaled scores, before the causal mask; a row masked
-    everywhere gives NaN, as PyTorch's SDPA does. Parameters: q, k, v, [mask,] out.
+    everywhere gives NaN, as PyTorch's SDPA does. Parameters: q, k, v, [mask,] out. ``decode``
+    (``decode.dense_decode``'s macro for the same heads, layout and mask) runs instead where Sq is 1
+    at run time: one query row tiled this way leaves most of the GPU idle, the split-KV kernel fills it.
     """
     from tvm.script import tirx as T
 
@@ -716,7 +719,12 @@ def flash_attention_dense(
             mask = T.match_buffer(var_mask, (mask_batch, 1, q_len, kv_len), dtype)
             out = T.match_buffer(var_out, q_layout(batch, q_len), dtype)
             mask_flat = T.decl_buffer((mask_batch * q_len * kv_len,), dtype, data=mask.data)
-            kernel(q, k, v, out, mask_flat, mask_batch, batch, q_len, kv_len)
+            if decode is None:
+                kernel(q, k, v, out, mask_flat, mask_batch, batch, q_len, kv_len)
+            elif q_len == 1:
+                decode(q, k, v, mask, mask_batch, out, batch, kv_len)
+            else:
+                kernel(q, k, v, out, mask_flat, mask_batch, batch, q_len, kv_len)
     else:
         @T.prim_func(s_tir=True)
         def flash_attention(var_q: T.handle, var_k: T.handle, var_v: T.handle, var_out: T.handle):
@@ -727,6 +735,11 @@ def flash_attention_dense(
             v = T.match_buffer(var_v, kv_layout(batch, kv_len), dtype)
             out = T.match_buffer(var_out, q_layout(batch, q_len), dtype)
             # No mask: attend never reads mask_flat (with_mask is off), any buffer stands in.
-            kernel(q, k, v, out, q, T.int64(1), batch, q_len, kv_len)
+            if decode is None:
+                kernel(q, k, v, out, q, T.int64(1), batch, q_len, kv_len)
+            elif q_len == 1:
+                decode(q, k, v, q, T.int64(1), out, batch, kv_len)
+            else:
+                kernel(q, k, v, out, q, T.int64(1), batch, q_len, kv_len)
     # fmt: on
     return flash_attention
