@@ -11,7 +11,7 @@ blocks share A rows and B columns in L2) and ``plan.rest`` tiles over the rows a
 past M are zero-filled in shared memory and never stored. N and K are static multiples of the
 tiles (checked): their loops are specialised, nothing but M is predicated. With ``split_k`` > 1
 each block sums a K range into an fp32 workspace, and a second launch reduces it and runs the
-epilogue.
+epilogue (``split_k``).
 """
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ from .plan import (
     GemmTile,
     check_plan,
 )
+from .split_k import reduction, rows
 
 # Tile rows a group of blocks covers before moving to the next column of tiles (L2 reuse).
 RASTER_GROUP = 8
-# Threads per block of the split-K reduction, each summing CHUNK adjacent outputs.
-REDUCE_THREADS = 256
 # Rows of 16-byte pieces whose XOR patterns differ: the 8 bank groups of a 128-byte line.
 SWIZZLE_GROUPS = 8
 DTYPE_ABBREV = {"float16": "fp16", "bfloat16": "bf16"}
@@ -62,7 +61,7 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
     out_pieces = bm * bn // CHUNK // threads
     ab = DTYPE_ABBREV[ops.dtype]
     n, dtype = ops.n, ops.dtype
-    m, wide = _rows(ops)
+    m, wide = rows(ops)
 
     def in_rows(row):
         # Python True (no branch at all) where every row of the tile is below M.
@@ -204,17 +203,6 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
     return compute, store, store_partial
 
 
-def _rows(ops: GemmOperands):
-    """M as an int32 expression (tile arithmetic), and a function widening a row or column index to
-    M's own dtype (global offsets: M x N reaches 2^31 for lm_head-sized N)."""
-    from tvm.script import tirx as T
-
-    if isinstance(ops.m, int):
-        return ops.m, lambda i: i
-    dtype = str(ops.m.ty.dtype)
-    return T.Cast("int32", ops.m), lambda i: T.Cast(dtype, i)
-
-
 def _fragments(tile: GemmTile, dtype: str):
     """Per-thread registers of one tile shape (call inside the block's ``sblock``)."""
     from tvm.script import tirx as T
@@ -238,10 +226,11 @@ def mma_sync_gemm(ops: GemmOperands, plan: GemmPlan) -> Any:
     check_plan(plan, ops)
     main, rest, split_k = plan.main, plan.rest, plan.split_k
     n, dtype = ops.n, ops.dtype
-    m, wide = _rows(ops)
+    m, _ = rows(ops)
     out_buf = ops.out.buffer
     threads = main.threads
     smem_halves = max(t.shared_bytes for t in (main, rest) if t is not None) // 2
+    reduce_blocks = reduction(ops, split_k) if split_k > 1 else None
     main_compute, main_store, main_partial = _tile_code(ops, main, split_k, predicated=rest is None)
     n_tiles = n // main.block_n
     k_split = ops.k // split_k
@@ -309,29 +298,6 @@ def mma_sync_gemm(ops: GemmOperands, plan: GemmPlan) -> Any:
                                 main_tile(smem, main_frags, t, tid, split, part)
                             else:
                                 rest_tile(smem, rest_frags, t - main_rows() * n_tiles, tid, split, part)
-
-    @T.macro
-    def reduce_blocks(part):
-        # out = epilogue(sum of the split partials), CHUNK adjacent outputs a thread.
-        for bx in T.thread_binding((m * (n // CHUNK) + REDUCE_THREADS - 1) // REDUCE_THREADS, thread="blockIdx.x"):
-            for tx in T.thread_binding(REDUCE_THREADS, thread="threadIdx.x"):
-                with T.sblock("reduce"):
-                    T.reads()
-                    T.writes()
-                    total = T.sblock_alloc_buffer((CHUNK,), "float32", scope="local")
-                    idx: T.let[T.int32] = T.Cast("int32", bx) * REDUCE_THREADS + T.Cast("int32", tx)
-                    if idx < m * (n // CHUNK):
-                        row: T.let[T.int32] = idx // (n // CHUNK)
-                        col: T.let[T.int32] = idx % (n // CHUNK) * CHUNK
-                        # Unrolled, not vectorised: once M is bounded (a dispatch range) TVM would make
-                        # ``total`` a float32x8, which its CUDA codegen cannot store.
-                        for e in T.unroll(CHUNK):
-                            total[e] = part[wide(row) * n + col + e]
-                        for s in T.unroll(1, split_k):
-                            for e in T.unroll(CHUNK):
-                                total[e] = total[e] + part[wide(s * m + row) * n + col + e]
-                        for e in T.unroll(CHUNK):
-                            out_buf[ops.out.index(wide(row), wide(col + e))] = ops.out.value(wide(row), wide(col + e), total[e])
 
     @T.prim_func(s_tir=True, check_well_formed=False)
     def body():
