@@ -5,7 +5,9 @@ token count (fp16 and bf16), the host encodes TMA tensor maps (A's rows = the to
 passes them as grid constants, the CUDA loads tiles with cp.async.bulk.tensor completing mbarriers
 and issues wgmma.mma_async from 128-byte-swizzled shared memory, the epilogue (a residual add too)
 stages the accumulators in shared memory and stores (and reads its inputs) 16 bytes a thread, nvcc
-compiles it for sm_90a, and every tile or operand the template cannot handle is refused with a FuselightError naming it.
+compiles it for sm_90a; split-K stores fp32 partials and launches the reduction (a paired epilogue
+too), one-warpgroup tiles leave the registers alone; and every tile or operand the template cannot
+handle is refused with a FuselightError naming it.
 """
 
 import dataclasses
@@ -16,6 +18,7 @@ from fuselight.cuda_compile import compile_cuda
 from fuselight.errors import FuselightError
 from fuselight.rules.gemm.operands import Epilogue, GemmOperands
 from fuselight.rules.gemm.wgmma import (
+    WgmmaPlan,
     WgmmaTile,
     check_tile,
     load_wgmma_tile,
@@ -80,18 +83,18 @@ def _operands(func, elem_dtype: str, **changes) -> GemmOperands:
     return dataclasses.replace(ops, **changes)
 
 
-def _build(dtype: str, tile: WgmmaTile = TILE, residual: bool = False):
+def _build(dtype: str, tile: WgmmaTile = TILE, residual: bool = False, split_k: int = 1):
     import tvm
 
     func = _matmul_residual(dtype) if residual else _matmul(dtype)
-    stmt = wgmma_gemm(_operands(func, dtype), tile)
+    stmt = wgmma_gemm(_operands(func, dtype), tile, split_k)
     bound = tvm.tirx.PrimFunc(func.params, stmt, func.ret_type, func.attrs).with_attr("tirx.is_scheduled", True)
     assert str(bound.params[0].shape[1]) == "seq_len"  # M stays symbolic
     return tvm.compile(tvm.IRModule({"main": bound}), target=to_tvm(resolve("cuda", "sm_90")))
 
 
-def _build_cuda(dtype: str, tile: WgmmaTile = TILE, residual: bool = False) -> str:
-    return _build(dtype, tile, residual).mod.imports[0].inspect_source("cuda")
+def _build_cuda(dtype: str, tile: WgmmaTile = TILE, residual: bool = False, split_k: int = 1) -> str:
+    return _build(dtype, tile, residual, split_k).mod.imports[0].inspect_source("cuda")
 
 
 @pytest.mark.parametrize("dtype,ptx", [("float16", "f16"), ("bfloat16", "bf16")])
@@ -149,8 +152,9 @@ def test_nvcc_compiles_for_sm90a():
 def test_config_tiles_are_valid():
     tiles = load_wgmma_tiles("sm_90")
     assert tiles["default"] == TILE and len(tiles) > 1
+    assert {t.warpgroups for t in tiles.values()} == {1, 2}
     for tile in tiles.values():
-        check_tile(tile, _operands(_matmul("float16", 4096, 4096), "float16"))
+        check_tile(tile, _operands(_matmul("float16", 6144, 4096), "float16"), split_k=4)
     with pytest.raises(FuselightError, match="no entry 'sm_80'"):
         load_wgmma_tile("sm_80")
     with pytest.raises(FuselightError, match="no entry 'sm_80'"):
@@ -162,6 +166,35 @@ def test_nvcc_compiles_the_narrow_tile():
     assert compile_cuda(_build_cuda("bfloat16", load_wgmma_tiles("sm_90")["n128"]), arch="sm_90")
 
 
+@needs_nvcc
+def test_split_k_stores_partials_and_reduces_them():
+    # A 64-row tile (one consumer warpgroup) with K split in two, the residual read by the reduction.
+    tile = load_wgmma_tiles("sm_90")["m64n128"]
+    src = _build_cuda("float16", tile, residual=True, split_k=2)
+    assert src.count("__global__") == 2 * 2  # the GEMM and the reduction, each declared and defined
+    assert f"wgmma.mma_async.sync.aligned.m64n{tile.block_n}k16.f32.f16.f16" in src
+    assert "setmaxnreg" not in src  # one consumer warpgroup keeps the compiler's registers
+    # Partials leave as 32 bytes a thread, the reduction reads them as float4 and writes 16 bytes.
+    assert "*(ulonglong4*)(part_ptr + " in src and "*(float4*)(part_ptr + " in src
+    assert "*(uint4*)(out_ptr + " in src and "*(uint4*)(r_ptr + " in src
+    assert compile_cuda(src, arch="sm_90")
+
+
+def test_split_k_paired_epilogue_reduces_gate_and_up():
+    import tvm
+
+    func = _matmul("float16")
+    ops = _operands(func, "float16")
+    paired = dataclasses.replace(ops, out=dataclasses.replace(
+        ops.out, value=lambda r, c, gate, up: tvm.tirx.Cast("float16", gate * up), pair_offset=N // 2))
+    bound = tvm.tirx.PrimFunc(func.params, wgmma_gemm(paired, TILE, 2), func.ret_type, func.attrs)
+    lib = tvm.compile(tvm.IRModule({"main": bound.with_attr("tirx.is_scheduled", True)}),
+                      target=to_tvm(resolve("cuda", "sm_90")))
+    src = lib.mod.imports[0].inspect_source("cuda")
+    # The GEMM stores gate and up sums at their own columns; the reduction reads both halves.
+    assert src.count("__global__") == 2 * 2 and f"+ {N // 2}" in src
+
+
 @pytest.mark.parametrize(
     "tile_changes,op_changes,match",
     [
@@ -170,7 +203,7 @@ def test_nvcc_compiles_the_narrow_tile():
         ({"stages": 1}, {}, "stages 1 must be at least 2"),
         ({"stages": 8}, {}, "and the epilogue need 426112 bytes of shared memory"),
         ({"block_n": 96}, {"n": 960}, "block_n 96 must be a multiple of 64"),
-        ({"warpgroups": 1}, {}, "warpgroups 1 unsupported"),
+        ({"warpgroups": 3}, {}, "warpgroups 3 unsupported"),
         ({}, {"n": 640}, "n 640 is not a multiple of block_n"),
         ({}, {"k": 200}, "k 200 is not a multiple of 64"),
         ({}, {"b_layout": "NN"}, "B layout 'NN' unsupported"),
@@ -181,3 +214,12 @@ def test_bad_tiles_and_operands_rejected(tile_changes, op_changes, match):
     ops = _operands(_matmul("float16"), "float16", **op_changes)
     with pytest.raises(FuselightError, match=match):
         wgmma_gemm(ops, dataclasses.replace(TILE, **tile_changes))
+
+
+@pytest.mark.parametrize(
+    "split_k,match", [(0, "split_k must be a positive integer"), (8, "k 256 is not a multiple of 64 x split_k 8")]
+)
+def test_bad_split_k_rejected(split_k, match):
+    with pytest.raises(FuselightError, match=match):
+        wgmma_gemm(_operands(_matmul("float16"), "float16"), TILE, split_k)
+    assert WgmmaPlan(TILE).split_k == 1

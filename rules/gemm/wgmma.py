@@ -8,7 +8,8 @@ rows of ``BLOCK_K`` = 64 halves (128 bytes) stored with the 128-byte swizzle tha
 descriptors name (16-byte piece ``c`` of row ``r`` at piece ``c ^ (r % 8)``, 8-row atoms of 1024
 bytes). Each slot has a "full" mbarrier (TMA's byte count completes it) and an "empty" one (every
 consumer warp arrives once its wgmma group reading the slot has retired); consumers keep one
-wgmma group in flight. The producer hands most of its registers to the consumers (setmaxnreg).
+wgmma group in flight. With two consumer warpgroups the producer hands most of its registers to
+them (setmaxnreg).
 
 The tensor maps are encoded on the host at each call (A's row extent is M, so TMA fills rows past
 M with zeros; they are never stored): the returned body is host code holding the kernel launch.
@@ -21,7 +22,10 @@ of whatever the epilogue reads (a residual). A paired epilogue (``silu(gate) * u
 ``operands``) loads each B tile as two TMA boxes, ``block_n / 2`` gate rows and the matching up rows
 ``pair_offset`` further: a thread's accumulator columns c and c + block_n / 2 then pair, a chunk
 stages 32 gate and the matching 32 up columns, and the block writes ``block_n / 2`` output columns.
-Needs the arch-specific target (sm_90a): TVM's CUDA compile and
+With ``split_k`` > 1 (small M, where the tiles alone leave SMs idle) a work unit is a tile and one
+of ``split_k`` K ranges; the epilogue stores the unit's fp32 sums (every accumulator column, gate
+and up alike, at its own GEMM column) and a second launch (``split_k.reduction``) sums the units
+and applies ``ops.out.value``. Needs the arch-specific target (sm_90a): TVM's CUDA compile and
 ``fuselight.cuda_compile`` both build for it. Shared memory is dynamic (up to 227 KiB, opted in at
 launch by TVM's runtime).
 """
@@ -37,6 +41,7 @@ from fuselight.paths import config_dir
 
 from ..arch_config import load_arch_config
 from .operands import B_LAYOUTS, DTYPES, GemmOperands
+from .split_k import reduction
 
 if TYPE_CHECKING:
     import tvm
@@ -66,9 +71,12 @@ DESC_SWIZZLE_128B = 3
 TMA_INTERLEAVE_NONE, TMA_SWIZZLE_128B, TMA_L2_PROMOTION_256B, TMA_OOB_ZERO = 0, 3, 3, 0
 # Shared memory a block may opt in to on sm_90 (227 KiB).
 MAX_DYNAMIC_SMEM = 232448
-# Register split after setmaxnreg (a block has 64 Ki registers; counts are multiples of 8).
+# Register split after setmaxnreg, per consumer warpgroup count (counts are multiples of 8).
+# setmaxnreg.inc waits until the block's own pool has the registers: with two consumer warpgroups
+# ptxas gives all 384 threads 168 (64 Ki a block), and 40 + 2 x 232 = 3 x 168. With one, ptxas
+# allocates what the code needs (about 105 at block_n 128), too few to move: no rebalancing (None).
 PRODUCER_REGS = 40
-CONSUMER_REGS = {2: 232}  # per consumer warpgroup count
+CONSUMER_REGS = {1: None, 2: 232}
 # Keeps the compiler from reading an accumulator before the wgmma wait above it.
 REGISTER_FENCE = "fuselight_wgmma_register_fence"
 REGISTER_FENCE_SOURCE = f"""
@@ -113,6 +121,15 @@ class WgmmaTile:
         return self.stages * (self.slot_bytes + 2 * MBAR_BYTES) + self.epilogue_bytes
 
 
+@dataclasses.dataclass(frozen=True)
+class WgmmaPlan:
+    """A tile with K split over ``split_k`` work units per output tile (> 1: each stores fp32
+    partial sums, a second launch reduces them and runs the epilogue; see ``split_k``)."""
+
+    tile: WgmmaTile
+    split_k: int = 1
+
+
 def load_wgmma_tiles(arch: str) -> dict[str, WgmmaTile]:
     """The named tiles for ``arch`` (e.g. ``sm_90``) from ``configs/gemm/wgmma.json``."""
     load_wgmma_tile(arch)  # names the problem if the file, the arch or its default tile is missing
@@ -126,8 +143,8 @@ def load_wgmma_tile(arch: str) -> WgmmaTile:
     return load_arch_config("gemm", "wgmma", arch, WgmmaTile, DEFAULT_TILE)
 
 
-def check_tile(tile: WgmmaTile, ops: GemmOperands) -> None:
-    """FuselightError naming the problem if ``tile`` cannot compute ``ops``."""
+def check_tile(tile: WgmmaTile, ops: GemmOperands, split_k: int = 1) -> None:
+    """FuselightError naming the problem if ``tile`` with K split ``split_k`` ways cannot compute ``ops``."""
     if ops.dtype not in DTYPES:
         raise FuselightError(f"wgmma gemm: dtype {ops.dtype!r} unsupported (supported: {', '.join(DTYPES)})")
     if ops.b_layout != "NT":
@@ -146,8 +163,10 @@ def check_tile(tile: WgmmaTile, ops: GemmOperands) -> None:
         )
     if ops.n % tile.block_n:
         raise FuselightError(f"wgmma gemm: n {ops.n} is not a multiple of block_n {tile.block_n}")
-    if ops.k % BLOCK_K:
-        raise FuselightError(f"wgmma gemm: k {ops.k} is not a multiple of {BLOCK_K}")
+    if not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1:
+        raise FuselightError(f"wgmma plan: split_k must be a positive integer, got {split_k!r}")
+    if ops.k % (BLOCK_K * split_k):
+        raise FuselightError(f"wgmma gemm: k {ops.k} is not a multiple of {BLOCK_K} x split_k {split_k}")
     if tile.stages < GROUPS_IN_FLIGHT + 1:
         raise FuselightError(f"wgmma tile: stages {tile.stages} must be at least {GROUPS_IN_FLIGHT + 1}")
     if tile.smem_bytes > MAX_DYNAMIC_SMEM:
@@ -157,8 +176,9 @@ def check_tile(tile: WgmmaTile, ops: GemmOperands) -> None:
         )
 
 
-def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
-    """The body (a ``tvm.tirx.Stmt``: host code encoding the tensor maps, then the kernel) computing ``ops``.
+def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx.Stmt:
+    """The body (a ``tvm.tirx.Stmt``: host code encoding the tensor maps, then the kernel, and with
+    ``split_k`` > 1 the reduction's launch) computing ``ops``.
 
     It uses ``ops``' buffers as they are: bind it to the analysed function's params.
     """
@@ -166,7 +186,7 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
     from tvm.backend.cuda import op as cuda_op
     from tvm.script import tirx as T
 
-    check_tile(tile, ops)
+    check_tile(tile, ops, split_k)
     for what, buf in (("A", ops.a), ("B", ops.b)):
         # The tensor maps start at the buffer's data pointer.
         if not isinstance(buf.elem_offset, tvm.tirx.IntImm) or buf.elem_offset.value != 0:
@@ -178,7 +198,7 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
     epi_base = stages * tile.slot_bytes // FLOAT_BYTES  # in floats; each warpgroup's chunk follows
     epi_chunk = WGMMA_M * EPI_COLS  # floats
     bar_base = stages * tile.slot_bytes + tile.epilogue_bytes
-    k_tiles = k // BLOCK_K
+    k_tiles = k // BLOCK_K // split_k  # per work unit
     n_tiles = n // bn
     n_acc = WGMMA_M * bn // WARPGROUP  # fp32 accumulators per thread
     consumer_warps = consumers // WARP
@@ -190,6 +210,7 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
     out_pieces = pieces if pair is None else pieces // 2
     out_bn = bn if pair is None else bn // 2
     b_box = out_bn  # B rows one TMA box loads (two boxes a slot when paired)
+    reduce_blocks = reduction(ops, split_k) if split_k > 1 else None
 
     def desc(base, byte_offset):
         # Start address is the descriptor's low field, in 16-byte units: offsets add to it.
@@ -235,10 +256,24 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
     def tile_col(t, m_tiles):
         return T.truncdiv(T.truncmod(t, tile.group_m * n_tiles), rows_in_group(t, m_tiles)) * bn
 
+    # Work unit u: tile u % tiles, K split u / tiles (concurrent units share a K range: A and B in L2).
+    def unit_tile(u, m_tiles):
+        return u if split_k == 1 else T.truncmod(u, m_tiles * n_tiles)
+
+    def unit_split(u, m_tiles):
+        return 0 if split_k == 1 else T.truncdiv(u, m_tiles * n_tiles)
+
+    def acc_col(n0, j):
+        # GEMM column of the tile's accumulator column j (a multiple of 8): paired, the first
+        # block_n / 2 are gate columns from n0 / 2, the rest up columns pair_offset further.
+        if pair is None:
+            return n0 + j
+        return T.if_then_else(j < out_bn, n0 // 2 + j, pair + n0 // 2 + j - out_bn)
+
     def acc_group(cc, jj):
         # The accumulators' 8-column group staged as piece jj of chunk cc: paired, pieces 0-3 are
         # gate columns of the tile's first half, 4-7 the up columns block_n / 2 further.
-        if pair is None:
+        if pair is None or split_k > 1:
             return cc * pieces + jj
         return cc * out_pieces + jj % out_pieces + jj // out_pieces * (out_bn // EPI_VEC)
 
@@ -251,13 +286,16 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
     # fmt: off
     @T.prim_func(s_tir=True, check_well_formed=False)
     def body():
+        if split_k > 1:
+            part = T.alloc_buffer((split_k * ops.m * n,), "float32", scope="global")
         m: T.let[T.int32] = T.Cast("int32", ops.m)
         a_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         b_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.evaluate(encode(a_map, ops.a, m, bm))
         T.evaluate(encode(b_map, ops.b, n, b_box))
         m_tiles: T.let[T.int32] = T.ceildiv(m, bm)
-        blocks: T.let[T.int32] = T.min(m_tiles * n_tiles, tile.max_blocks)
+        units: T.let[T.int32] = m_tiles * n_tiles * split_k
+        blocks: T.let[T.int32] = T.min(units, tile.max_blocks)
         for bx in T.thread_binding(blocks, thread="blockIdx.x"):
             for tid in T.thread_binding(tile.threads, thread="threadIdx.x"):
                 with T.sblock("gemm"):
@@ -268,15 +306,16 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
                     buf_dyn_shmem = T.sblock_alloc_buffer((tile.smem_bytes,), "uint8", scope="shared.dyn", align=ATOM_BYTES)
                     acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
                     smem_desc = T.sblock_alloc_buffer((1,), "uint64", scope="local")
-                    vals = T.sblock_alloc_buffer((WGMMA_M * out_pieces // WARPGROUP * EPI_VEC,), out_buf.dtype, scope="local")
+                    if split_k == 1:
+                        vals = T.sblock_alloc_buffer((WGMMA_M * out_pieces // WARPGROUP * EPI_VEC,), out_buf.dtype, scope="local")
                     # The epilogue chunks, through a plain pointer: each warpgroup syncs its own with a
                     # named barrier, which TVM's shared-memory sync planner does not know (it would put
                     # a block-wide barrier under the consumers' branch).
                     epi_ptr: T.let[T.handle("float32")] = float_pointer(buf_dyn_shmem.access_ptr("rw", offset=epi_base * FLOAT_BYTES))
                     epi = T.decl_buffer((tile.epilogue_bytes // FLOAT_BYTES,), "float32", data=epi_ptr)
                     wg: T.let[T.int32] = tid // WARPGROUP
-                    # This block's tiles: bx, bx + blocks, ...; each at step (its count) * k_tiles.
-                    my_tiles: T.let[T.int32] = T.truncdiv(m_tiles * n_tiles - bx + blocks - 1, blocks)
+                    # This block's work units: bx, bx + blocks, ...; each at step (its count) * k_tiles.
+                    my_tiles: T.let[T.int32] = T.truncdiv(units - bx + blocks - 1, blocks)
                     T.ptx.wgmma.encode_matrix_descriptor(
                         T.address_of(smem_desc[0]), buf_dyn_shmem.access_ptr("r"), DESC_LBO, DESC_SBO, DESC_SWIZZLE_128B
                     )
@@ -288,28 +327,32 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
                         T.ptx.fence.proxy_async("shared::cta")
                     T.tvm_storage_sync("shared")
                     if wg == tile.warpgroups:
-                        T.ptx.setmaxnreg(False, PRODUCER_REGS)
+                        if CONSUMER_REGS[tile.warpgroups] is not None:
+                            T.ptx.setmaxnreg(False, PRODUCER_REGS)
                         if tid == consumers:
                             for ti in T.serial(my_tiles):
-                                m0: T.let[T.int32] = tile_row(bx + ti * blocks, m_tiles)
-                                n0: T.let[T.int32] = tile_col(bx + ti * blocks, m_tiles)
+                                m0: T.let[T.int32] = tile_row(unit_tile(bx + ti * blocks, m_tiles), m_tiles)
+                                n0: T.let[T.int32] = tile_col(unit_tile(bx + ti * blocks, m_tiles), m_tiles)
+                                k0: T.let[T.int32] = unit_split(bx + ti * blocks, m_tiles) * k_tiles
                                 for kt in T.serial(k_tiles):
                                     it: T.let[T.int32] = ti * k_tiles + kt
                                     slot: T.let[T.int32] = T.truncmod(it, stages)
                                     if it >= stages:
                                         T.ptx.mbarrier.try_wait(empty(buf_dyn_shmem, slot), T.truncmod(T.truncdiv(it, stages) + 1, 2))
                                     T.ptx.mbarrier.arrive.expect_tx(full(buf_dyn_shmem, slot), tile.slot_bytes)
-                                    T.evaluate(tma_load(buf_dyn_shmem, slot * a_slot, slot, a_map, kt, m0))
+                                    T.evaluate(tma_load(buf_dyn_shmem, slot * a_slot, slot, a_map, k0 + kt, m0))
                                     if pair is None:
-                                        T.evaluate(tma_load(buf_dyn_shmem, b_base + slot * b_slot, slot, b_map, kt, n0))
+                                        T.evaluate(tma_load(buf_dyn_shmem, b_base + slot * b_slot, slot, b_map, k0 + kt, n0))
                                     else:
-                                        T.evaluate(tma_load(buf_dyn_shmem, b_base + slot * b_slot, slot, b_map, kt, n0 // 2))
-                                        T.evaluate(tma_load(buf_dyn_shmem, b_base + slot * b_slot + b_slot // 2, slot, b_map, kt, pair + n0 // 2))
+                                        T.evaluate(tma_load(buf_dyn_shmem, b_base + slot * b_slot, slot, b_map, k0 + kt, n0 // 2))
+                                        T.evaluate(tma_load(buf_dyn_shmem, b_base + slot * b_slot + b_slot // 2, slot, b_map, k0 + kt, pair + n0 // 2))
                     else:
-                        T.ptx.setmaxnreg(True, CONSUMER_REGS[tile.warpgroups])
+                        if CONSUMER_REGS[tile.warpgroups] is not None:
+                            T.ptx.setmaxnreg(True, CONSUMER_REGS[tile.warpgroups])
                         for ti in T.serial(my_tiles):
-                            m0: T.let[T.int32] = tile_row(bx + ti * blocks, m_tiles)
-                            n0: T.let[T.int32] = tile_col(bx + ti * blocks, m_tiles)
+                            m0: T.let[T.int32] = tile_row(unit_tile(bx + ti * blocks, m_tiles), m_tiles)
+                            n0: T.let[T.int32] = tile_col(unit_tile(bx + ti * blocks, m_tiles), m_tiles)
+                            split: T.let[T.int32] = unit_split(bx + ti * blocks, m_tiles)
                             for i in T.unroll(n_acc):
                                 acc[i] = T.float32(0)
                             for kt in T.serial(k_tiles):
@@ -342,29 +385,42 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile) -> tvm.tirx.Stmt:
                                             epi[wg * epi_chunk + ((tid % WARPGROUP) // WARP * 16 + (tid % WARP) // 4 + h * 8) * EPI_COLS
                                                 + T.bitwise_xor(jj, (tid % WARP) // 4) * EPI_VEC + tid % 4 * 2 + e] = acc[acc_group(cc, jj) * 4 + h * 2 + e]
                                 T.cuda.warpgroup_sync(1 + wg)
-                                # Thread t of the warpgroup: output piece t % p of rows t / p + (128 / p) i
-                                # (p = out_pieces). All values first (rows past M clamped to the last row, so
-                                # the epilogue's loads are unconditional and overlap), then the stores of rows below M.
-                                for i in T.unroll(WGMMA_M * out_pieces // WARPGROUP):
-                                    row: T.let[T.int32] = i * (WARPGROUP // out_pieces) + (tid % WARPGROUP) // out_pieces
-                                    for e in T.vectorized(EPI_VEC):
-                                        if pair is None:
-                                            vals[i * EPI_VEC + e] = ops.out.value(
-                                                T.Cast("int64", T.min(m0 + wg * WGMMA_M + row, m - 1)), n0 + cc * EPI_COLS + tid % pieces * EPI_VEC + e,
-                                                epi[wg * epi_chunk + row * EPI_COLS + T.bitwise_xor(tid % pieces, row % 8) * EPI_VEC + e],
-                                            )
-                                        else:
-                                            vals[i * EPI_VEC + e] = ops.out.value(
-                                                T.Cast("int64", T.min(m0 + wg * WGMMA_M + row, m - 1)), n0 // 2 + cc * (EPI_COLS // 2) + tid % out_pieces * EPI_VEC + e,
-                                                epi[wg * epi_chunk + row * EPI_COLS + T.bitwise_xor(tid % out_pieces, row % 8) * EPI_VEC + e],
-                                                epi[wg * epi_chunk + row * EPI_COLS + T.bitwise_xor(tid % out_pieces + out_pieces, row % 8) * EPI_VEC + e],
-                                            )
-                                for i in T.unroll(WGMMA_M * out_pieces // WARPGROUP):
-                                    r: T.let[T.int32] = m0 + wg * WGMMA_M + i * (WARPGROUP // out_pieces) + (tid % WARPGROUP) // out_pieces
-                                    if r < m:
+                                if split_k > 1:
+                                    # Thread t of the warpgroup: piece t % 8 of rows t / 8 + 16 i, the
+                                    # unit's fp32 sums (32 bytes a thread) for the reduction.
+                                    for i in T.unroll(WGMMA_M * pieces // WARPGROUP):
+                                        row: T.let[T.int32] = i * (WARPGROUP // pieces) + (tid % WARPGROUP) // pieces
+                                        r: T.let[T.int32] = m0 + wg * WGMMA_M + row
+                                        if r < m:
+                                            for e in T.vectorized(EPI_VEC):
+                                                part[T.Cast("int64", split * m + r) * n + acc_col(n0, cc * EPI_COLS + tid % pieces * EPI_VEC) + e] = epi[
+                                                    wg * epi_chunk + row * EPI_COLS + T.bitwise_xor(tid % pieces, row % 8) * EPI_VEC + e]
+                                else:
+                                    # Thread t of the warpgroup: output piece t % p of rows t / p + (128 / p) i
+                                    # (p = out_pieces). All values first (rows past M clamped to the last row, so
+                                    # the epilogue's loads are unconditional and overlap), then the stores of rows below M.
+                                    for i in T.unroll(WGMMA_M * out_pieces // WARPGROUP):
+                                        row: T.let[T.int32] = i * (WARPGROUP // out_pieces) + (tid % WARPGROUP) // out_pieces
                                         for e in T.vectorized(EPI_VEC):
-                                            out_buf[ops.out.index(T.Cast("int64", r), n0 * out_bn // bn + cc * (EPI_COLS * out_bn // bn) + tid % out_pieces * EPI_VEC + e)] = vals[i * EPI_VEC + e]
+                                            if pair is None:
+                                                vals[i * EPI_VEC + e] = ops.out.value(
+                                                    T.Cast("int64", T.min(m0 + wg * WGMMA_M + row, m - 1)), n0 + cc * EPI_COLS + tid % pieces * EPI_VEC + e,
+                                                    epi[wg * epi_chunk + row * EPI_COLS + T.bitwise_xor(tid % pieces, row % 8) * EPI_VEC + e],
+                                                )
+                                            else:
+                                                vals[i * EPI_VEC + e] = ops.out.value(
+                                                    T.Cast("int64", T.min(m0 + wg * WGMMA_M + row, m - 1)), n0 // 2 + cc * (EPI_COLS // 2) + tid % out_pieces * EPI_VEC + e,
+                                                    epi[wg * epi_chunk + row * EPI_COLS + T.bitwise_xor(tid % out_pieces, row % 8) * EPI_VEC + e],
+                                                    epi[wg * epi_chunk + row * EPI_COLS + T.bitwise_xor(tid % out_pieces + out_pieces, row % 8) * EPI_VEC + e],
+                                                )
+                                    for i in T.unroll(WGMMA_M * out_pieces // WARPGROUP):
+                                        r: T.let[T.int32] = m0 + wg * WGMMA_M + i * (WARPGROUP // out_pieces) + (tid % WARPGROUP) // out_pieces
+                                        if r < m:
+                                            for e in T.vectorized(EPI_VEC):
+                                                out_buf[ops.out.index(T.Cast("int64", r), n0 * out_bn // bn + cc * (EPI_COLS * out_bn // bn) + tid % out_pieces * EPI_VEC + e)] = vals[i * EPI_VEC + e]
                                 # The chunk is read before the next overwrites it.
                                 T.cuda.warpgroup_sync(1 + wg)
+        if split_k > 1:
+            reduce_blocks(part)
     # fmt: on
     return body.body
