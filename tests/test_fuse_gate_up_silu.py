@@ -230,7 +230,7 @@ def test_mma_sync_rejects_paired_epilogues() -> None:
     tile = next(iter(d.tiles.values()))
     with pytest.raises(FuselightError, match="paired"):
         check_plan(GemmPlan(main=tile), ops)
-    assert all(isinstance(p, dispatch.WgmmaTile) for p in dispatch.candidates(ops, d))
+    assert all(isinstance(p, dispatch.WgmmaPlan) for p in dispatch.candidates(ops, d))
 
 
 def test_dlight_cannot_schedule_the_fused_function(cuda) -> None:

@@ -46,7 +46,7 @@ def quick() -> dict:
 
 
 def test_features_describe_the_plan_and_the_estimate(d):
-    wgmma = d.wgmma["wgmma"]  # 128 x 256
+    wgmma = dispatch.WgmmaPlan(d.wgmma["wgmma"])  # 128 x 256
     x = dict(zip(cost_model.FEATURES, cost_model.features(wgmma, 200, 4096, 4096, d)))
     assert len(x) == len(cost_model.FEATURES)
     assert x["log_estimate_us"] == pytest.approx(math.log(dispatch.estimate_us(wgmma, 200, 4096, 4096, d)))
@@ -58,6 +58,9 @@ def test_features_describe_the_plan_and_the_estimate(d):
     y = dict(zip(cost_model.FEATURES, cost_model.features(plan, 64, 4096, 14336, d)))
     assert (y["wgmma"], y["block_k"], y["split_k"], y["rest_block_m"]) == (0, 64, 4, 32)
     assert y["k_steps"] == 14336 / (4 * 64)
+    split = dict(zip(cost_model.FEATURES, cost_model.features(dispatch.WgmmaPlan(d.wgmma["wgmma"], 4), 200, 4096, 4096, d)))
+    assert (split["wgmma"], split["split_k"], split["k_steps"]) == (1, 4, 4096 / (4 * 64))
+    assert split["log_blocks"] == pytest.approx(math.log(2 * 16 * 4))
     assert y["log_blocks"] == pytest.approx(math.log(1 * 32 * 4))
 
 

@@ -46,8 +46,8 @@ def test_dispatch_covers_every_m_with_valid_plans(n, k):
     uppers = [u for u, _ in ranges]
     assert uppers == sorted(uppers) and len(set(uppers)) == len(uppers)
     for upper, plan in ranges:
-        if isinstance(plan, dispatch.WgmmaTile):
-            dispatch.check_tile(plan, _ops(n, k))
+        if isinstance(plan, dispatch.WgmmaPlan):
+            dispatch.check_tile(plan.tile, _ops(n, k), plan.split_k)
             continue
         dispatch.check_plan(plan, _ops(n, k))
         assert plan.rest is None or upper > plan.main.block_m  # a rest tile only follows whole main tiles
@@ -67,10 +67,30 @@ def test_static_m_gets_one_plan():
 
 def test_estimate_prefers_large_tiles_at_large_m_and_fills_the_gpu_at_small_m():
     d = dispatch.load_dispatch("sm_90")
-    assert dispatch.best_plan(_ops(4096, 4096), 8192, d) == d.wgmma[dispatch.WGMMA]
+    assert dispatch.best_plan(_ops(4096, 4096), 8192, d) == dispatch.WgmmaPlan(d.wgmma[dispatch.WGMMA])
     small = dispatch.best_plan(_ops(4096, 4096), 32, d)
-    # 32 rows x 4096 columns are 16 wgmma tiles; the small-M plan spreads them over the GPU
-    assert -(-32 // small.main.block_m) * (4096 // small.main.block_n) * small.split_k >= 32
+    tile = small.tile if isinstance(small, dispatch.WgmmaPlan) else small.main
+    # 32 rows x 4096 columns are 16 128 x 256 tiles; the small-M plan spreads them over the GPU
+    assert -(-32 // tile.block_m) * (4096 // tile.block_n) * small.split_k >= 32
+
+
+def test_wgmma_split_k_plans_are_named_priced_and_candidates():
+    d = dispatch.load_dispatch("sm_90")
+    plan = dispatch.WgmmaPlan(d.wgmma["wgmma-n128"], 4)
+    assert dispatch.plan_name(plan, d) == "wgmma-n128/sk4"
+    assert dispatch._plan(d.tiles, d.wgmma, "wgmma-n128/sk4") == plan
+    assert dispatch._plan(d.tiles, d.wgmma, "wgmma") == dispatch.WgmmaPlan(d.wgmma["wgmma"])
+    assert plan in dispatch.candidates(_ops(4096, 4096), d)
+    # 128 x 4096 outputs are 32 tiles of 128 x 128: split four ways they fill the GPU, whole they do not
+    assert dispatch.estimate_us(plan, 128, 4096, 4096, d) < dispatch.estimate_us(
+        dispatch.WgmmaPlan(plan.tile), 128, 4096, 4096, d)
+    # at large M the partial sums cost more than the split gains
+    assert dispatch.estimate_us(plan, 8192, 4096, 4096, d) > dispatch.estimate_us(
+        dispatch.WgmmaPlan(plan.tile), 8192, 4096, 4096, d)
+    with pytest.raises(FuselightError, match="'wgmma-n96/sk2' has no wgmma tile"):
+        dispatch._plan(d.tiles, d.wgmma, "wgmma-n96/sk2")
+    # k = 4096 is 64 slices of 64: no split of it into 128 ranges
+    assert not dispatch._fits(dispatch.WgmmaPlan(plan.tile, 128), _ops(4096, 4096))
 
 
 def test_measured_table_overrides_the_estimate():
@@ -107,10 +127,14 @@ def test_rule_schedules_dynamic_m_matmuls_for_sm90(n, k, cuda):
     kernel = sch.mod["main"]
     assert [p.name for p in kernel.params] == [p.name for p in func.params]  # the signature stays
     source = _cuda_source(kernel, cuda)
-    assert "mma.sync.aligned.m16n8k16" in source and "ldmatrix" in source and "cp.async" in source
-    # one kernel (two with split-K) per dispatch range, chosen on the host
-    assert source.count("__global__") >= 2 * len(dispatch.plan_ranges(analyze_matmul(func).operands,
-                                                                       dispatch.load_dispatch("sm_90")))
+    d = dispatch.load_dispatch("sm_90")
+    ranges = dispatch.plan_ranges(analyze_matmul(func).operands, d)
+    names = [dispatch.plan_name(plan, d) for _, plan in ranges]
+    assert ("mma.sync.aligned.m16n8k16" in source) == any(not name.startswith("wgmma") for name in names)
+    assert "wgmma.mma_async" in source and "cp.async.bulk.tensor" in source
+    # one kernel per dispatch range, chosen on the host, and a reduction per split-K range (each
+    # kernel declared, then defined)
+    assert source.count("__global__") == 2 * sum(2 if "/sk" in name else 1 for name in names)
 
 
 @needs_nvcc

@@ -12,11 +12,11 @@ from typing import Any
 from .mma_sync import mma_sync_gemm
 from .operands import GemmOperands
 from .plan import GemmPlan
-from .wgmma import WgmmaTile, wgmma_gemm
+from .wgmma import WgmmaPlan, wgmma_gemm
 
 
-def gemm_body(ops: GemmOperands, plan: GemmPlan | WgmmaTile) -> Any:
+def gemm_body(ops: GemmOperands, plan: GemmPlan | WgmmaPlan) -> Any:
     """The kernel body (a ``tvm.tirx.Stmt``) of ``plan``'s template for ``ops``."""
-    if isinstance(plan, WgmmaTile):
-        return wgmma_gemm(ops, plan)
+    if isinstance(plan, WgmmaPlan):
+        return wgmma_gemm(ops, plan.tile, plan.split_k)
     return mma_sync_gemm(ops, plan)

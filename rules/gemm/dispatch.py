@@ -1,12 +1,13 @@
 """Which GEMM plan serves which M: an analytic performance function, no search at compile time.
 
 A plan is either a ``GemmPlan`` of the mma.sync template (tiles, rest tile, split-K: it fills the
-GPU at small M) or a ``WgmmaTile`` of the Hopper wgmma template (128 x 256, the fastest at large
-M, or 128 x 128 where few tiles would leave SMs idle). ``estimate_us`` prices a plan for (M, N, K)
-from the device numbers and per-tile efficiencies in ``configs/gemm/dispatch.json``: tensor-core
+GPU at small M) or a ``WgmmaPlan`` of the Hopper wgmma template (a tile and split-K: 128 x 256, the
+fastest at large M; narrower or 64-row tiles, or K split, where few tiles would leave SMs idle).
+``estimate_us`` prices a plan for (M, N, K) from the device numbers and per-tile efficiencies in ``configs/gemm/dispatch.json``: tensor-core
 time per block wave (a wave is every SM running its resident blocks; the last one partly idle),
 a block's operand streaming at one SM's rate (what few blocks at small M cannot hide), the DRAM
-floor (weights, A and the output moved once), the split-K partials and one launch gap per kernel.
+floor (weights, A and the output moved once), the split-K partials (written after the K loop, then
+read by the reduction) and one launch gap per kernel.
 ``plan_ranges`` evaluates it over an M grid and merges neighbours with the same best plan into
 ``(largest M, plan)`` ranges, which the Matmul rule turns into a host-side branch. A measured table
 (``fuselight tune gemm-*``) checks the function against the GPU: its entries, where present for a
@@ -31,10 +32,10 @@ from fuselight.paths import config_dir
 
 from .operands import GemmOperands
 from .plan import GemmPlan, GemmTile, check_plan, load_tiles
-from .wgmma import WgmmaTile, check_tile, load_wgmma_tiles
+from .wgmma import WgmmaPlan, WgmmaTile, check_tile, load_wgmma_tiles
 
-Plan = GemmPlan | WgmmaTile
-WGMMA = "wgmma"  # the default wgmma tile's name in tables; the others are "wgmma-<name>"
+Plan = GemmPlan | WgmmaPlan
+WGMMA = "wgmma"  # the default wgmma tile's name in tables; the others are "wgmma-<name>"; "/sk<k>": split-K
 COST_MODELS = ("analytic", "xgboost")  # what may price the plans of a shape without a measured table
 
 
@@ -66,7 +67,7 @@ class Dispatch:
     keep_within: float  # a range keeps the previous plan while it is this close to the best (0.05: 5%)
     efficiency: dict[str, float]  # tile name -> fraction of the per-SM peak a block sustains
     tiles: dict[str, GemmTile]
-    wgmma: dict[str, WgmmaTile]  # by plan name; empty: the arch has no wgmma config
+    wgmma: dict[str, WgmmaTile]  # by name in tables (without split-K); empty: the arch has no wgmma config
     measured: dict[str, list[tuple[int, Plan]]]  # "NxK" -> measured best (largest M, plan)
     arch: str
     cost_model: str  # what prices plans of shapes without a measured table: "analytic" or "xgboost"
@@ -120,21 +121,22 @@ def load_dispatch(arch: str) -> Dispatch:
 
 
 def plan_name(plan: Plan, d: Dispatch) -> str:
-    """A plan's name in tables: ``wgmma``, or ``<main tile>[+<rest tile>][/sk<split>]``."""
-    if isinstance(plan, WgmmaTile):
-        return next(name for name, t in d.wgmma.items() if t == plan)
-    names = {t: name for name, t in d.tiles.items()}
-    key = names[plan.main] + (f"+{names[plan.rest]}" if plan.rest is not None else "")
+    """A plan's name in tables: ``wgmma[-<tile>][/sk<split>]`` or ``<main tile>[+<rest tile>][/sk<split>]``."""
+    if isinstance(plan, WgmmaPlan):
+        key = next(name for name, t in d.wgmma.items() if t == plan.tile)
+    else:
+        names = {t: name for name, t in d.tiles.items()}
+        key = names[plan.main] + (f"+{names[plan.rest]}" if plan.rest is not None else "")
     return key + (f"/sk{plan.split_k}" if plan.split_k > 1 else "")
 
 
 def _plan(tiles: dict[str, GemmTile], wgmma: dict[str, WgmmaTile], name: str) -> Plan:
     """The plan ``plan_name`` gives ``name``."""
-    if name.startswith(WGMMA):
-        if name not in wgmma:
-            raise FuselightError(f"measured plan {name!r} has no wgmma tile with an efficiency")
-        return wgmma[name]
     main, _, split = name.partition("/sk")
+    if main.startswith(WGMMA):
+        if main not in wgmma:
+            raise FuselightError(f"measured plan {name!r} has no wgmma tile with an efficiency")
+        return WgmmaPlan(tile=wgmma[main], split_k=int(split or 1))
     main, _, rest = main.partition("+")
     return GemmPlan(main=tiles[main], rest=tiles[rest] if rest else None, split_k=int(split or 1))
 
@@ -159,29 +161,30 @@ def _waves_us(block_m: int, block_n: int, blocks: int, k: float, resident: int, 
 def estimate_us(plan: Plan, m: int, n: int, k: int, d: Dispatch) -> float:
     """Estimated microseconds of ``plan`` for an ``m x n x k`` GEMM (see the module docstring)."""
     moved = (n * k + m * k + m * n) * IN_BYTES
-    if isinstance(plan, WgmmaTile):
-        blocks = math.ceil(m / plan.block_m) * math.ceil(n / plan.block_n)
-        per_sm = d.wgmma_peak_tflops * d.efficiency[plan_name(plan, d)] / d.sms
-        compute = _waves_us(plan.block_m, plan.block_n, blocks, k, _resident(plan, plan.smem_bytes, d), per_sm,
-                            d.wgmma_sm_gbps, d)
-        return max(compute, moved / (d.dram_gbps * 1e3)) + d.launch_us
-    main, rest = plan.main, plan.rest or plan.main
-    whole = m // main.block_m if plan.rest is not None else 0
-    left = m - whole * main.block_m
-    compute = 0.0
-    for tile, rows_tiles in ((main, whole), (rest, math.ceil(left / rest.block_m))):
-        if rows_tiles == 0:
-            continue
-        blocks = rows_tiles * math.ceil(n / tile.block_n) * plan.split_k
-        per_sm = d.peak_tflops * d.efficiency[_name(tile, d)] / d.sms
-        compute += _waves_us(tile.block_m, tile.block_n, blocks, k / plan.split_k,
-                             _resident(tile, tile.shared_bytes, d), per_sm, d.sm_gbps, d)
+    if isinstance(plan, WgmmaPlan):
+        tile = plan.tile
+        blocks = math.ceil(m / tile.block_m) * math.ceil(n / tile.block_n) * plan.split_k
+        per_sm = d.wgmma_peak_tflops * d.efficiency[plan_name(WgmmaPlan(tile), d)] / d.sms
+        compute = _waves_us(tile.block_m, tile.block_n, blocks, k / plan.split_k,
+                            _resident(tile, tile.smem_bytes, d), per_sm, d.wgmma_sm_gbps, d)
+    else:
+        main, rest = plan.main, plan.rest or plan.main
+        whole = m // main.block_m if plan.rest is not None else 0
+        left = m - whole * main.block_m
+        compute = 0.0
+        for tile, rows_tiles in ((main, whole), (rest, math.ceil(left / rest.block_m))):
+            if rows_tiles == 0:
+                continue
+            blocks = rows_tiles * math.ceil(n / tile.block_n) * plan.split_k
+            per_sm = d.peak_tflops * d.efficiency[_name(tile, d)] / d.sms
+            compute += _waves_us(tile.block_m, tile.block_n, blocks, k / plan.split_k,
+                                 _resident(tile, tile.shared_bytes, d), per_sm, d.sm_gbps, d)
     reduce_us = 0.0
     if plan.split_k > 1:
-        # The GEMM writes fp32 partials; a second kernel reads them and runs the epilogue.
+        # The GEMM writes fp32 partials after its K loop (nothing left to overlap them with); a
+        # second kernel reads them and runs the epilogue.
         partials = plan.split_k * m * n * ACC_BYTES
-        moved += partials
-        reduce_us = (partials + m * n * IN_BYTES) / (d.dram_gbps * 1e3) + d.launch_us
+        reduce_us = (2 * partials + m * n * IN_BYTES) / (d.dram_gbps * 1e3) + d.launch_us
     return max(compute, moved / (d.dram_gbps * 1e3)) + d.launch_us + reduce_us
 
 
@@ -200,8 +203,8 @@ def _cost(plan: Plan, m: int, n: int, k: int, d: Dispatch) -> float:
 
 def _fits(plan: Plan, ops: GemmOperands) -> bool:
     try:
-        if isinstance(plan, WgmmaTile):
-            check_tile(plan, ops)
+        if isinstance(plan, WgmmaPlan):
+            check_tile(plan.tile, ops, plan.split_k)
         else:
             check_plan(plan, ops)
     except FuselightError:
@@ -218,7 +221,7 @@ def _measured(ops: GemmOperands, d: Dispatch) -> list[tuple[int, Plan]] | None:
 def candidates(ops: GemmOperands, d: Dispatch) -> list[Plan]:
     """Every plan the config allows that can tile ``ops``."""
     tiles = list(d.tiles.values())
-    plans: list[Plan] = list(d.wgmma.values())
+    plans: list[Plan] = [WgmmaPlan(tile, split) for tile, split in itertools.product(d.wgmma.values(), d.split_k)]
     for main, rest, split in itertools.product(tiles, [None, *tiles], d.split_k):
         if rest is None or (rest.block_m < main.block_m and rest.block_n == main.block_n):
             plans.append(GemmPlan(main=main, rest=rest, split_k=split))
@@ -239,7 +242,7 @@ def best_plan(
     lowest = m if lowest_m is None else lowest_m
     plans = [
         p for p in (candidates(ops, d) if plans is None else plans)
-        if isinstance(p, WgmmaTile) or p.rest is None or lowest >= p.main.block_m
+        if isinstance(p, WgmmaPlan) or p.rest is None or lowest >= p.main.block_m
     ]
     if not plans:
         return None

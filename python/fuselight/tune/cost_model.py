@@ -54,10 +54,11 @@ def settings() -> dict[str, Any]:
 def features(plan: Any, m: int, n: int, k: int, d: Any) -> list[float]:
     """The feature vector (``FEATURES``) of ``plan`` on an ``m x n x k`` GEMM under dispatch config ``d``."""
     from fuselight.rules.gemm.dispatch import estimate_us
-    from fuselight.rules.gemm.wgmma import BLOCK_K, WgmmaTile
+    from fuselight.rules.gemm.wgmma import BLOCK_K, WgmmaPlan
 
-    if isinstance(plan, WgmmaTile):
-        wgmma, tile, block_k, smem, split_k, rest_m = 1, plan, BLOCK_K, plan.smem_bytes, 1, 0
+    if isinstance(plan, WgmmaPlan):
+        tile = plan.tile
+        wgmma, block_k, smem, split_k, rest_m = 1, BLOCK_K, tile.smem_bytes, plan.split_k, 0
     else:
         tile = plan.main
         wgmma, block_k, smem, split_k = 0, tile.block_k, tile.shared_bytes, plan.split_k

@@ -77,11 +77,13 @@ def _plans(ops: Any, d: Any) -> list[Any]:
 def plan_record(plan: Any, name: str) -> dict[str, Any]:
     """What a dataset row says about a plan: its table name, template and tile parameters (of the
     main tile for mma.sync; ``rest_block_m`` 0 when it has no rest tile)."""
-    from fuselight.rules.gemm.wgmma import BLOCK_K, WgmmaTile
+    from fuselight.rules.gemm.wgmma import BLOCK_K, WgmmaPlan
 
-    if isinstance(plan, WgmmaTile):
-        return {"plan": name, "template": "wgmma", "block_m": plan.block_m, "block_n": plan.block_n,
-                "block_k": BLOCK_K, "threads": plan.threads, "stages": plan.stages, "split_k": 1, "rest_block_m": 0}
+    if isinstance(plan, WgmmaPlan):
+        tile = plan.tile
+        return {"plan": name, "template": "wgmma", "block_m": tile.block_m, "block_n": tile.block_n,
+                "block_k": BLOCK_K, "threads": tile.threads, "stages": tile.stages, "split_k": plan.split_k,
+                "rest_block_m": 0}
     tile = plan.main
     return {"plan": name, "template": "mma_sync", "block_m": tile.block_m, "block_n": tile.block_n,
             "block_k": tile.block_k, "threads": tile.threads, "stages": tile.stages, "split_k": plan.split_k,
@@ -94,8 +96,18 @@ def _shapes() -> list[tuple[int, int]]:
     return [(c.dims["n"], c.dims["k"]) for c in load_suite("full") if c.op == "gemm"]
 
 
-def build(out_dir: Path, arch: str = "sm_90", shapes: list[tuple[int, int]] | None = None) -> Path:
-    """Compile every candidate plan for each shape into ``out_dir``; returns the manifest path."""
+def build(
+    out_dir: Path,
+    arch: str = "sm_90",
+    shapes: list[tuple[int, int]] | None = None,
+    m_grid: list[int] | None = None,
+    plans: list[str] | None = None,
+) -> Path:
+    """Compile every candidate plan for each shape into ``out_dir``; returns the manifest path.
+
+    m_grid: the M values ``run`` measures (default: the dispatch grid); plans: only the candidates
+    of these table names (default: all), e.g. to re-measure one M range among its likely winners.
+    """
     import tvm
     from fuselight.rules.gemm import gemm_body
     from fuselight.rules.gemm.analysis import analyze_matmul
@@ -113,8 +125,10 @@ def build(out_dir: Path, arch: str = "sm_90", shapes: list[tuple[int, int]] | No
     libraries = {}
     for n, k in shapes or _shapes():
         start = time.perf_counter()
-        funcs, plans = {}, {}
-        for i, plan in enumerate(_plans(analyze_matmul(matmul_prim_func(n, k, DTYPE)).operands, d)):
+        funcs, records = {}, {}
+        chosen = [p for p in _plans(analyze_matmul(matmul_prim_func(n, k, DTYPE)).operands, d)
+                  if plans is None or plan_name(p, d) in plans]
+        for i, plan in enumerate(chosen):
             func = matmul_prim_func(n, k, DTYPE)  # fresh buffers for each kernel
             ops = analyze_matmul(func).operands
             body = gemm_body(ops, plan)
@@ -122,14 +136,14 @@ def build(out_dir: Path, arch: str = "sm_90", shapes: list[tuple[int, int]] | No
             funcs[name] = tvm.tirx.PrimFunc(func.params, body, func.ret_type, func.attrs).with_attr(
                 "global_symbol", name
             )
-            plans[name] = plan_record(plan, plan_name(plan, d))
+            records[name] = plan_record(plan, plan_name(plan, d))
         lib = tvm.compile(tvm.IRModule(funcs), target=target)
         file = f"gemm-{n}x{k}.so"
         write_library(lib, out_dir / file, library_metadata(spec, "fuselight", "none"), spec)
-        libraries[f"{n}x{k}"] = {"library": file, "plans": plans}
-        print(f"{n}x{k}: {len(plans)} plans in {time.perf_counter() - start:.0f} s", flush=True)
+        libraries[f"{n}x{k}"] = {"library": file, "plans": records}
+        print(f"{n}x{k}: {len(records)} plans in {time.perf_counter() - start:.0f} s", flush=True)
     manifest = out_dir / MANIFEST_NAME
-    manifest.write_text(json.dumps({"suite": SUITE, "arch": arch, "dtype": DTYPE, "m_grid": list(d.m_grid),
+    manifest.write_text(json.dumps({"suite": SUITE, "arch": arch, "dtype": DTYPE, "m_grid": list(m_grid or d.m_grid),
                                     "versions": {"tvm": tvm.__version__, "git_commit": git_commit()},
                                     "libraries": libraries}, indent=1))
     return manifest
