@@ -6,8 +6,9 @@ next rule (static M below the dispatch config's ``min_static_m``) and writes the
 body (``rules.gemm.gemv``, the config bucket of ``configs/gemm/gemv.json`` for that M) over the
 function's own buffers: the signature, the parameters and the epilogue stay, the intermediates
 vanish (a paired ``silu(gate) * up`` epilogue included: decode's gate+up projection writes
-``[M, I]`` directly). Other weights layouts, M without a bucket and targets without a config go on
-to the next rule (DLight's GEMV).
+``[M, I]`` directly). Unlike the Matmul rule it also takes an RMSNorm prologue
+(``passes.fuse_norm_gemv``: the template norms the token rows in every block). Other weights
+layouts, M without a bucket and targets without a config go on to the next rule (DLight's GEMV).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class Gemv(AnalyzeScheduleRule):
     @staticmethod
     def analyze(func: tirx.PrimFunc) -> MatmulDesc | None:
         """The GEMV and fused epilogue ``func`` computes (a matmul with static M), or None."""
-        desc = analyze_matmul(func)
+        desc = analyze_matmul(func, prologue=True)  # the template computes a norm prologue
         return desc if desc is not None and desc.m_static is not None else None
 
     def schedule(self, func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:
@@ -44,7 +45,7 @@ class Gemv(AnalyzeScheduleRule):
         if desc.m_static >= min_static_m or cfg is None:
             return None  # the Matmul rule's, or no bucket serves it
         try:
-            check_gemv(desc.operands, cfg)
+            check_gemv(desc.operands, cfg, int(target.attrs["max_shared_memory_per_block"]))
         except FuselightError:
-            return None  # operands the template does not take (NN weights, K not a multiple of 32)
+            return None  # operands the template does not take (NN weights, K not a multiple of 32, too much shared memory)
         return with_kernels(func, gemv_body(desc.operands, cfg))

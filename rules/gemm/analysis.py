@@ -15,6 +15,11 @@ a template can write ``Out`` directly and the intermediates vanish. One stage of
 reads its input at ``[v..., vn]`` and ``[v..., vn + N / 2]``; the epilogue then takes both
 accumulators (``operands.Epilogue.pair_offset``). Anything else (another stage shape, an
 intermediate read twice or by a later stage, other offsets, strided buffers, other dtypes) gives None.
+
+With ``prologue=True`` the matmul may also be preceded by the stages of an RMSNorm of its A (TOPI's
+``rms_norm``, with or without a residual ``add`` written out first, as ``passes.fuse_norm_gemv``
+writes them): A is then that intermediate, described by ``operands.NormPrologue``. Only callers whose
+template computes the prologue ask for it; for the others such a function is not a matmul (None).
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import tvm
 from tvm import arith, tirx
 from tvm.tirx import stmt_functor
 
-from .operands import DTYPES, Epilogue, GemmOperands
+from .operands import DTYPES, Epilogue, GemmOperands, NormPrologue
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 
@@ -220,20 +226,88 @@ def _row_indices(row: Any, extents: tuple[Any, ...], dtype: str) -> list[Any]:
     return out[::-1]
 
 
-def analyze_matmul(func: tirx.PrimFunc) -> MatmulDesc | None:
-    """The GEMM and fused epilogue ``func`` computes, or None (see the module docstring)."""
+def _norm_prologue(func: tirx.PrimFunc, count: int, allocs: list[tirx.Buffer], a: tirx.Buffer) -> NormPrologue | None:
+    """The RMSNorm (with its residual add) the first ``count`` stages of ``func`` compute into the
+    intermediate ``a``, exactly as TOPI writes them, or None."""
+    from tvm_ffi import structural_equal
+
+    from ..reduce.analysis import analyze_row_reduction
+
+    if not any(a.same_as(b) for b in allocs):
+        return None
+    root = func.body.block
+    stmts = list(root.body.seq)[:count]
+    others = [b for b in allocs if not b.same_as(a)]
+    sub = tirx.PrimFunc(
+        [*func.params, a],
+        tirx.SBlockRealize([], True, tirx.SBlock([], [], [], "root", tirx.SeqStmt(stmts), None, others)),
+    )
+    desc = analyze_row_reduction(sub)
+    if desc is None or desc.kind not in ("rms_norm", "add_rms_norm") or len(desc.col_inputs) != 1:
+        return None
+    if len(desc.row_inputs) > 2:
+        return None
+    dtype = str(a.dtype)
+    x, residual = desc.row_inputs[0], desc.row_inputs[1] if len(desc.row_inputs) == 2 else None
+    weight = desc.col_inputs[0]
+    normed = [o for o in desc.outputs if o.buffer.same_as(a)]
+    totals = [o for o in desc.outputs if not o.buffer.same_as(a)]
+    if len(normed) != 1 or len(totals) != (residual is not None):
+        return None
+    if any(str(buf.dtype) != dtype or not _plain(buf) for buf in (x, weight, *(o.buffer for o in totals))):
+        return None
+    if not all(_equal(s, e) for s, e in zip(x.shape, a.shape)) or len(x.shape) != len(a.shape):
+        return None
+    index = [*desc.row_vars, desc.col_var]
+    t = tirx.BufferLoad(x, index)
+    if residual is not None:
+        if str(residual.dtype) != dtype or not _plain(residual):
+            return None
+        t = t + tirx.BufferLoad(residual, index)
+        if not structural_equal(totals[0].value, t, map_free_vars=False):
+            return None
+    t32 = tirx.Cast("float32", t)
+    stat = desc.stats[0]
+    if not (stat.reducer == "sum" and float(stat.init.value) == 0.0 and structural_equal(stat.element, t32 * t32)):
+        return None
+    # out = cast(rsqrt(s / cols + eps) * float32(t) * float32(weight[c])): find eps, then compare the whole.
+    value = normed[0].value
+    scale = value.value.a if isinstance(value, tirx.Cast) and isinstance(value.value, tirx.Mul) else None
+    rsqrt = scale.a if isinstance(scale, tirx.Mul) else None
+    if not (isinstance(rsqrt, tvm.ir.Call) and rsqrt.op.name == "tirx.rsqrt" and isinstance(rsqrt.args[0], tirx.Add)):
+        return None
+    eps = rsqrt.args[0].b
+    if not isinstance(eps, tirx.FloatImm) or _dtype(eps) != "float32":
+        return None
+    rstd = tirx.rsqrt(stat.var / tirx.FloatImm("float32", float(desc.cols)) + eps)
+    expected = tirx.Cast(dtype, rstd * t32 * tirx.Cast("float32", tirx.BufferLoad(weight, [desc.col_var])))
+    if not structural_equal(value, expected, map_free_vars=False):
+        return None
+    return NormPrologue(x=x, residual=residual, weight=weight, eps=float(eps.value),
+                        total=totals[0].buffer if totals else None)
+
+
+def analyze_matmul(func: tirx.PrimFunc, prologue: bool = False) -> MatmulDesc | None:
+    """The GEMM and fused epilogue ``func`` computes, or None (see the module docstring).
+
+    prologue: also recognise an RMSNorm computing A first (``GemmOperands.prologue``).
+    """
     found = _stages(func)
     if found is None or not found[0]:
         return None
     stages, allocs = found
-    mm = _matmul(stages[0])
-    if mm is None:
+    at = next((i for i, s in enumerate(stages) if _matmul(s) is not None), None)
+    if at is None or (at > 0 and not prologue):
         return None
-    a, b, c, b_layout = mm
+    a, b, c, b_layout = _matmul(stages[at])
     dtype = str(a.dtype)
     if dtype not in DTYPES or str(b.dtype) != dtype or str(c.dtype) not in ("float32", dtype):
         return None
-    if any(not _plain(buf) for buf in (a, b)) or any(buf.same_as(x) for buf in (a, b) for x in allocs):
+    norm = _norm_prologue(func, at, allocs, a) if at > 0 else None
+    if at > 0 and norm is None:
+        return None
+    inputs = (b,) if norm is not None else (a, b)  # with a prologue, A is the norm's intermediate
+    if any(not _plain(buf) for buf in (a, b)) or any(buf.same_as(x) for buf in inputs for x in allocs):
         return None
     n, k = c.shape[-1], a.shape[-1]
     if not isinstance(n, tirx.IntImm) or not isinstance(k, tirx.IntImm):
@@ -241,12 +315,15 @@ def analyze_matmul(func: tirx.PrimFunc) -> MatmulDesc | None:
     n, k = int(n), int(k)
     if [int(x) for x in b.shape] != ([n, k] if b_layout == "NT" else [k, n]):
         return None
-    extents = stages[0].extents[:-1]  # C's
+    extents = stages[at].extents[:-1]  # C's
     row_extents = extents[:-1]
     m: Any = tirx.IntImm(_dtype(row_extents[0]) if row_extents else "int64", 1)
     for e in row_extents:
         m = m * e
     m = arith.Analyzer().simplify(m)
+    # What the epilogue must not read: the prologue's intermediates, and its sum (written by the
+    # kernel's blocks in slices, so not all of it is there when a block's epilogue runs).
+    before = [s.store.buffer for s in stages[:at]]
 
     # The chain: each stage reads the previous one's output, which must be an intermediate; one
     # stage may pair column vn with vn + N / 2 (the later ones run over N / 2 columns).
@@ -254,8 +331,8 @@ def analyze_matmul(func: tirx.PrimFunc) -> MatmulDesc | None:
     chain: list[_Stage] = []
     paired_at: int | None = None
     half = n // 2 if n % 2 == 0 else None
-    for stage in stages[1:]:
-        older = [c, *(s.store.buffer for s in chain)][:-1]
+    for stage in stages[at + 1:]:
+        older = [*before, *[c, *(s.store.buffer for s in chain)][:-1]]
         if not any(prev.same_as(x) for x in allocs):
             return None
         if not _elementwise(stage, prev, older, extents):
@@ -266,7 +343,7 @@ def analyze_matmul(func: tirx.PrimFunc) -> MatmulDesc | None:
         chain.append(stage)
         prev = stage.store.buffer
     out = prev
-    if any(out.same_as(x) for x in allocs) or not _plain(out):
+    if any(out.same_as(x) for x in (*allocs, *before)) or not _plain(out):
         return None
 
     def value(row: Any, col: Any, acc: Any, acc_up: Any = None) -> Any:
@@ -299,8 +376,8 @@ def analyze_matmul(func: tirx.PrimFunc) -> MatmulDesc | None:
         return tuple(_indices(row, col, [tirx.Var("i", _dtype(x)) for x in extents]))
 
     operands = GemmOperands(
-        a=a, b=b, m=m, n=n, k=k, b_layout=b_layout, dtype=dtype,
-        out=Epilogue(out, index, value, half if paired_at is not None else None),
+        a=a if norm is None else norm.x, b=b, m=m, n=n, k=k, b_layout=b_layout, dtype=dtype,
+        out=Epilogue(out, index, value, half if paired_at is not None else None), prologue=norm,
     )
     return MatmulDesc(
         operands=operands,

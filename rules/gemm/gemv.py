@@ -19,6 +19,14 @@ most ``cfg.max_m``, at least 1: the caller branches on it); the grid does not de
 With a paired epilogue (``silu(gate) * up``: output column c pairs weight rows c and c + n / 2) a
 block's 16 rows are 8 gate rows and the 8 matching up rows (rows g and g + 8 of the mma): every
 lane then holds both accumulators of its outputs, and the block writes 8 output columns.
+
+With a norm prologue (``operands.NormPrologue``, static M) the tokens are computed, not loaded:
+every block first issues its weight loads of the first round (so memory is busy meanwhile), then
+reads its M rows of ``x`` (+ the residual) in 16-byte pieces, sums the squares of ``x + r`` in
+float32 across the block, and writes the normed rows, rounded to the activation dtype as the norm
+kernel rounds them, to shared memory, where the token fragments are then read from (rows padded by
+one piece, so rows g of a fragment load sit in different banks). The rows are read from L2 by
+every block (a few percent of the weight bytes); ``x + r`` is written out in slices, one per block.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ MAX_TOKEN_TILES = 2  # so M <= 16
 # K a warp covers per step: 4 lanes x 8 elements (16 bytes), read as two mma k16 steps.
 STEP_K = 32
 PIECE_WORDS = 4  # 16 bytes as 32-bit registers
+PIECE = 2 * PIECE_WORDS  # 16-bit elements of a piece
 MAX_THREADS = 1024
 DTYPE_ABBREV = {"float16": "fp16", "bfloat16": "bf16"}
 CONFIG_FAMILY, CONFIG_NAME = "gemm", "gemv"
@@ -97,8 +106,9 @@ def config_for(configs: list[GemvConfig], m: int) -> GemvConfig | None:
     return next((c for c in configs if m <= c.max_m), None)
 
 
-def check_gemv(ops: GemmOperands, cfg: GemvConfig) -> None:
-    """FuselightError where the template cannot compute ``ops`` with ``cfg``."""
+def check_gemv(ops: GemmOperands, cfg: GemvConfig, max_shared_bytes: int | None = None) -> None:
+    """FuselightError where the template cannot compute ``ops`` with ``cfg`` (in at most
+    ``max_shared_bytes`` of shared memory a block, if given)."""
     check_gemv_config(cfg)
     if ops.b_layout != "NT" or ops.dtype not in DTYPE_ABBREV:
         raise FuselightError(f"GEMV: needs NT fp16/bf16 weights, got {ops.b_layout} {ops.dtype}")
@@ -107,6 +117,18 @@ def check_gemv(ops: GemmOperands, cfg: GemvConfig) -> None:
     m = _static_m(ops)
     if m is not None and not 1 <= m <= cfg.max_m:
         raise FuselightError(f"GEMV: M ({m}) must be 1..{cfg.max_m} (the config's max_m)")
+    if ops.prologue is not None and m is None:
+        raise FuselightError("GEMV: a norm prologue needs a static M")
+    if max_shared_bytes is not None and shared_bytes(ops, cfg) > max_shared_bytes:
+        raise FuselightError(f"GEMV: needs {shared_bytes(ops, cfg)} bytes of shared memory, the target has {max_shared_bytes}")
+
+
+def shared_bytes(ops: GemmOperands, cfg: GemvConfig) -> int:
+    """Shared memory of a block: the warps' partial tiles, and the normed token rows of a prologue."""
+    partials = block_warps(ops, cfg) * MMA_M * MMA_N * cfg.token_tiles * 4
+    if ops.prologue is None:
+        return partials
+    return partials + _static_m(ops) * (ops.k // 2 + PIECE_WORDS) * 4
 
 
 def block_warps(ops: GemmOperands, cfg: GemvConfig) -> int:
@@ -134,6 +156,7 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
 
     check_gemv(ops, cfg)
     n, k, dtype = ops.n, ops.k, ops.dtype
+    norm = ops.prologue
     ab = DTYPE_ABBREV[dtype]
     tiles, unroll = cfg.token_tiles, cfg.unroll
     warps = block_warps(ops, cfg)
@@ -167,12 +190,38 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
         # Paired: the lane's gate accumulators (e < 2) write; e + 2 holds the up row.
         return True if pair is None else o % 4 < 2
 
+    blocks = -(-out_n // block_cols)
+    # Token rows: in global memory (``words`` apart), or normed into shared memory by the
+    # prologue (one piece of padding a row). Prologue: a thread's pieces of a row, and the pieces
+    # of x + r a block writes.
+    x_stride = words if norm is None else words + PIECE_WORDS
+    pieces = k // PIECE
+    thread_pieces = -(-pieces // threads)
+    rows_p = 0 if norm is None else _static_m(ops)
+    slice_pieces = -(-(rows_p * pieces) // blocks)
+
+    @T.macro
+    def load_weights(w, W, w_lo, w_hi, warp, rr, u):
+        # 16 bytes of weight rows g and g + 8 at step (rr, u) of this warp.
+        kw: T.let[T.int32] = ((rr * unroll + u) * warps + warp) * (STEP_K // 2)
+        for e in T.vectorized(PIECE_WORDS):
+            w[(u * 2) * PIECE_WORDS + e] = W[w_lo + kw + e]
+        for e in T.vectorized(PIECE_WORDS):
+            w[(u * 2 + 1) * PIECE_WORDS + e] = W[w_hi + kw + e]
+
     # fmt: off
     @T.prim_func(s_tir=True, check_well_formed=False)
     def body():
         W = T.decl_buffer((n * words,), "uint32", data=ops.b.data)
-        X = T.decl_buffer((ops.m * words,), "uint32", data=ops.a.data)
-        for bx in T.thread_binding(-(-out_n // block_cols), thread="blockIdx.x"):
+        if norm is None:
+            X = T.decl_buffer((ops.m * words,), "uint32", data=ops.a.data)
+        else:
+            Xg = T.decl_buffer((rows_p * k,), dtype, data=norm.x.data)
+            Wn = T.decl_buffer((k,), dtype, data=norm.weight.data)
+            if norm.residual is not None:
+                Rg = T.decl_buffer((rows_p * k,), dtype, data=norm.residual.data)
+                Tg = T.decl_buffer((rows_p * k,), dtype, data=norm.total.data)
+        for bx in T.thread_binding(blocks, thread="blockIdx.x"):
             for tid in T.thread_binding(threads, thread="threadIdx.x"):
                 with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", cfg.min_blocks_per_sm), T.sblock("gemv"):
                     T.reads()
@@ -194,19 +243,63 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                     w_hi: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[1]) * words + lane % 4 * PIECE_WORDS
                     for i in T.unroll(tiles * 4):
                         acc[i] = T.float32(0)
+                    if norm is not None:
+                        # The first round's weights are in flight while the rows are normed.
+                        for u in T.unroll(unroll):
+                            if not ragged or u < steps:
+                                load_weights(w, W, w_lo, w_hi, warp, 0, u)
+                        xs = T.sblock_alloc_buffer((rows_p * x_stride * 2,), dtype, scope="shared")
+                        X = T.decl_buffer((rows_p * x_stride,), "uint32", data=xs.data, scope="shared")
+                        t_reg = T.sblock_alloc_buffer((thread_pieces * PIECE,), dtype, scope="local")
+                        piece = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
+                        part = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        ssq = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        for row in T.unroll(rows_p):
+                            part[0] = T.float32(0)
+                            for i in T.unroll(thread_pieces):
+                                p: T.let[T.int32] = i * threads + T.Cast("int32", tid)
+                                if p < pieces:
+                                    for e in T.vectorized(PIECE):
+                                        t_reg[i * PIECE + e] = Xg[row * k + p * PIECE + e]
+                                    if norm.residual is not None:
+                                        for e in T.vectorized(PIECE):
+                                            piece[e] = Rg[row * k + p * PIECE + e]
+                                        for e in T.unroll(PIECE):
+                                            t_reg[i * PIECE + e] = t_reg[i * PIECE + e] + piece[e]
+                                        if bx * slice_pieces <= row * pieces + p and row * pieces + p < (bx + 1) * slice_pieces:
+                                            for e in T.vectorized(PIECE):
+                                                Tg[row * k + p * PIECE + e] = t_reg[i * PIECE + e]
+                                    for e in T.unroll(PIECE):
+                                        part[0] = part[0] + T.Cast("float32", t_reg[i * PIECE + e]) * T.Cast("float32", t_reg[i * PIECE + e])
+                            with T.sblock("norm_sum"):
+                                T.reads(part[0])
+                                T.writes(ssq[0])
+                                T.attr(T.comm_reducer(lambda a0, b0: a0 + b0, [T.float32(0)]), "reduce_scope", T.int32(0))
+                                T.tvm_thread_allreduce(T.uint32(1), part[0], True, ssq[0], tid, dtype="void")
+                            # As TOPI's rms_norm: rsqrt(mean + eps) * float32(t) * float32(w), rounded once.
+                            # (A register: TVM lowers ``ssq`` to shared memory, which a store would race on.)
+                            rstd: T.let[T.float32] = T.rsqrt(ssq[0] / T.float32(k) + T.float32(norm.eps))
+                            for i in T.unroll(thread_pieces):
+                                p: T.let[T.int32] = i * threads + T.Cast("int32", tid)
+                                if p < pieces:
+                                    for e in T.vectorized(PIECE):
+                                        piece[e] = Wn[p * PIECE + e]
+                                    for e in T.unroll(PIECE):
+                                        piece[e] = T.Cast(dtype, rstd * T.Cast("float32", t_reg[i * PIECE + e]) * T.Cast("float32", piece[e]))
+                                    for e in T.vectorized(PIECE):
+                                        xs[row * x_stride * 2 + p * PIECE + e] = piece[e]
+                        T.tvm_storage_sync("shared")
                     for r in T.serial(rounds):
                         # Every load of ``unroll`` steps first, so they are in flight together.
                         for u in T.unroll(unroll):
                             if not ragged or r * unroll + u < steps:
                                 k0: T.let[T.int32] = ((r * unroll + u) * warps + warp) * (STEP_K // 2)
-                                for e in T.vectorized(PIECE_WORDS):
-                                    w[(u * 2) * PIECE_WORDS + e] = W[w_lo + k0 + e]
-                                for e in T.vectorized(PIECE_WORDS):
-                                    w[(u * 2 + 1) * PIECE_WORDS + e] = W[w_hi + k0 + e]
+                                if norm is None or r > 0:  # with a prologue, round 0's are loaded
+                                    load_weights(w, W, w_lo, w_hi, warp, r, u)
                                 for t in T.unroll(tiles):
                                     for e in T.vectorized(PIECE_WORDS):
                                         x[(u * tiles + t) * PIECE_WORDS + e] = X[
-                                            T.min(t * MMA_N + lane // 4, m - 1) * words + lane % 4 * PIECE_WORDS + k0 + e]
+                                            T.min(t * MMA_N + lane // 4, m - 1) * x_stride + lane % 4 * PIECE_WORDS + k0 + e]
                         for u in T.unroll(unroll):
                             if not ragged or r * unroll + u < steps:
                                 for s in T.unroll(2):

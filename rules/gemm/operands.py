@@ -17,6 +17,15 @@ two accumulator columns into one output: for ``c < n / 2``::
 
 and writes nothing else (the output is ``m x n / 2``). A template serving it arranges its tiles so
 that the thread holding column ``c`` also holds ``c + pair_offset``.
+
+A "norm prologue" (``GemmOperands.prologue``, ``passes.fuse_norm_gemv``) computes A itself: A is the
+RMSNorm of ``x`` (plus a residual, whose sum the kernel also writes out), rounded to ``dtype``::
+
+    t[r, k] = x[r, k] (+ residual[r, k])                     (in dtype; written to ``total``)
+    A[r, k] = dtype(rsqrt(sum_k' float32(t[r, k'])^2 / k + eps) * float32(t[r, k]) * float32(weight[k]))
+
+``a`` is then ``x`` (A's shape and dtype; A itself is never in memory). Only templates that say so
+take a prologue; the analysis hands one out only to callers that ask for it.
 """
 
 from __future__ import annotations
@@ -41,6 +50,17 @@ class Epilogue:
 
 
 @dataclasses.dataclass(frozen=True)
+class NormPrologue:
+    """A computed as the RMSNorm of ``x`` (+ ``residual``) in the GEMM kernel (see the module docstring)."""
+
+    x: Any  # tvm.tirx.Buffer, contiguous row-major, m rows of k, dtype ``GemmOperands.dtype``
+    residual: Any | None  # tvm.tirx.Buffer like x, added to it first; None: a plain RMSNorm
+    weight: Any  # tvm.tirx.Buffer [k], the norm's weight, same dtype
+    eps: float
+    total: Any | None  # tvm.tirx.Buffer like x receiving x + residual (None exactly when residual is)
+
+
+@dataclasses.dataclass(frozen=True)
 class GemmOperands:
     """One GEMM over the analysed function's buffers."""
 
@@ -52,6 +72,7 @@ class GemmOperands:
     b_layout: str  # one of B_LAYOUTS
     dtype: str  # one of DTYPES
     out: Epilogue | None  # None: a plain GEMM priced or tuned, never written
+    prologue: NormPrologue | None = None  # A computed in the kernel (then ``a`` is ``prologue.x``)
 
     @property
     def paired(self) -> bool:
