@@ -27,6 +27,7 @@ from .classify import Classify, classify_module
 from .fold_norm_weight import FoldNormWeight
 from .fuse_attention import FuseAttention
 from .fuse_gate_up_silu import FuseGateUpSiLU
+from .fuse_norm_gemv import FuseNormIntoGemv
 from .merge_sibling_matmuls import MergeSiblingMatmuls
 from .paged_attention import PagedAttentionKernels
 from .property_rewrite import PropertyRewrite
@@ -53,6 +54,8 @@ PASSES: dict[str, GraphPass] = {
         # Moves scales across R.matmul, which FuseTransposeMatmul lowers to TIR.
         GraphPass("property_rewrite", "before_fuse_transpose_matmul", PropertyRewrite),
         GraphPass("paged_attention", "after_graph_passes", PagedAttentionKernels),
+        # Before add_rms_norm_kernels, which replaces the norm kernels this pass recognises.
+        GraphPass("fuse_norm_gemv", "after_graph_passes", FuseNormIntoGemv),
         GraphPass("add_rms_norm_kernels", "after_graph_passes", AddRMSNormKernels),
         GraphPass("fusion_plan", "before_legalize", ApplyFusionPlan),
     ]
@@ -73,4 +76,4 @@ def get(name: str) -> GraphPass:
     return PASSES[name]
 
 
-__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "Classify", "FoldNormWeight", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "FuseAttention", "FuseGateUpSiLU", "GraphPass", "Slot", "classify_module", "default", "get"]
+__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "Classify", "FoldNormWeight", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "FuseAttention", "FuseGateUpSiLU", "FuseNormIntoGemv", "GraphPass", "Slot", "classify_module", "default", "get"]

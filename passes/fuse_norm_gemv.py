@@ -1,0 +1,339 @@
+"""Compute each decode RMSNorm (and its residual add) inside the GEMV that consumes it: one launch, not two.
+
+In a decode step every RMSNorm of a LLaMA layer feeds exactly one linear layer (the QKV projection,
+the gate+up projection; the final norm the LM head), and with one token row that linear layer is a
+GEMV whose kernel reads the normed row anyway. This pass finds::
+
+    normed = rms_norm(x (+ r), w)       # FuseAddRMSNorm's kernel (normed, x + r), or
+                                        # R.nn.rms_norm(R.add(x, r), w), or R.nn.rms_norm(x, w)
+    y = call_tir(F, (normed, W))        # F: a matmul PrimFunc (the GEMM analysis recognises it), or
+                                        # FuseGateUpSiLU's kernel (compared with what the GEMV rule makes
+                                        # of its function)
+    z = astype(astype(y ...))           # casts of y, each the only use of the one before (optional)
+
+where ``normed`` has no other use and the token rows are static, and replaces them with one
+``call_tir`` of a PrimFunc ``(x[, r], w, W) -> (z[, x + r])`` written plainly (TOPI's add and
+rms_norm, ``F``'s own stages reading the norm, the casts; spliced by FuseTIR), scheduled right away
+by the GEMV rule, whose template computes the norm in every block (``rules.gemm.gemv``). Only where
+that rule schedules it: the other GEMM templates take no norm prologue, so an unscheduled fused
+function must never reach them (prefill, with its symbolic rows, keeps the separate norm kernel;
+there the norm is a small part of the time). ``FuseNormIntoGemv(schedule=False)`` fuses without
+scheduling (any target: the plain functions, e.g. to check the numbers on the CPU) wherever the
+GEMM analysis recognises the fused function with static rows.
+
+Runs after the graph passes (FuseGateUpSiLU, FuseTransposeMatmul) and before
+``add_rms_norm_kernels``, which replaces FuseAddRMSNorm's kernels with ones this pass does not read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import tvm
+import tvm_ffi
+from fuselight.rules.gemm.analysis import analyze_matmul
+from tvm import relax, te, tirx, topi
+from tvm.relax.expr_functor import mutator
+
+from ..relax_rewrite import FunctionRewriter
+from .add_rms_norm_kernels import add_rms_norm_eps
+from .fuse_gate_up_silu import gate_up_silu_te
+
+PRIMFUNC_NAME = "fused_rms_norm_gemv"
+_HALF = ("float16", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Site:
+    """One norm and the matmul it feeds, as found in a Relax function."""
+
+    anchor: relax.Var  # where the fused call goes: the norm kernel's result, the add, or the rms_norm
+    kind: str  # "kernel", "add" (R.nn.rms_norm of an R.add) or "norm" (R.nn.rms_norm alone)
+    x: relax.Expr
+    residual: relax.Expr | None
+    weight: relax.Expr
+    eps: float
+    consumer: tirx.PrimFunc  # plain: (A, W) -> y
+    matrix: relax.Expr
+    casts: tuple[str, ...]
+    final: relax.Var  # the binding the GEMV's result replaces
+    dropped: tuple[relax.Var, ...]  # bindings that vanish (the norm, the matmul, the casts before final)
+
+
+def _op(expr: Any, name: str) -> bool:
+    return isinstance(expr, relax.Call) and expr.op == tvm.ir.Op.get(name)
+
+
+def _static_shape(expr: Any) -> list[int] | None:
+    ty = getattr(expr, "ty", None)
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    dims = list(ty.shape.values)
+    return [int(d) for d in dims] if all(isinstance(d, tirx.IntImm) for d in dims) else None
+
+
+def _vars(expr: Any) -> list[relax.Var]:
+    found: list[relax.Var] = []
+    relax.analysis.post_order_visit(expr, lambda n: found.append(n) if isinstance(n, relax.Var) else None)
+    return found
+
+
+def fused_norm_matmul(
+    x_ty: relax.TensorType,
+    residual: bool,
+    weight_ty: relax.TensorType,
+    eps: float,
+    consumer: tirx.PrimFunc,
+    matrix_ty: relax.TensorType,
+    casts: tuple[str, ...] = (),
+) -> tirx.PrimFunc:
+    """``(x[, r], w, W) -> (y[, x + r])``, written plainly: TOPI's add (if ``residual``) and rms_norm
+    of ``x`` over its last axis, ``consumer`` (a PrimFunc ``(A, W) -> y``) reading the norm, then
+    ``casts``; FuseTIR splices the stages into one PrimFunc."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", x_ty)
+    r = relax.Var("residual", x_ty)
+    w = relax.Var("norm_weight", weight_ty)
+    mat = relax.Var("weight", matrix_ty)
+    params = [x, *([r] if residual else []), w, mat]
+    out = consumer.params[-1]
+    with bb.function("fused", params, attrs={"Primitive": True}, private=True):
+        with bb.dataflow():
+            src = bb.emit_te(topi.add, x, r) if residual else x
+            normed = bb.emit_te(topi.nn.rms_norm, src, w, [len(x_ty.shape.values) - 1], eps)
+            matmul = bb.add_func(consumer.without_attr("global_symbol"), "matmul")
+            y = bb.emit(relax.call_tir(matmul, [normed, mat], relax.TensorType(list(out.shape), str(out.dtype))))
+            for dtype in casts:
+                y = bb.emit_te(topi.cast, y, dtype)
+            result = bb.emit_output(relax.Tuple([y, src]) if residual else y)
+        bb.emit_func_output(result)
+    fused = bb.get().get_global_var("fused")
+    outer = [relax.Var(p.name, p.ty) for p in params]
+    with bb.function("main", outer):
+        with bb.dataflow():
+            called = bb.emit_output(relax.Call(fused, outer))
+        bb.emit_func_output(called)
+    mod = relax.transform.FuseTIR()(bb.get())
+    calls: list[Any] = []
+    relax.analysis.post_order_visit(mod["main"], lambda n: calls.append(n) if _op(n, "relax.call_tir") else None)
+    return mod[calls[0].args[0]].without_attr("global_symbol")
+
+
+def _gemv(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc | None:
+    """``func`` as the GEMV rule schedules it on ``target``, or None."""
+    from fuselight.rules.gemv import Gemv
+
+    scheduled = Gemv().apply(func, target, False)
+    return None if scheduled is None else scheduled.mod["main"].without_attr("global_symbol")
+
+
+def _gate_up_plain(func: tirx.PrimFunc, target: tvm.target.Target | None) -> tirx.PrimFunc | None:
+    """FuseGateUpSiLU's plain function when scheduled ``func`` is exactly what the GEMV rule makes of
+    it on ``target`` (the scheduled kernel keeps no trace of what it computes), else None."""
+    attrs = func.attrs or {}
+    if target is None or "tirx.is_scheduled" not in attrs or len(func.params) != 3:
+        return None
+    x, w, out = func.params
+    dtype = str(x.dtype)
+    if dtype not in _HALF or str(w.dtype) != dtype or len(w.shape) != 2 or len(x.shape) != len(out.shape):
+        return None
+    if not all(isinstance(d, tirx.IntImm) for d in (*x.shape, *w.shape, *out.shape)):
+        return None
+    if int(w.shape[1]) != int(x.shape[-1]) or int(w.shape[0]) != 2 * int(out.shape[-1]):
+        return None
+    if [int(d) for d in x.shape[:-1]] != [int(d) for d in out.shape[:-1]]:
+        return None
+    for acc in ("float32", dtype):
+        xs, ws = te.placeholder(x.shape, dtype, "x"), te.placeholder(w.shape, dtype, "w")
+        plain = te.create_prim_func([xs, ws, gate_up_silu_te(xs, ws, acc, str(out.dtype))])
+        plain = plain.with_attr("tirx.noalias", True)
+        ours = _gemv(plain, target)
+        if ours is not None and tvm_ffi.structural_equal(ours, func.without_attr("global_symbol")):
+            return plain
+    return None
+
+
+@tvm.transform.module_pass(opt_level=0, name="FuseNormIntoGemv")
+class FuseNormIntoGemv:
+    """Replace an RMSNorm and the GEMV reading it by one fused call (see the module docstring)."""
+
+    def __init__(self, schedule: bool = True) -> None:
+        self.schedule = schedule
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        target = tvm.target.Target.current(allow_none=True)
+        if self.schedule and target is None:
+            return mod
+        return _Rewriter(mod, target if self.schedule else None).transform()
+
+
+class _Finder:
+    """The sites of one Relax function (see the module docstring)."""
+
+    def __init__(self, mod: tvm.IRModule, func: relax.Function, consumer_of: Any) -> None:
+        self.mod, self.consumer_of = mod, consumer_of
+        self.var2val = relax.analysis.get_var2val(func)
+        self.order: dict[relax.Var, int] = {}
+        self.users: dict[relax.Var, list[relax.Var]] = {}
+        self.uses: dict[relax.Var, int] = {}
+        relax.analysis.post_order_visit(func.body, self._count)
+        bindings = [b for block in func.body.blocks for b in block.bindings]
+        for i, b in enumerate(bindings):
+            self.order[b.var] = i
+            for v in _vars(b.value):
+                self.users.setdefault(v, []).append(b.var)
+        self.sites: list[_Site] = []
+        for b in bindings:
+            site = self._site(b.var, b.value)
+            if site is not None and all(not s.anchor.same_as(site.anchor) for s in self.sites):
+                self.sites.append(site)
+
+    def _count(self, node: Any) -> None:
+        if isinstance(node, relax.Var):
+            self.uses[node] = self.uses.get(node, 0) + 1
+
+    def _before(self, expr: Any, anchor: relax.Var) -> bool:
+        """Whether ``expr`` is defined before ``anchor`` (a parameter, or bound earlier)."""
+        return not isinstance(expr, relax.Var) or self.order.get(expr, -1) < self.order[anchor]
+
+    def _only_user(self, var: relax.Var) -> relax.Var | None:
+        users = self.users.get(var, [])
+        return users[0] if len(users) == 1 and self.uses.get(var, 0) == 1 else None
+
+    def _site(self, var: relax.Var, value: Any) -> _Site | None:
+        if not _op(value, "relax.call_tir") or not isinstance(value.args[0], tvm.ir.GlobalVar):
+            return None
+        args = list(value.args[1].fields)
+        if len(args) != 2 or not isinstance(args[0], relax.Var) or self._only_user(args[0]) is None:
+            return None
+        normed, matrix = args
+        consumer = self.consumer_of(value.args[0])
+        shape = _static_shape(normed)
+        if consumer is None or shape is None:
+            return None
+        casts, final, dropped = [], var, [normed, var]
+        while (user := self._only_user(final)) is not None and _op(self.var2val.get(user), "relax.astype"):
+            casts.append(str(self.var2val[user].attrs.dtype))
+            final = user
+            dropped.append(user)
+        dropped.remove(final)
+        norm = self._norm(normed)
+        if norm is None:
+            return None
+        kind, anchor, x, residual, weight, eps = norm
+        # The fused call goes where the norm (or its add) was: what it reads must be there already.
+        if not (self._before(matrix, anchor) and self._before(weight, anchor)):
+            return None
+        return _Site(anchor, kind, x, residual, weight, eps, consumer, matrix, tuple(casts), final, tuple(dropped))
+
+    def _norm(self, normed: relax.Var) -> tuple[str, relax.Var, Any, Any, Any, float] | None:
+        value = self.var2val.get(normed)
+        if isinstance(value, relax.TupleGetItem) and int(value.index) == 0 and isinstance(value.tuple_value, relax.Var):
+            lv = value.tuple_value
+            kernel = self.var2val.get(lv)
+            if not _op(kernel, "relax.call_tir") or not isinstance(kernel.args[0], tvm.ir.GlobalVar):
+                return None
+            eps = add_rms_norm_eps(self.mod[kernel.args[0]])
+            items = [self.var2val.get(u) for u in self.users.get(lv, [])]
+            if eps is None or self.uses.get(lv, 0) != len(items):
+                return None  # the kernel's result used other than through its two fields
+            if not all(isinstance(i, relax.TupleGetItem) for i in items) or [int(i.index) for i in items].count(0) != 1:
+                return None
+            x, r, w = kernel.args[1].fields
+            return "kernel", lv, x, r, w, eps
+        if not _op(value, "relax.nn.rms_norm"):
+            return None
+        data, weight = value.args
+        ndim = len(_static_shape(normed))
+        if [int(a) % ndim for a in value.attrs.axes] != [ndim - 1]:
+            return None
+        eps = float(value.attrs.epsilon)
+        summed = self.var2val.get(data) if isinstance(data, relax.Var) else None
+        if _op(summed, "relax.add") and all(
+            _static_shape(a) == _static_shape(data) and a.ty.dtype == data.ty.dtype for a in summed.args
+        ):
+            return "add", data, summed.args[0], summed.args[1], weight, eps
+        return "norm", normed, data, None, weight, eps
+
+
+@mutator
+class _Rewriter(FunctionRewriter):
+    def __init__(self, mod: tvm.IRModule, target: tvm.target.Target | None) -> None:
+        super().__init__(mod)
+        self.target = target  # None: fuse without scheduling
+        self.consumers: dict[tvm.ir.GlobalVar, tirx.PrimFunc | None] = {}
+        self.kernels: dict[tuple, tvm.ir.GlobalVar | None] = {}
+        self.anchors: dict[relax.Var, _Site] = {}
+        self.finals: dict[relax.Var, _Site] = {}
+        self.dropped: set[relax.Var] = set()
+        self.fused: dict[relax.Var, relax.Var] = {}  # final -> the fused call's result
+        for _, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                for site in _Finder(mod, func, self._consumer).sites:
+                    if self._kernel(site) is not None:
+                        self.anchors[site.anchor] = site
+                        self.finals[site.final] = site
+                        self.dropped.update(site.dropped)
+
+    def _consumer(self, gv: tvm.ir.GlobalVar) -> tirx.PrimFunc | None:
+        """The plain matmul function ``gv`` computes, or None."""
+        if gv not in self.consumers:
+            func = self.mod[gv]
+            plain = None
+            if isinstance(func, tirx.PrimFunc):
+                if "tirx.is_scheduled" in (func.attrs or {}):
+                    plain = _gate_up_plain(func, self.target)
+                else:
+                    desc = analyze_matmul(func)
+                    ops = desc.operands if desc is not None else None
+                    if ops is not None and len(func.params) == 3 and ops.a.same_as(func.params[0]) \
+                            and ops.b.same_as(func.params[1]):
+                        plain = func
+            self.consumers[gv] = plain
+        return self.consumers[gv]
+
+    def _kernel(self, site: _Site) -> tvm.ir.GlobalVar | None:
+        """The fused function's GlobalVar (added once per distinct computation), or None where it is
+        not made: not recognised with static rows, or not scheduled by the GEMV rule."""
+        key = (site.residual is not None, site.eps, tuple(site.casts),
+               *(tvm_ffi.structural_hash(e.ty) for e in (site.x, site.weight, site.matrix)),
+               tvm_ffi.structural_hash(site.consumer))
+        if key not in self.kernels:
+            func = fused_norm_matmul(site.x.ty, site.residual is not None, site.weight.ty, site.eps,
+                                     site.consumer, site.matrix.ty, site.casts)
+            desc = analyze_matmul(func, prologue=True)
+            if desc is None or desc.m_static is None:
+                func = None
+            elif self.target is not None:
+                func = _gemv(func, self.target)
+            self.kernels[key] = None if func is None else self.builder_.add_func(func, PRIMFUNC_NAME)
+        return self.kernels[key]
+
+    def _bind(self, var: relax.Var, value: relax.Expr) -> None:
+        if isinstance(var, relax.DataflowVar) or not self.builder_.current_block_is_dataflow():
+            new = value if isinstance(value, relax.Var) else self.builder_.emit(value, var.name)
+        else:
+            new = self.builder_.emit_output(value, var.name)
+        self.set_var_remap(var, new)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        var = binding.var
+        if var in self.anchors:
+            site = self.anchors[var]
+            args = [self.visit_expr(e) for e in (site.x, site.residual, site.weight, site.matrix) if e is not None]
+            final_ty = relax.TensorType(list(site.final.ty.shape.values), site.final.ty.dtype)
+            out_ty = [final_ty, relax.TensorType(list(site.x.ty.shape.values), site.x.ty.dtype)] \
+                if site.residual is not None else final_ty
+            fused = self.builder_.emit(relax.call_tir(self._kernel(site), args, out_ty), PRIMFUNC_NAME)
+            self.fused[site.final] = fused
+            if site.kind == "kernel":
+                self._bind(var, fused)  # its fields: [1] is x + r as before; [0] only fed the matmul
+            elif site.kind == "add":
+                self._bind(var, relax.TupleGetItem(fused, 1))
+        elif var in self.finals:
+            site = self.finals[var]
+            fused = self.fused[var]
+            self._bind(var, relax.TupleGetItem(fused, 0) if site.residual is not None else fused)
+        elif var not in self.dropped:
+            super().visit_var_binding_(binding)

@@ -1,0 +1,289 @@
+"""FuseNormIntoGemv and the GEMV norm prologue: on our LLaMA the pass fuses every decode norm into the
+GEMV after it (numbers equal to the unrewritten model on llvm, prefill untouched); on cuda it replaces
+FuseAddRMSNorm's kernel + the GEMV (FuseGateUpSiLU's included) by one scheduled kernel; the analysis
+describes the prologue and hands it to the GEMV rule only; near misses stay as they are; the kernels
+build for sm_90 and nvcc compiles them (GPU numerics against float64: the measurements' script)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+from conftest import relative_error
+from fuselight.baseline.fuse_add_rms_norm import FuseAddRMSNorm
+from fuselight.baseline.fuse_transpose_matmul import FuseTransposeMatmul, nt_matmul
+from fuselight.passes import (
+    PASSES,
+    AccumulateMatmulFP32,
+    FuseGateUpSiLU,
+    FuseNormIntoGemv,
+)
+from fuselight.passes.fuse_gate_up_silu import gate_up_silu_te
+from fuselight.passes.fuse_norm_gemv import PRIMFUNC_NAME, fused_norm_matmul
+from fuselight.rules.gemm import gemv
+from fuselight.rules.gemm.analysis import analyze_matmul
+from fuselight.rules.gemv import Gemv
+from fuselight.rules.matmul import Matmul
+from fuselight.target import resolve, to_tvm
+from relax_module import single_function
+from tvm import relax, te, tirx
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+HIDDEN = 1024  # a multiple of 1024: FuseAddRMSNorm applies on cuda
+EPS = 1e-5
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    return to_tvm(resolve("cuda", "sm_90"))
+
+
+def _ty(*shape, dtype="float16"):
+    return relax.TensorType(list(shape), dtype)
+
+
+def _ph(shape, name, dtype="float16"):
+    return te.placeholder([tirx.IntImm("int64", s) for s in shape], dtype, name)
+
+
+def _nt_matmul(n: int, k: int = HIDDEN, dtype: str = "float16") -> tirx.PrimFunc:
+    """FuseTransposeMatmul's function for one token row (float32 accumulator)."""
+    a, b = _ph((1, 1, k), "a", dtype), _ph((n, k), "b", dtype)
+    return te.create_prim_func([a, b, nt_matmul(a, b, "float32")])
+
+
+def _gate_up(n: int, k: int = HIDDEN) -> tirx.PrimFunc:
+    a, b = _ph((1, 1, k), "a"), _ph((n, k), "b")
+    return te.create_prim_func([a, b, gate_up_silu_te(a, b, "float32", "float16")])
+
+
+def _fused(consumer: tirx.PrimFunc, n: int, residual: bool = True, casts=("float16",), k: int = HIDDEN,
+           dtype: str = "float16"):
+    return fused_norm_matmul(_ty(1, 1, k, dtype=dtype), residual, _ty(k, dtype=dtype), EPS, consumer,
+                             _ty(n, k, dtype=dtype), casts)
+
+
+def _calls(func: relax.Function) -> list[str]:
+    names: list[str] = []
+
+    def visit(n):
+        if isinstance(n, relax.Call) and n.op == tvm.ir.Op.get("relax.call_tir"):
+            names.append(n.args[0].name_hint)
+
+    relax.analysis.post_order_visit(func, visit)
+    return names
+
+
+# --- the analysis -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_analysis_describes_the_prologue(residual):
+    func = _fused(_nt_matmul(384), 384, residual)
+    desc = analyze_matmul(func, prologue=True)
+    assert desc is not None and desc.m_static == 1 and desc.out_dtype == "float16"
+    ops = desc.operands
+    pro = ops.prologue
+    assert (ops.n, ops.k, pro.eps) == (384, HIDDEN, pytest.approx(EPS))
+    assert ops.a.same_as(pro.x) and pro.x.same_as(func.params[0])
+    assert pro.weight.same_as(func.params[2 if residual else 1])
+    if residual:
+        assert pro.residual.same_as(func.params[1]) and pro.total.same_as(func.params[-1])
+    else:
+        assert pro.residual is None and pro.total is None
+    # Templates without a prologue never see it: by default the function is not a matmul.
+    assert analyze_matmul(func) is None
+    assert analyze_matmul(_nt_matmul(384)).operands.prologue is None
+
+
+def test_analysis_keeps_the_paired_epilogue():
+    ops = analyze_matmul(_fused(_gate_up(2 * 344), 2 * 344, casts=()), prologue=True).operands
+    assert ops.paired and ops.out_n == 344 and ops.prologue.residual is not None
+
+
+def test_analysis_refuses_another_norm():
+    # A norm without the weight (not TOPI's rms_norm as the template computes it) is no prologue.
+    x, w = _ph((1, 1, HIDDEN), "x"), _ph((HIDDEN,), "w")
+    b = _ph((384, HIDDEN), "b")
+    sq = te.compute(x.shape, lambda *i: x(*i).astype("float32") * x(*i).astype("float32"))
+    kk = te.reduce_axis((0, HIDDEN), "kk")
+    ss = te.compute(x.shape[:-1], lambda i, j: te.sum(sq[i, j, kk], axis=kk))
+    normed = te.compute(x.shape, lambda i, j, c: (x[i, j, c].astype("float32") * te.rsqrt(ss[i, j] / HIDDEN + 1e-5)).astype("float16"))
+    func = te.create_prim_func([x, w, b, nt_matmul(normed, b, "float32")])
+    assert analyze_matmul(func, prologue=True) is None
+
+
+# --- the GEMV rule and its kernels ----------------------------------------------------------------
+
+
+def test_only_the_gemv_rule_takes_it(cuda):
+    func = _fused(_nt_matmul(384), 384).with_attr("target", cuda)
+    assert Matmul().apply(func, cuda, False) is None
+    assert Gemv().apply(func, cuda, False) is not None
+    assert Gemv().apply(func, tvm.target.Target("llvm"), False) is None
+
+
+def test_too_much_shared_memory_is_refused():
+    ops = analyze_matmul(_fused(_nt_matmul(384, k=8192), 384, k=8192), prologue=True).operands
+    cfg = gemv.config_for(gemv.load_gemv_configs("sm_90"), 1)
+    gemv.check_gemv(ops, cfg, gemv.shared_bytes(ops, cfg))
+    with pytest.raises(Exception, match="shared memory"):
+        gemv.check_gemv(ops, cfg, gemv.shared_bytes(ops, cfg) - 4)
+
+
+@needs_nvcc
+def test_llama_shaped_kernels_build_for_sm90_and_nvcc_compiles_them(cuda):
+    from fuselight.cuda_compile import compile_cuda
+
+    k = 4096
+    funcs = {
+        "qkv": _fused(_nt_matmul(6144, k), 6144, k=k),
+        "qkv_first": _fused(_nt_matmul(6144, k), 6144, residual=False, k=k),
+        "gate_up": _fused(_gate_up(28672, k), 28672, casts=(), k=k),
+        "qkv_bf16": _fused(_nt_matmul(6144, k, "bfloat16"), 6144, casts=("bfloat16",), k=k, dtype="bfloat16"),
+    }
+    kernels = {}
+    for name, func in funcs.items():
+        sch = Gemv().apply(func.with_attr("target", cuda), cuda, False)
+        assert sch is not None, name
+        kernels[name] = sch.mod["main"].without_attr("target").with_attr("global_symbol", name)
+    lib = tvm.compile(tvm.IRModule(kernels), target=cuda)
+    source = lib.mod.imports[0].inspect_source("cuda")
+    kernels_found = set(re.findall(r"__global__ void __launch_bounds__\([^)]*\) (\w+)\(", source))
+    assert len(kernels_found) == len(funcs)  # one launch each
+    assert "rsqrtf" in source and "mma.sync.aligned.m16n8k16" in source
+    assert compile_cuda(source, "sm_90")
+
+
+# --- the pass -----------------------------------------------------------------------------------
+
+
+def _llama_graph(cfg):
+    """Our model through the pipeline's graph passes up to this one (llvm, unscheduled)."""
+    from fuselight.model.llama import export_module
+
+    mod = export_module(cfg, to_tvm(resolve("llvm")))[0]
+    return FuseTransposeMatmul()(FuseGateUpSiLU(schedule=False)(AccumulateMatmulFP32()(mod)))
+
+
+def test_pass_on_our_llama_matches_the_unrewritten_model():
+    from fuselight import config
+    from fuselight.engine import Engine
+    from fuselight.model.weights import random_weights
+
+    cfg = config.load("tiny-llama").with_dtype("float16")
+    before = _llama_graph(cfg)
+    after = FuseNormIntoGemv(schedule=False)(before)
+    layers = cfg.num_hidden_layers
+    # Every decode norm: the first layer's alone, then add+norm twice a layer (the last the final norm).
+    fused = [n for n in _calls(after["decode"]) if n.startswith(PRIMFUNC_NAME)]
+    assert len(fused) == 2 * layers + 1
+    assert "R.nn.rms_norm" not in after["decode"].script() and "R.add" not in after["decode"].script()
+    tvm.ir.assert_structural_equal(after["prefill"], before["prefill"])  # symbolic rows: untouched
+
+    target = to_tvm(resolve("llvm"))
+    weights = random_weights(cfg, seed=11)
+    rng = np.random.default_rng(11)
+    prompt, steps = rng.integers(0, cfg.vocab_size, 6), [int(t) for t in rng.integers(0, cfg.vocab_size, 3)]
+    logits = []
+    for mod in (before, after):
+        exe = tvm.compile(mod, target=target, relax_pipeline=relax.get_default_pipeline(target))
+        vm, dev = relax.VirtualMachine(exe, tvm.cpu()), tvm.cpu()
+        engine = Engine(vm, [tvm.runtime.tensor(w, device=dev) for w in weights.values()], cfg, dev,
+                        max_total_seq_len=32)
+        engine.prefill(prompt)
+        logits.append([engine.decode(t).numpy() for t in steps])
+    for ours, ref in zip(*reversed(logits)):
+        assert np.isfinite(ours).all() and relative_error(ours, ref) < 1e-3
+
+
+def _decoder_step(bb, x, res, res2, w1, wqkv, w2, wgu):
+    """add+norm -> qkv, add+norm -> gate_up/SiLU, as our model's decode step lays them out."""
+    op = relax.op
+    h = bb.emit(op.add(x, res))
+    qkv = bb.emit(op.matmul(bb.emit(op.nn.rms_norm(h, w1, axes=[-1], epsilon=EPS)), bb.emit(op.permute_dims(wqkv))))
+    h2 = bb.emit(op.add(h, res2))
+    y = bb.emit(op.matmul(bb.emit(op.nn.rms_norm(h2, w2, axes=[-1], epsilon=EPS)), bb.emit(op.permute_dims(wgu))))
+    parts = bb.emit(op.split(y, 2, axis=-1))
+    gate, up = bb.emit(relax.TupleGetItem(parts, 0)), bb.emit(relax.TupleGetItem(parts, 1))
+    return relax.Tuple([qkv, bb.emit(op.multiply(bb.emit(op.nn.silu(gate)), up)), h2])
+
+
+def _step_module(rows=1):
+    row = [relax.Var(name, _ty(1, rows, HIDDEN)) for name in ("x", "res", "res2")]
+    params = [*row, relax.Var("w1", _ty(HIDDEN)), relax.Var("wqkv", _ty(384, HIDDEN)),
+              relax.Var("w2", _ty(HIDDEN)), relax.Var("wgu", _ty(688, HIDDEN))]
+    return single_function(params, _decoder_step)
+
+
+def _graph_passes(mod, target):
+    with target:
+        mod = FuseAddRMSNorm(target)(mod)
+        mod = FuseGateUpSiLU()(AccumulateMatmulFP32()(mod))
+        return FuseTransposeMatmul()(mod)
+
+
+def test_pass_fuses_fuse_add_rms_norm_kernels_and_the_scheduled_gate_up(cuda):
+    mod = _graph_passes(_step_module(), cuda)
+    before = _calls(mod["main"])
+    assert before.count("fuse_add_norm") == 2 and "gate_up_matmul_swiglu" in before
+    assert FuseNormIntoGemv()(mod).same_as(mod)  # no target in scope: unchanged
+    with cuda:
+        out = FuseNormIntoGemv()(mod)
+    after = _calls(out["main"])
+    assert "fuse_add_norm" not in after and "gate_up_matmul_swiglu" not in after
+    fused = [n for n in after if n.startswith(PRIMFUNC_NAME)]
+    assert len(fused) == 2 and len(after) == len(before) - 2
+    assert all("tirx.is_scheduled" in out[n].attrs for n in fused)  # by the GEMV rule, right away
+
+
+def test_pass_leaves_many_rows_to_the_separate_norm(cuda):
+    mod = _graph_passes(_step_module(rows=64), cuda)  # above the GEMV's rows: a GEMM without a prologue
+    with cuda:
+        out = FuseNormIntoGemv()(mod)
+    tvm.ir.assert_structural_equal(out["main"], mod["main"])
+
+
+def _norm_then(users):
+    """rms_norm(x) read by ``users`` (callables of (bb, normed, w) -> expr), each result returned."""
+    params = [relax.Var("x", _ty(1, 1, HIDDEN)), relax.Var("g", _ty(HIDDEN)), relax.Var("w", _ty(384, HIDDEN))]
+
+    def make(bb, x, g, w):
+        normed = bb.emit(relax.op.nn.rms_norm(x, g, axes=[-1], epsilon=EPS))
+        return relax.Tuple([bb.emit(u(bb, normed, w)) for u in users])
+
+    return FuseTransposeMatmul()(AccumulateMatmulFP32()(single_function(params, make)))
+
+
+def _linear(bb, normed, w):
+    return relax.op.matmul(normed, bb.emit(relax.op.permute_dims(w)))
+
+
+@pytest.mark.parametrize("users", [
+    [_linear, _linear],  # the norm read by two matmuls
+    [_linear, lambda bb, normed, w: relax.op.multiply(normed, normed)],  # and by something else
+    [lambda bb, normed, w: relax.op.sum(relax.op.multiply(normed, normed), axis=[-1])],  # not a matmul
+], ids=["two-matmuls", "matmul-and-multiply", "no-matmul"])
+def test_pass_leaves_norms_with_other_users(users):
+    mod = _norm_then(users)
+    tvm.ir.assert_structural_equal(FuseNormIntoGemv(schedule=False)(mod), mod)
+
+
+def test_pass_fuses_a_lone_norm_and_matmul():
+    mod = _norm_then([_linear])
+    out = FuseNormIntoGemv(schedule=False)(mod)
+    assert [n.startswith(PRIMFUNC_NAME) for n in _calls(out["main"])] == [True]
+
+
+def test_registered_before_add_rms_norm_kernels():
+    from fuselight.passes import default
+
+    assert PASSES["fuse_norm_gemv"].slot == PASSES["add_rms_norm_kernels"].slot == "after_graph_passes"
+    names = list(PASSES)
+    assert names.index("fuse_norm_gemv") < names.index("add_rms_norm_kernels")
+    if "fuse_norm_gemv" in default():
+        assert default().index("fuse_norm_gemv") < default().index("add_rms_norm_kernels")
