@@ -65,8 +65,8 @@ PASSES: dict[str, GraphPass] = {
 def default() -> list[str]:
     """Names of the passes the fuselight pipeline runs by default, in order."""
     return [
-        "fuse_attention", "accumulate_matmul_fp32", "fuse_gate_up_silu", "property_rewrite", "paged_attention", "add_rms_norm_kernels",
-        "fusion_plan",
+        "fuse_attention", "accumulate_matmul_fp32", "fuse_gate_up_silu", "property_rewrite", "paged_attention", "fuse_norm_gemv",
+        "add_rms_norm_kernels", "fusion_plan",
     ]  # fmt: skip
 
 
