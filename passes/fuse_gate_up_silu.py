@@ -30,7 +30,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import mutator
 
-from ..relax_rewrite import FunctionRewriter
+from ..relax_rewrite import FunctionRewriter, rewrite_for_target
 
 PRIMFUNC_NAME = "gate_up_matmul_swiglu"
 
@@ -176,10 +176,7 @@ class FuseGateUpSiLU:
         self.schedule = schedule
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        target = tvm.target.Target.current(allow_none=True)
-        if self.schedule and target is None:
-            return mod
-        return _Rewriter(mod, target if self.schedule else None).transform()
+        return rewrite_for_target(_Rewriter, mod, self.schedule)
 
 
 @mutator

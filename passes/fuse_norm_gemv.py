@@ -36,7 +36,7 @@ from fuselight.rules.gemm.analysis import analyze_matmul
 from tvm import relax, te, tirx, topi
 from tvm.relax.expr_functor import mutator
 
-from ..relax_rewrite import FunctionRewriter
+from ..relax_rewrite import FunctionRewriter, rewrite_for_target
 from .add_rms_norm_kernels import add_rms_norm_eps
 from .fuse_gate_up_silu import gate_up_silu_te
 
@@ -162,10 +162,7 @@ class FuseNormIntoGemv:
         self.schedule = schedule
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        target = tvm.target.Target.current(allow_none=True)
-        if self.schedule and target is None:
-            return mod
-        return _Rewriter(mod, target if self.schedule else None).transform()
+        return rewrite_for_target(_Rewriter, mod, self.schedule)
 
 
 class _Finder:

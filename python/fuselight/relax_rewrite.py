@@ -5,6 +5,8 @@ rewrite as a subclass that overrides ``visit_*`` methods and carries TVM's ``@mu
 (this base stays undecorated: ``@mutator`` refuses subclasses of a decorated class), and its
 ``transform_module`` returns ``Subclass(mod, ...).transform()``.
 
+``rewrite_for_target``: run a rewriter that schedules the kernels it makes for the target in scope.
+
 ``annotate_functions``: set one function attribute on the Relax functions of a module.
 """
 
@@ -43,6 +45,16 @@ class FunctionRewriter(PyExprMutator):
         """The module with every Relax function rewritten (and added functions given unique names)."""
         self.rewrite_functions()
         return self.builder_.finalize()
+
+
+def rewrite_for_target(rewriter: Callable[[tvm.IRModule, Any], FunctionRewriter], mod: tvm.IRModule,
+                       schedule: bool) -> tvm.IRModule:
+    """``rewriter(mod, target).transform()`` for the target in scope, whose rules schedule what it fuses
+    (no target in scope: ``mod`` unchanged); ``schedule=False``: fused only (target None), for CPU numerics."""
+    target = tvm.target.Target.current(allow_none=True)
+    if schedule and target is None:
+        return mod
+    return rewriter(mod, target if schedule else None).transform()
 
 
 def annotate_functions(

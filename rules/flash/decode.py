@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-
-import tvm
-from tvm.script import tirx as T
-
 from types import SimpleNamespace
 
+import tvm
 from fuselight.errors import FuselightError
+from tvm.script import tirx as T
 
 from ..arch_config import load_arch_config
 from .paging import paged_kv_len

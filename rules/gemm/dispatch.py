@@ -24,11 +24,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from tvm import tirx
-
 from fuselight.errors import FuselightError
 from fuselight.jsonfile import read_json_object
 from fuselight.paths import config_dir
+from tvm import tirx
 
 from .operands import GemmOperands
 from .plan import GemmPlan, GemmTile, check_plan, load_tiles
