@@ -21,7 +21,7 @@ from ..target import arch_of
 from .base import AnalyzeScheduleRule, with_kernels
 from .gemm.analysis import MatmulDesc, analyze_matmul
 from .gemm.dispatch import load_dispatch
-from .gemm.gemv import check_gemv, config_for, gemv_body, load_gemv_configs
+from .gemm.gemv import STATIC_SHARED_BYTES, check_gemv, config_for, gemv_body, load_gemv_configs
 
 
 class Gemv(AnalyzeScheduleRule):
@@ -45,7 +45,9 @@ class Gemv(AnalyzeScheduleRule):
         if desc.m_static >= min_static_m or cfg is None:
             return None  # the Matmul rule's, or no bucket serves it
         try:
-            check_gemv(desc.operands, cfg, int(target.attrs["max_shared_memory_per_block"]))
+            # The kernel's shared memory is static: CUDA's static limit, or the target's if lower.
+            limit = min(int(target.attrs.get("max_shared_memory_per_block", STATIC_SHARED_BYTES)), STATIC_SHARED_BYTES)
+            check_gemv(desc.operands, cfg, limit)
         except FuselightError:
             return None  # operands the template does not take (NN weights, K not a multiple of 32, too much shared memory)
         return with_kernels(func, gemv_body(desc.operands, cfg))

@@ -132,6 +132,13 @@ def test_rule_fuses_a_residual_add_epilogue(cuda):
     assert len(_kernels(source)) == 1 and "R_ptr[" in source  # the residual is read in the epilogue
 
 
+def test_rule_takes_a_target_that_does_not_state_its_shared_memory():
+    # The kernel's shared memory is static: without the target's figure, CUDA's static limit bounds it.
+    bare = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    assert "max_shared_memory_per_block" not in bare.attrs
+    assert _scheduled(matmul_prim_func(4096, 4096, "float16", m=1), bare) is not None
+
+
 @pytest.mark.parametrize("m", [2, 8, 9, 15])
 def test_rule_takes_every_static_m_below_min_static_m(m, cuda):
     assert _scheduled(matmul_prim_func(4096, 4096, "float16", m=m), cuda) is not None

@@ -50,6 +50,7 @@ STEP_K = 32
 PIECE_WORDS = 4  # 16 bytes as 32-bit registers
 PIECE = 2 * PIECE_WORDS  # 16-bit elements of a piece
 MAX_THREADS = 1024
+STATIC_SHARED_BYTES = 48 * 1024  # CUDA's limit on a block's static shared memory
 DTYPE_ABBREV = {"float16": "fp16", "bfloat16": "bf16"}
 CONFIG_FAMILY, CONFIG_NAME = "gemm", "gemv"
 
