@@ -21,6 +21,7 @@ from fuselight.passes.fuse_attention import (
 )
 from fuselight.rules.flash_attention import FlashAttention
 from fuselight.target import resolve, to_tvm
+from relax_module import single_function as _module
 from tvm import relax, te, tirx
 
 op = relax.op
@@ -29,15 +30,6 @@ TOLERANCE = {"float32": 1e-5, "float16": 1e-2}
 
 
 # ---------------------------------------------------------------- graphs
-
-
-def _module(params: list[relax.Var], body) -> tvm.IRModule:
-    bb = relax.BlockBuilder()
-    with bb.function("main", params):
-        with bb.dataflow():
-            out = bb.emit_output(body(bb, *params))
-        bb.emit_func_output(out)
-    return bb.get()
 
 
 def _tensor(name: str, shape, dtype: str = "float32") -> relax.Var:
@@ -553,7 +545,6 @@ def test_sm90_build_compiles(which: str, graph: str) -> None:
     function scheduled stage by stage), and nvcc compiles the CUDA."""
     from fuselight.cuda_compile import compile_cuda
 
-    target = to_tvm(resolve("cuda", "sm_90"))
     schedule_rules = rules.fuselight_rules() if which == "fuselight" else []
     source = _cuda_build(GPU_GRAPHS[graph](), schedule_rules)
     assert "fused_attention" in source
