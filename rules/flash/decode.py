@@ -9,10 +9,10 @@ the scores of all rows and heads of a step are reduced together by shuffles, and
 splits in several thread rows at once, so no step waits on one memory or shuffle latency at a time.
 
 ``flash_decode_paged`` has the signature, buffers and output conventions (base-2 lse) of TVM's
-``batch_decode_paged_kv``, so the KV cache runtime calls it in its place. ``flash_decode_dense`` is
-plain attention of one query row over dense K/V (graph-level fusion, as ``prefill
-.flash_attention_dense`` but for a static query length of 1). Both are the same two kernels
-(``_kernels``), differing only in how a sequence's length and a K/V row are found.
+``batch_decode_paged_kv``, so the KV cache runtime calls it in its place. ``dense_decode`` is
+plain attention of one query row over dense K/V: the body ``prefill.flash_attention_dense`` runs
+where the query length is 1 at run time. Both are the same two kernels (``_kernels``), differing
+only in how a sequence's length and a K/V row are found.
 """
 
 from __future__ import annotations
