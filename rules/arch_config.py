@@ -13,7 +13,8 @@ C = TypeVar("C")
 
 
 def load_arch_config(family: str, name: str, arch: str, cls: type[C], *keys: str) -> C:
-    """``cls`` built from ``configs/<family>/<name>.json`` at ``[arch][keys...]``; every field a positive int.
+    """``cls`` built from ``configs/<family>/<name>.json`` at ``[arch][keys...]``; every field a positive
+    int (a field with a default may be left out).
 
     family: the template family (``attention``, ``gemm``); name: the config file in it.
     """
@@ -28,6 +29,8 @@ def load_arch_config(family: str, name: str, arch: str, cls: type[C], *keys: str
         raise FuselightError(f"{where}: must be an object")
     values = {}
     for field in dataclasses.fields(cls):
+        if field.name not in node and field.default is not dataclasses.MISSING:
+            continue
         v = node.get(field.name)
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise FuselightError(f"{where}: field {field.name!r} must be a positive integer, got {v!r}")

@@ -21,7 +21,7 @@ from ..target import arch_of
 from .base import AnalyzeScheduleRule, with_kernels
 from .gemm.analysis import MatmulDesc, analyze_matmul
 from .gemm.dispatch import load_dispatch
-from .gemm.gemv import STATIC_SHARED_BYTES, check_gemv, config_for, gemv_body, load_gemv_configs
+from .gemm.gemv import STATIC_SHARED_BYTES, check_gemv, config_for, gemv_body, grid_blocks, load_gemv_configs
 
 
 class Gemv(AnalyzeScheduleRule):
@@ -41,7 +41,7 @@ class Gemv(AnalyzeScheduleRule):
             min_static_m = load_dispatch(arch).min_static_m
         except FuselightError:
             return None  # no GEMM config for this arch
-        cfg = config_for(load_gemv_configs(arch), desc.m_static)
+        cfg = config_for(load_gemv_configs(arch), desc.m_static, grid_blocks(desc.operands))
         if desc.m_static >= min_static_m or cfg is None:
             return None  # the Matmul rule's, or no bucket serves it
         try:

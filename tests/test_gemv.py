@@ -116,8 +116,35 @@ def test_rule_takes_llama_decode_gemvs_and_builds_for_sm90(n, k, cuda):
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in source
     assert "uint4" in source  # 16-byte weight loads
     # ptxas may keep every unrolled load in flight rather than budget registers for full occupancy
-    cfg = gemv.config_for(gemv.load_gemv_configs("sm_90"), 1)
-    assert f", {cfg.min_blocks_per_sm}) main_kernel" in source
+    cfg = gemv.config_for(gemv.load_gemv_configs("sm_90"), 1, gemv.grid_blocks(analyze_matmul(func).operands))
+    assert f"__launch_bounds__({cfg.warps * 32}, {cfg.min_blocks_per_sm}) main_kernel" in source
+
+
+def test_config_for_takes_the_smallest_grid_bucket_that_fits():
+    small = gemv.GemvConfig(max_m=1, warps=4, unroll=8, min_blocks_per_sm=4, max_blocks=528)
+    large = gemv.GemvConfig(max_m=1, warps=16, unroll=4, min_blocks_per_sm=1)
+    m2 = gemv.GemvConfig(max_m=2, warps=8, unroll=4, min_blocks_per_sm=1)
+    configs = [m2, large, small]
+    assert gemv.config_for(configs, 1, 256) == small
+    assert gemv.config_for(configs, 1, 528) == small
+    assert gemv.config_for(configs, 1, 529) == large
+    assert gemv.config_for(configs, 1) == large  # grid unknown: only buckets for any grid
+    assert gemv.config_for(configs, 2, 256) == m2
+    assert gemv.config_for(configs, 3, 256) is None
+
+
+def test_rule_gives_small_grids_fewer_warps_and_more_blocks_an_sm(cuda):
+    # LLaMA-3-8B's down projection (256 blocks) and gate_up with SiLU-mul's 28672 rows (1792)
+    configs = gemv.load_gemv_configs("sm_90")
+    small, large = matmul_prim_func(4096, 14336, "float16", m=1), matmul_prim_func(28672, 4096, "float16", m=1)
+    got = {}
+    for name, func in (("small", small), ("large", large)):
+        blocks = gemv.grid_blocks(analyze_matmul(func).operands)
+        got[name] = gemv.config_for(configs, 1, blocks)
+        assert f"__launch_bounds__({got[name].warps * 32}, {got[name].min_blocks_per_sm}) main_kernel" in _cuda_source(
+            _scheduled(func, cuda), cuda)
+    assert got["small"].max_blocks is not None and got["large"].max_blocks is None
+    assert got["small"].warps < got["large"].warps
 
 
 def test_rule_takes_the_lm_head_with_its_two_casts(cuda):
@@ -214,7 +241,7 @@ def test_shipped_config_covers_every_gemv_m():
 
 
 @pytest.mark.parametrize("field,value", [("max_m", 17), ("max_m", 0), ("warps", 3), ("warps", 64), ("unroll", 0),
-                                         ("min_blocks_per_sm", 0)])
+                                         ("min_blocks_per_sm", 0), ("max_blocks", 0)])
 def test_bad_config_names_the_field(field, value):
     cfg = gemv.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=1)
     with pytest.raises(FuselightError, match=field):

@@ -32,6 +32,7 @@ every block (a few percent of the weight bytes); ``x + r`` is written out in sli
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from fuselight.errors import FuselightError
@@ -65,6 +66,9 @@ class GemvConfig:
     # Blocks one SM must be able to hold (the launch-bounds hint to ptxas, which otherwise budgets
     # registers for full occupancy and delays loads to fit): 1 keeps every unrolled load in flight.
     min_blocks_per_sm: int
+    # Serves only grids of at most this many blocks (None: any). Small grids fit on the GPU at
+    # once with fewer warps a block and more blocks an SM; large ones stream best with many warps.
+    max_blocks: int | None = None
 
     @property
     def token_tiles(self) -> int:
@@ -80,6 +84,8 @@ def check_gemv_config(cfg: GemvConfig, where: str = "GEMV config") -> None:
     for field in ("unroll", "min_blocks_per_sm"):
         if getattr(cfg, field) < 1:
             raise FuselightError(f"{where}: field {field!r} must be a positive integer, got {getattr(cfg, field)}")
+    if cfg.max_blocks is not None and cfg.max_blocks < 1:
+        raise FuselightError(f"{where}: field 'max_blocks' must be a positive integer or absent, got {cfg.max_blocks}")
 
 
 def load_gemv_configs(arch: str) -> list[GemvConfig]:
@@ -96,15 +102,35 @@ def load_gemv_configs(arch: str) -> list[GemvConfig]:
         cfg = load_arch_config(CONFIG_FAMILY, CONFIG_NAME, arch, GemvConfig, bucket)
         check_gemv_config(cfg, f"{path}[{arch!r}][{bucket!r}]")
         configs.append(cfg)
-    configs.sort(key=lambda c: c.max_m)
-    if len({c.max_m for c in configs}) != len(configs):
-        raise FuselightError(f"{path}[{arch!r}]: two buckets with the same 'max_m'")
+    configs.sort(key=_bucket_order)
+    if len({(c.max_m, c.max_blocks) for c in configs}) != len(configs):
+        raise FuselightError(f"{path}[{arch!r}]: two buckets with the same 'max_m' and 'max_blocks'")
     return configs
 
 
-def config_for(configs: list[GemvConfig], m: int) -> GemvConfig | None:
-    """The bucket serving ``m`` rows: the smallest ``max_m`` at least ``m`` (None: none does)."""
-    return next((c for c in configs if m <= c.max_m), None)
+def _bucket_order(cfg: GemvConfig) -> tuple[int, float]:
+    return cfg.max_m, math.inf if cfg.max_blocks is None else cfg.max_blocks
+
+
+def config_for(configs: list[GemvConfig], m: int, blocks: int | None = None) -> GemvConfig | None:
+    """The bucket serving ``m`` rows on a grid of ``blocks`` (see ``grid_blocks``; None: unknown, so
+    only buckets for any grid): the smallest ``max_m`` at least ``m``, then the smallest
+    ``max_blocks`` at least ``blocks`` (None: no bucket serves it)."""
+    return next(
+        (c for c in sorted(configs, key=_bucket_order)
+         if m <= c.max_m and (c.max_blocks is None or (blocks is not None and blocks <= c.max_blocks))),
+        None,
+    )
+
+
+def _block_cols(ops: GemmOperands) -> int:
+    # Output columns of a block: its 16 weight rows, or 8 gate rows with their 8 up rows when paired.
+    return MMA_M if ops.out.pair_offset is None else MMA_M // 2
+
+
+def grid_blocks(ops: GemmOperands) -> int:
+    """Blocks of the GEMV grid for ``ops``."""
+    return -(-ops.out_n // _block_cols(ops))
 
 
 def check_gemv(ops: GemmOperands, cfg: GemvConfig, max_shared_bytes: int | None = None) -> None:
@@ -172,7 +198,7 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     pair = ops.out.pair_offset
     # Weight rows g and g + 8 of block bx (rows past N read row N - 1 and are never stored); paired:
     # gate row c and up row c + pair of output column c = 8 bx + g (c clamped to pair - 1 likewise).
-    block_cols = MMA_M if pair is None else MMA_M // 2
+    block_cols = _block_cols(ops)
     out_n = ops.out_n
 
     def weight_rows(bx, g):
@@ -191,7 +217,7 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
         # Paired: the lane's gate accumulators (e < 2) write; e + 2 holds the up row.
         return True if pair is None else o % 4 < 2
 
-    blocks = -(-out_n // block_cols)
+    blocks = grid_blocks(ops)
     # Token rows: in global memory (``words`` apart), or normed into shared memory by the
     # prologue (one piece of padding a row). Prologue: a thread's pieces of a row, and the pieces
     # of x + r a block writes.
