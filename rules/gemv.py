@@ -21,7 +21,14 @@ from ..target import arch_of
 from .base import AnalyzeScheduleRule, with_kernels
 from .gemm.analysis import MatmulDesc, analyze_matmul
 from .gemm.dispatch import load_dispatch
-from .gemm.gemv import STATIC_SHARED_BYTES, check_gemv, config_for, gemv_body, grid_blocks, load_gemv_configs
+from .gemm.gemv import (
+    STATIC_SHARED_BYTES,
+    check_gemv,
+    config_for,
+    gemv_body,
+    grid_blocks,
+    load_gemv_configs,
+)
 
 
 class Gemv(AnalyzeScheduleRule):
