@@ -95,9 +95,8 @@ class Engine:
         )
         self._length = 0
         self._add_sequence(self._kv_cache, _SEQ_ID)
-        # Token ids go through one device buffer, allocated once: a fresh device tensor a step
-        # costs a cudaMalloc and a cudaFree (which synchronises), 0.1-0.25 ms a decode step on an
-        # H100. Reuse is safe because every step ends with a device sync.
+        # Token ids go through one device buffer, allocated once, not a device allocation and free
+        # (which synchronises) a step. Reuse is safe because every step ends with a device sync.
         self._ids = tvm.runtime.empty((prefill_chunk_size,), "int32", device)
 
     def reset(self) -> None:

@@ -101,6 +101,7 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
     U = config.rows_per_step
     MIN_ROWS, TARGET, MAX_SPLITS = config.min_rows_per_split, config.target_blocks, config.max_splits
     MG = config.merge_groups
+    FOLDS = -(-MAX_SPLITS // MG)  # splits a merge thread row folds, at most
     LOG_BDX = int(math.log2(BDX))
 
     def num_splits(batch):
@@ -238,26 +239,33 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
                             T.writes()
                             acc = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
                             mw = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                            l_in = T.sblock_alloc_buffer((FOLDS,), "float32", scope="local")
+                            o_in = T.sblock_alloc_buffer((FOLDS, VEC), "float32", scope="local")
                             o_sm = T.sblock_alloc_buffer((MG, D), "float32", scope="shared")
                             mw_sm = T.sblock_alloc_buffer((MG, 2), "float32", scope="shared")
                             kv_len: T.let[T.int32] = seq.length(io, bz)
                             used: T.let[T.int32] = T.ceildiv(kv_len, _split_rows(kv_len, num_splits(batch), MIN_ROWS))
-                            # Each of the MG thread rows folds splits ty, ty + MG, ... (online, so
-                            # their loads are independent of one another's results), then row 0
-                            # merges the MG partial results.
+                            # Each of the MG thread rows folds splits ty, ty + MG, ..., all loaded
+                            # first (one memory latency, not one a split), then row 0 merges the MG
+                            # partial results.
+                            for i in T.unroll(FOLDS):
+                                if i * MG + ty < used:
+                                    l_in[i] = io.lse_part[bz, h, i * MG + ty]
+                                    for e in T.vectorized(VEC):
+                                        o_in[i, e] = io.O_part[bz, h, i * MG + ty, tx * VEC + e]
                             mw[0] = T.float32(_NEG)
                             mw[1] = T.float32(0)
                             for e in T.serial(VEC):
                                 acc[e] = T.float32(0)
-                            for i in T.serial(T.ceildiv(used - ty, MG)):
-                                l_sp: T.let[T.float32] = io.lse_part[bz, h, i * MG + ty]
-                                m_new: T.let[T.float32] = T.max(mw[0], l_sp)
-                                r: T.let[T.float32] = T.exp2(mw[0] - m_new)
-                                f: T.let[T.float32] = T.exp2(l_sp - m_new)
-                                mw[1] = mw[1] * r + f
-                                for e in T.unroll(VEC):
-                                    acc[e] = acc[e] * r + io.O_part[bz, h, i * MG + ty, tx * VEC + e] * f
-                                mw[0] = m_new
+                            for i in T.unroll(FOLDS):
+                                if i * MG + ty < used:
+                                    m_new: T.let[T.float32] = T.max(mw[0], l_in[i])
+                                    r: T.let[T.float32] = T.exp2(mw[0] - m_new)
+                                    f: T.let[T.float32] = T.exp2(l_in[i] - m_new)
+                                    mw[1] = mw[1] * r + f
+                                    for e in T.unroll(VEC):
+                                        acc[e] = acc[e] * r + o_in[i, e] * f
+                                    mw[0] = m_new
                             for e in T.serial(VEC):
                                 o_sm[ty, tx * VEC + e] = acc[e]
                             mw_sm[ty, 0] = mw[0]
