@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from . import tir_pipeline
 from .config import ModelConfig
 from .errors import FuselightError
 from .target import TargetSpec
@@ -106,7 +107,7 @@ def lower(mod: Any, tvm_target: Any, pipeline: Any, *, cuda_graph: bool = False)
 
     with tvm.transform.PassContext(config={CUDA_GRAPH_CONFIG: cuda_graph}), tvm_target:
         lowered = pipeline(mod)
-    return lowered, tvm.compile(lowered, target=tvm_target, relax_pipeline=None)
+    return lowered, tvm.compile(lowered, target=tvm_target, relax_pipeline=None, tir_pipeline=tir_pipeline.register())
 
 
 def _decode_attention_launches(mod: Any) -> int:

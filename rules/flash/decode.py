@@ -91,7 +91,9 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
     ``split(io, batch, seq, sm_scale)`` and ``merge(io, batch, seq)`` read the query from ``io.Q``
     and write ``io.output`` (both [batch, qo heads, dim]) and, where given, ``io.lse``, through the
     fp32 partials ``io.O_part`` [batch, qo heads, splits, dim] and ``io.lse_part``. ``seq`` says how
-    the K/V of a sequence are found: ``seq.length(io, b)`` its KV length, ``seq.base(io, b)`` a
+    the K/V of a sequence are found: ``seq.length(io, b)`` its KV length, ``seq.max_length(io)`` a
+    bound on every sequence's that the host knows (the grid has no more splits than it needs),
+    ``seq.base(io, b)`` a
     value computed once per block, ``seq.load_row(io, k, v, u, b, h, lane, base, row)`` (a macro)
     row ``row``'s elements of head ``h`` for ``lane`` into ``k[u, :]``, ``v[u, :]``, and
     ``seq.bias(io, b, row)`` what is added to the row's base-2 score (None: nothing).
@@ -107,6 +109,11 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
     def num_splits(batch):
         # an expression, not a let-bound var: grid extents and the workspace shape both use it
         return T.min(T.max(T.ceildiv(TARGET, batch * H_kv), 1), MAX_SPLITS)
+
+    def grid_splits(io, batch, seq):
+        # Blocks a (sequence, KV head) gets: no sequence uses more splits than the longest possible
+        # one, and blocks with no rows still cost their launch (b1 x 1024: 2 us at 64 splits).
+        return T.min(num_splits(batch), T.max(T.ceildiv(seq.max_length(io), MIN_ROWS), 1))
 
     @T.macro
     def load_rows(io, seq, k, v, b, h, lane, ty, base, row_begin, row_end, step):
@@ -125,7 +132,7 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
     def split(io, batch, seq, sm_scale):
         for bz in T.thread_binding(batch, thread="blockIdx.z"):
             for by in T.thread_binding(H_kv, thread="blockIdx.y"):
-                for bx in T.thread_binding(num_splits(batch), thread="blockIdx.x"):
+                for bx in T.thread_binding(grid_splits(io, batch, seq), thread="blockIdx.x"):
                     for ty in T.thread_binding(BDY, thread="threadIdx.y"):
                         for tx in T.thread_binding(BDX, thread="threadIdx.x"):
                             with T.sblock("split"):
@@ -147,6 +154,9 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
                                 o_smem = T.sblock_alloc_buffer((BDY, G, D), "float32", scope="shared")
                                 md_smem = T.sblock_alloc_buffer((BDY, G, 2), "float32", scope="shared")
 
+                                # The merge kernel may launch now (it waits for this grid to finish
+                                # before it reads the partials): its launch overlaps this kernel.
+                                T.ptx.griddepcontrol.launch_dependents()
                                 base: T.let[T.int32] = seq.base(io, bz)
                                 kv_len: T.let[T.int32] = seq.length(io, bz)
                                 # in registers, not lets: TVM would inline the divisions into every use
@@ -245,6 +255,9 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
                             mw_sm = T.sblock_alloc_buffer((MG, 2), "float32", scope="shared")
                             kv_len: T.let[T.int32] = seq.length(io, bz)
                             used: T.let[T.int32] = T.ceildiv(kv_len, _split_rows(kv_len, num_splits(batch), MIN_ROWS))
+                            # Launched early where the TIR pipeline allows (fuselight.tir_pipeline):
+                            # the split kernel's partials are complete and visible after this.
+                            T.ptx.griddepcontrol.wait()
                             # Each of the MG thread rows folds splits ty, ty + MG, ..., all loaded
                             # first (one memory latency, not one a split), then row 0 merges the MG
                             # partial results.
@@ -307,6 +320,8 @@ def _paged_row(io, k, v, u, b, h, lane, page_begin, row):
 # TVM's paged KV cache: a sequence's pages listed from page_indptr[b], rows in page order.
 _PAGED = SimpleNamespace(
     length=lambda io, b: paged_kv_len(io.page_indptr, io.length_info, b, io.page_size),
+    # a sequence has at most all the pages of the batch
+    max_length=lambda io: io.page_values.shape[0] * io.page_size,
     base=lambda io, b: io.page_indptr[b],
     load_row=_paged_row,
     bias=None,
@@ -420,7 +435,8 @@ def dense_decode(
     H_qo, D, VEC = heads.qo, heads.dim, heads.vec
     bshd = layout == "BSHD"
     seq = SimpleNamespace(
-        length=lambda io, b: T.Cast("int32", io.kv_len), base=lambda io, b: T.int32(0), load_row=_dense_row,
+        length=lambda io, b: T.Cast("int32", io.kv_len), max_length=lambda io: T.Cast("int32", io.kv_len),
+        base=lambda io, b: T.int32(0), load_row=_dense_row,
         bias=_dense_bias if additive_mask else None,
     )
 

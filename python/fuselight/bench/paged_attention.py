@@ -116,6 +116,7 @@ def build_suite(out_dir: Path, arch: str = "sm_90") -> Path:
 
     from fuselight.rules.paged_attention import PagedAttention
 
+    from .. import tir_pipeline
     from ..compile import library_metadata, write_library
     from ..target import resolve, to_tvm
     from .results import git_commit
@@ -133,7 +134,7 @@ def build_suite(out_dir: Path, arch: str = "sm_90") -> Path:
         libraries[kind] = {}
         for impl, func in (("baseline", builtin), ("fuselight", ours)):
             mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
-            executable = tvm.compile(mod, target=target)
+            executable = tvm.compile(mod, target=target, tir_pipeline=tir_pipeline.register())
             name = f"{kind}-{impl}.so"
             meta = library_metadata(spec, impl, _BASELINE_SOURCE, kernel=kind)
             write_library(executable, out_dir / name, meta, spec)

@@ -129,11 +129,14 @@ def _library_build(mlc_build: Callable[..., Any], name: str, options: Any) -> Ca
             return
         from tvm import relax
 
+        from .. import tir_pipeline
         from ..compile import library_metadata, write_library
         from ..target import arch_of, resolve
 
         spec = resolve(kind, arch_of(args.target) if kind == "cuda" else None)
-        executable = relax.build(mod, target=args.target, relax_pipeline=pipeline, system_lib=False)
+        executable = relax.build(
+            mod, target=args.target, relax_pipeline=pipeline, tir_pipeline=tir_pipeline.register(), system_lib=False
+        )
         extra: dict[str, Any] = {
             "mlc_model_type": args.model.name,
             "quantization": args.quantization.name,

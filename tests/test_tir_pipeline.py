@@ -1,0 +1,88 @@
+"""fuselight's TIR pipeline: the programmatic-dependent-launch flag on exactly the kernels that wait.
+
+On the GPU the decode kernels' numerics with the flag are the paged-attention suite's; here: which
+device kernels get the flag, where it goes among the launch parameters, and that the decode
+template built through the pipeline still builds and compiles with nvcc.
+"""
+
+import shutil
+
+import pytest
+import tvm
+from fuselight import tir_pipeline
+from fuselight.cuda_compile import compile_cuda
+from fuselight.rules.flash.decode import flash_decode_paged, load_decode_config
+from fuselight.target import resolve, to_tvm
+from tvm.script import tirx as T
+
+CUDA = to_tvm(resolve("cuda", "sm_90"))
+
+
+def _device_launch_params(func: tvm.tirx.PrimFunc) -> dict[str, list[str]]:
+    """Launch parameters of each device kernel of ``func`` after fuselight's TIR pipeline."""
+    pipeline, _, finalize_device = tvm.tirx.get_tir_pipeline(tir_pipeline.register())
+    with CUDA:
+        mod = pipeline(tvm.tirx.transform.BindTarget(CUDA)(tvm.IRModule({"main": func.with_attr("global_symbol", "main")})))
+    device = tvm.IRModule({gv: f for gv, f in mod.functions.items() if "tirx.kernel_launch_params" in (f.attrs or {})})
+    device = finalize_device()(device)
+    return {gv.name_hint: [str(p) for p in f.attrs["tirx.kernel_launch_params"]] for gv, f in device.functions.items()}
+
+
+def _two_kernels(wait_in_second: bool) -> tvm.tirx.PrimFunc:
+    @T.prim_func(s_tir=True)
+    def f(a: T.Buffer((1024,), "float32"), b: T.Buffer((1024,), "float32"), c: T.Buffer((1024,), "float32")):
+        for bx in T.thread_binding(8, thread="blockIdx.x"):
+            for tx in T.thread_binding(128, thread="threadIdx.x"):
+                with T.sblock("first"):
+                    T.reads()
+                    T.writes()
+                    T.ptx.griddepcontrol.launch_dependents()
+                    b[bx * 128 + tx] = a[bx * 128 + tx] * T.float32(2)
+        for bx in T.thread_binding(8, thread="blockIdx.x"):
+            for tx in T.thread_binding(128, thread="threadIdx.x"):
+                with T.sblock("second"):
+                    T.reads()
+                    T.writes()
+                    if wait_in_second:
+                        T.ptx.griddepcontrol.wait()
+                    c[bx * 128 + tx] = b[1023 - bx * 128 - tx] + T.float32(1)
+
+    return f
+
+
+def test_only_the_kernel_that_waits_is_launched_early():
+    params = _device_launch_params(_two_kernels(wait_in_second=True))
+    assert sorted(params) == ["main_kernel", "main_kernel_1"]
+    assert tir_pipeline.PDL_FLAG not in params["main_kernel"]  # it only lets the next one launch
+    assert params["main_kernel_1"] == ["blockIdx.x", "threadIdx.x", tir_pipeline.PDL_FLAG]
+
+
+def test_no_wait_no_flag():
+    params = _device_launch_params(_two_kernels(wait_in_second=False))
+    assert all(tir_pipeline.PDL_FLAG not in p for p in params.values())
+
+
+def test_flag_goes_before_dynamic_shared_memory():
+    dyn = "tirx.use_dyn_shared_memory"
+    assert tir_pipeline.with_programmatic_launch(["blockIdx.x", "threadIdx.x", dyn]) == [
+        "blockIdx.x", "threadIdx.x", tir_pipeline.PDL_FLAG, dyn]
+    once = tir_pipeline.with_programmatic_launch(["blockIdx.x"])
+    assert tir_pipeline.with_programmatic_launch(once) == once
+
+
+def test_register_is_idempotent_and_the_name_resolves():
+    assert tir_pipeline.register() == tir_pipeline.register() == tir_pipeline.NAME
+    assert len(tvm.tirx.get_tir_pipeline(tir_pipeline.NAME)) == 3
+
+
+@pytest.mark.parametrize("d,h_kv", [(128, 8), (64, 32)])
+def test_decode_merge_kernel_is_launched_early_and_compiles(d, h_kv):
+    func = flash_decode_paged(h_kv, 32, d, "float16", 16, load_decode_config("sm_90"))
+    params = _device_launch_params(func)
+    flagged = [name for name, p in params.items() if tir_pipeline.PDL_FLAG in p]
+    assert len(params) == 2 and flagged == [max(params)]  # the merge (second) kernel only
+    exe = tvm.compile(tvm.IRModule({"main": func}), target=CUDA, tir_pipeline=tir_pipeline.register())
+    src = exe.mod.imports[0].inspect_source("cuda")
+    assert "griddepcontrol.wait" in src and "griddepcontrol.launch_dependents" in src
+    if shutil.which("nvcc"):
+        compile_cuda(src, arch="sm_90")
