@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -235,9 +237,14 @@ def test_e2e_on_llvm(tmp_path):
         with_torch = False
     config = load("tiny-llama")
     lib = fc.export(fc.build(config, resolve("llvm"), "baseline"), tmp_path / "tiny-baseline.so")
+    # The same library as if built at another commit: each implementation's records name their own.
+    other = tmp_path / "tiny-other.so"
+    shutil.copy(lib, other)
+    meta = json.loads(Path(f"{lib}.json").read_text())
+    Path(f"{other}.json").write_text(json.dumps({**meta, "git_commit": "0123456789ab"}))
     out = tmp_path / "e2e.json"
     records = run_e2e(
-        {"baseline": lib},
+        {"baseline": lib, "fuselight": other},
         "tiny-llama",
         out,
         torch=with_torch,
@@ -246,10 +253,12 @@ def test_e2e_on_llvm(tmp_path):
         decode_contexts=[9],
         decode_steps=3,
     )
-    impls = ["baseline"] + (["torch"] if with_torch else [])
+    impls = ["baseline", "fuselight"] + (["torch"] if with_torch else [])
     assert [(r["impl"], r["case"]) for r in records] == [
         (i, c) for i in impls for c in ("tiny-llama-prefill", "tiny-llama-prefill", "tiny-llama-decode")
     ]
+    commits = {r["impl"]: r["git_commit"] for r in records}
+    assert commits["fuselight"] == "0123456789ab" and commits["baseline"] == meta["git_commit"] != "0123456789ab"
     # tiny-llama computes in float32: both implementations match the float64 forward pass closely.
     prefill = [r for r in records if r["case"].endswith("prefill")]
     assert all(r["relerr"] < 1e-4 for r in prefill), [(r["impl"], r["relerr"]) for r in prefill]

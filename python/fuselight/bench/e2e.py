@@ -396,8 +396,10 @@ def run_e2e(
     metas = [read_metadata(Path(path)) for path in libs.values()]
     for meta, path in zip(metas, libs.values()):
         _check_library(meta, config, Path(path))
-    # The GPU host's copy of the tree may have no git history: prefer the commit the build recorded.
-    commit = next((m["git_commit"] for m in metas if m.get("git_commit")), None) or git_commit()
+    # The GPU host's copy of the tree may have no git history: prefer the commit each build recorded
+    # (transformers' records get the first library's).
+    commits = {impl: m["git_commit"] for impl, m in zip(libs, metas) if m.get("git_commit")}
+    commit = next(iter(commits.values()), None) or git_commit()
 
     tvm = init_tvm()
     import torch as th
@@ -435,7 +437,10 @@ def run_e2e(
                 source = None
             else:
                 runner, source = _open_tvm(tvm, th, Path(libs[impl]), device, config, weights, max_len)
-            measure = _Measure(config, runner, ids, sync, {**common, "impl": impl, "baseline_source": source})
+            measure = _Measure(
+                config, runner, ids, sync,
+                {**common, "git_commit": commits.get(impl, commit), "impl": impl, "baseline_source": source},
+            )
             acc_logits[impl] = measure.accuracy_logits(acc_prompt, acc_steps)
             records += [measure.prefill(n, refs[n]) for n in prefill_tokens]
             prof = profiles.setdefault(impl, {}) if profile and impl != "torch" else None
