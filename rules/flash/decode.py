@@ -7,6 +7,10 @@ results by their log-sum-exp in a second kernel. A block serves every query head
 (GQA), so each K/V byte is read once; a thread's next rows are loading while it uses the current ones,
 the scores of all rows and heads of a step are reduced together by shuffles, and the merge folds the
 splits in several thread rows at once, so no step waits on one memory or shuffle latency at a time.
+The merge kernel may launch while the split kernel runs (it waits for it with
+``griddepcontrol.wait``; ``fuselight.tir_pipeline`` gives it the launch attribute that allows this),
+so its launch latency is hidden, and the split grid has only as many splits as the longest possible
+sequence can use.
 
 ``flash_decode_paged`` has the signature, buffers and output conventions (base-2 lse) of TVM's
 ``batch_decode_paged_kv``, so the KV cache runtime calls it in its place. ``dense_decode`` is
@@ -92,9 +96,9 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
     and write ``io.output`` (both [batch, qo heads, dim]) and, where given, ``io.lse``, through the
     fp32 partials ``io.O_part`` [batch, qo heads, splits, dim] and ``io.lse_part``. ``seq`` says how
     the K/V of a sequence are found: ``seq.length(io, b)`` its KV length, ``seq.max_length(io)`` a
-    bound on every sequence's that the host knows (the grid has no more splits than it needs),
-    ``seq.base(io, b)`` a
-    value computed once per block, ``seq.load_row(io, k, v, u, b, h, lane, base, row)`` (a macro)
+    bound on every sequence's length that the host knows (the grid has no more splits than it
+    needs), ``seq.base(io, b)`` a value computed once per block,
+    ``seq.load_row(io, k, v, u, b, h, lane, base, row)`` (a macro)
     row ``row``'s elements of head ``h`` for ``lane`` into ``k[u, :]``, ``v[u, :]``, and
     ``seq.bias(io, b, row)`` what is added to the row's base-2 score (None: nothing).
     """
