@@ -2,7 +2,7 @@
 
 import pytest
 
-from fuselight.bench.profile import OTHER, families, family_of, summarize
+from fuselight.bench.profile import OTHER, covered, families, family_of, summarize
 
 
 @pytest.mark.parametrize(
@@ -34,3 +34,12 @@ def test_summarize_sums_per_step_by_family_and_kernel():
     assert list(out["families"]) == ["gemv", "norm", OTHER]  # largest first
     assert out["gpu_us"] == 135.0 and out["launches"] == 5.0
     assert out["kernels"]["NT_matmul1_kernel"] == {"family": "gemv", "us": 30.0, "launches": 1.0}
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    # a merge kernel launched early overlaps the split kernel it waits for; a gap is not busy
+    assert covered([(0.0, 10.0), (4.0, 12.0), (20.0, 25.0), (21.0, 22.0)]) == 17.0
+    assert covered([]) == 0.0
+    out = summarize([("NT_matmul_kernel", 30.0, 3)], 3, [("gemv", "matmul")], busy_us=24.0)
+    assert out["busy_us"] == 8.0 and out["gpu_us"] == 10.0
+    assert "busy_us" not in summarize([("NT_matmul_kernel", 30.0, 3)], 3, [("gemv", "matmul")])

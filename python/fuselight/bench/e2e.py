@@ -340,8 +340,8 @@ class _Measure:
         if profile is not None:
             prof = profile_steps(lambda: runner.decode(next(tokens)), extra, self.sync)
             profile[str(context)] = prof
-            print("    profile: " + ", ".join(f"{k} {v['us']:.0f} us/{v['launches']:.0f}"
-                                             for k, v in prof["families"].items()), flush=True)
+            print(f"    profile: busy {prof['busy_us']:.0f} us; " + ", ".join(
+                f"{k} {v['us']:.0f} us/{v['launches']:.0f}" for k, v in prof["families"].items()), flush=True)
         return make_record(
             **self.common,
             case=f"{self.config.name}-decode",

@@ -2,7 +2,9 @@
 
 Runs the step under ``torch.profiler`` with CUDA activities (TVM 0.26's VM has no profiler of its
 own; kernels carry their PrimFunc names, and kernels replayed from CUDA graphs are recorded too) and
-sums each kernel's device time per step. Families are the first matching name pattern of
+sums each kernel's device time per step (``gpu_us``), and the time at least one kernel runs
+(``busy_us``, the union of their intervals: kernels launched early overlap the one before, so the
+sum counts that time twice). Families are the first matching name pattern of
 ``profile_families`` in ``configs/bench.json`` ("other" if none matches), so the split between weight
 GEMVs, attention and everything else that issue targets name is read off directly.
 Runtime-only: PyTorch is imported when called.
@@ -28,8 +30,21 @@ def families() -> list[tuple[str, str]]:
     return [(f, p) for f, p in bench_config()["profile_families"]]
 
 
-def summarize(events: list[tuple[str, float, int]], steps: int, table: list[tuple[str, str]]) -> dict[str, Any]:
-    """Per-step totals of ``(kernel name, device µs, calls)`` events, by family and by kernel."""
+def covered(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def summarize(
+    events: list[tuple[str, float, int]], steps: int, table: list[tuple[str, str]], busy_us: float | None = None
+) -> dict[str, Any]:
+    """Per-step totals of ``(kernel name, device µs, calls)`` events, by family and by kernel;
+    ``busy_us``: the steps' covered device time (``covered``), stored per step."""
     by_family: dict[str, dict[str, float]] = {}
     by_kernel: dict[str, dict[str, Any]] = {}
     for name, us, calls in events:
@@ -44,6 +59,7 @@ def summarize(events: list[tuple[str, float, int]], steps: int, table: list[tupl
     return {
         "steps": steps,
         "gpu_us": round(sum(v["us"] for v in by_family.values()), 1),
+        **({"busy_us": round(busy_us / steps, 1)} if busy_us is not None else {}),
         "launches": round(sum(v["launches"] for v in by_family.values()), 1),
         "families": dict(sorted(rounded.items(), key=lambda kv: -kv[1]["us"])),
         "kernels": {n: {**v, "us": round(v["us"], 2), "launches": round(v["launches"], 2)}
@@ -60,9 +76,15 @@ def profile_steps(step: Callable[[], Any], steps: int, sync: Callable[[], None])
         for _ in range(steps):
             step()
         sync()
+    skip = ("Memcpy", "Memset", "cudaDeviceSynchronize")
     events = [
         (e.key, e.device_time_total, e.count)
         for e in prof.key_averages()
-        if e.device_time_total > 0 and not e.key.startswith(("Memcpy", "Memset", "cudaDeviceSynchronize"))
+        if e.device_time_total > 0 and not e.key.startswith(skip)
     ]
-    return summarize(events, steps, families())
+    intervals = [
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and not e.name.startswith(skip)
+    ]
+    return summarize(events, steps, families(), covered(intervals))
