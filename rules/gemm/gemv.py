@@ -27,12 +27,6 @@ float32 across the block, and writes the normed rows, rounded to the activation 
 kernel rounds them, to shared memory, where the token fragments are then read from (rows padded by
 one piece, so rows g of a fragment load sit in different banks). The rows are read from L2 by
 every block (a few percent of the weight bytes); ``x + r`` is written out in slices, one per block.
-
-Kernel boundaries: a block first lets the next kernel launch (``griddepcontrol.launch_dependents``),
-issues its first round of weight loads, and only then waits for the kernel before it
-(``griddepcontrol.wait``) to read what that one wrote. Launched with programmatic dependent launch
-(``fuselight.tir_pipeline`` flags it), a GEMV so streams its first weights while the previous
-kernel's last blocks finish; launched normally, the wait returns at once. The instructions need sm_90.
 """
 
 from __future__ import annotations
@@ -274,18 +268,13 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                     # Offsets are 64-bit until TVM proves they fit in 32 (2^31 words: the largest weights).
                     w_lo: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[0]) * words + lane % 4 * PIECE_WORDS
                     w_hi: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[1]) * words + lane % 4 * PIECE_WORDS
-                    # The next kernel may launch now (its weights need nothing from this one).
-                    T.ptx.griddepcontrol.launch_dependents()
                     for i in T.unroll(tiles * 4):
                         acc[i] = T.float32(0)
-                    # The first round's weights are in flight while the kernel before finishes
-                    # (where this one was launched early) and while the rows are normed.
-                    for u in T.unroll(unroll):
-                        if not ragged or u < steps:
-                            load_weights(w, W, w_lo, w_hi, warp, 0, u)
-                    # Everything an earlier kernel wrote (the token rows, the residual) after this.
-                    T.ptx.griddepcontrol.wait()
                     if norm is not None:
+                        # The first round's weights are in flight while the rows are normed.
+                        for u in T.unroll(unroll):
+                            if not ragged or u < steps:
+                                load_weights(w, W, w_lo, w_hi, warp, 0, u)
                         xs = T.sblock_alloc_buffer((rows_p * x_stride * 2,), dtype, scope="shared")
                         X = T.decl_buffer((rows_p * x_stride,), "uint32", data=xs.data, scope="shared")
                         t_reg = T.sblock_alloc_buffer((thread_pieces * PIECE,), dtype, scope="local")
@@ -332,7 +321,7 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                         for u in T.unroll(unroll):
                             if not ragged or r * unroll + u < steps:
                                 k0: T.let[T.int32] = ((r * unroll + u) * warps + warp) * (STEP_K // 2)
-                                if r > 0:  # round 0's are loaded
+                                if norm is None or r > 0:  # with a prologue, round 0's are loaded
                                     load_weights(w, W, w_lo, w_hi, warp, r, u)
                                 for t in T.unroll(tiles):
                                     for e in T.vectorized(PIECE_WORDS):
