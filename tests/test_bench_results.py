@@ -265,6 +265,33 @@ def test_e2e_on_llvm(tmp_path):
     assert results.read_results(out).records == records
 
 
+def test_e2e_decode_interleaves_contexts_in_rounds():
+    """Each round prefills every context afresh, so a drift of the host's speed reaches them all."""
+    from fuselight.bench.e2e import _Measure
+    from fuselight.config import load
+
+    calls = []
+
+    class Runner:
+        def reset(self):
+            calls.append("reset")
+
+        def prefill(self, ids):
+            calls.append(("prefill", len(ids)))
+
+        def decode(self, token):
+            calls.append("decode")
+
+    common = {"suite": "e2e", "device": "cpu", "tvm_version": "x", "git_commit": "x", "impl": "torch"}
+    measure = _Measure(load("tiny-llama"), Runner(), np.arange(64, dtype=np.int32), lambda: None, common)
+    measure.cfg = {**measure.cfg, "decode_rounds": 3, "decode_warmup": 1}
+    records = measure.decode([5, 9], 5)
+    assert [c for c in calls if c != "decode" and c != "reset"] == [("prefill", 5), ("prefill", 9)] * 3
+    # 2 steps a round (5 over 3 rounds, rounded up), each after 1 warm-up step
+    assert calls.count("decode") == 3 * 2 * (1 + 2)
+    assert [(r["shape"]["context"], r["shape"]["steps"]) for r in records] == [(5, 6), (9, 6)]
+
+
 def test_e2e_refuses_a_library_of_another_model(tmp_path):
     pytest.importorskip("torch")
     from fuselight.bench.e2e import run_e2e

@@ -22,6 +22,8 @@ _SEQ_ID = 0
 # One sequence at a time; no sliding window.
 _MAX_BATCH_SIZE = 1
 _SLIDING_WINDOW = 0
+# DLPack device types: CUDA and its page-locked host memory.
+_CUDA, _CUDA_HOST = 2, 3
 
 
 def runtime_config() -> dict[str, int]:
@@ -98,6 +100,13 @@ class Engine:
         # Token ids go through one device buffer, allocated once, not a device allocation and free
         # (which synchronises) a step. Reuse is safe because every step ends with a device sync.
         self._ids = tvm.runtime.empty((prefill_chunk_size,), "int32", device)
+        # On CUDA they are staged in page-locked host memory: the upload is then an asynchronous
+        # copy on the stream, not a synchronous one that holds the host before the step's launches.
+        self._ids_host = (
+            tvm.runtime.empty((prefill_chunk_size,), "int32", tvm.runtime.Device(_CUDA_HOST, device.index))
+            if device.dlpack_device_type() == _CUDA
+            else None
+        )
 
     def reset(self) -> None:
         """Start a fresh sequence: the KV cache is emptied."""
@@ -108,7 +117,13 @@ class Engine:
     def _step(self, fn: Any, token_ids: np.ndarray) -> Any:
         n = int(token_ids.size)
         ids = self._ids._create_view((n,))
-        ids.copyfrom(np.ascontiguousarray(token_ids, dtype=np.int32))
+        host_ids = np.ascontiguousarray(token_ids, dtype=np.int32)
+        if self._ids_host is None:
+            ids.copyfrom(host_ids)
+        else:
+            staged = self._ids_host._create_view((n,))
+            staged.copyfrom(host_ids)
+            staged.copyto(ids)
         embed = self._reshape(self._embed(ids, self._params), tvm.runtime.ShapeTuple([1, n, self.config.hidden_size]))
         self._begin_forward(self._kv_cache, tvm.runtime.ShapeTuple([_SEQ_ID]), tvm.runtime.ShapeTuple([n]))
         logits, self._kv_cache = fn(embed, self._kv_cache, self._params)

@@ -97,9 +97,10 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
     fp32 partials ``io.O_part`` [batch, qo heads, splits, dim] and ``io.lse_part``. ``seq`` says how
     the K/V of a sequence are found: ``seq.length(io, b)`` its KV length, ``seq.max_length(io)`` a
     bound on every sequence's length that the host knows (the grid has no more splits than it
-    needs), ``seq.base(io, b)`` a value computed once per block,
-    ``seq.load_row(io, k, v, u, b, h, lane, base, row)`` (a macro)
-    row ``row``'s elements of head ``h`` for ``lane`` into ``k[u, :]``, ``v[u, :]``, and
+    needs), ``seq.base(io, b)`` a value computed once per block, ``seq.locate(io, base, row)`` an
+    int32 that places row ``row`` in storage (it may load, so it is issued a step ahead),
+    ``seq.load_row(io, k, v, u, b, h, lane, loc, row)`` (a macro) row ``row``'s elements of head
+    ``h`` for ``lane``, placed by ``loc``, into ``k[u, :]``, ``v[u, :]``, and
     ``seq.bias(io, b, row)`` what is added to the row's base-2 score (None: nothing).
     """
     H_qo, H_kv, D, G, VEC, BDX, dtype = heads.qo, heads.kv, heads.dim, heads.group, heads.vec, heads.bdx, heads.dtype
@@ -120,12 +121,20 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
         return T.min(num_splits(batch), T.max(T.ceildiv(seq.max_length(io), MIN_ROWS), 1))
 
     @T.macro
-    def load_rows(io, seq, k, v, b, h, lane, ty, base, row_begin, row_end, step):
+    def locate_rows(io, seq, loc, ty, base, row_begin, row_end, step):
+        # Where rows step * U * BDY + ... of the split are, a step before they are loaded, so a
+        # lookup (a page number) is never waited on between a step and its K/V loads.
+        for u in T.unroll(U):
+            row: T.let[T.int32] = row_begin + (step * U + u) * BDY + ty
+            loc[u] = T.if_then_else(row < row_end, seq.locate(io, base, row), 0)
+
+    @T.macro
+    def load_rows(io, seq, k, v, loc, b, h, lane, ty, row_begin, row_end, step):
         # Rows step * U * BDY + ... of the split into registers; rows past the end read as zeros.
         for u in T.unroll(U):
             row: T.let[T.int32] = row_begin + (step * U + u) * BDY + ty
             if row < row_end:
-                seq.load_row(io, k, v, u, b, h, lane, base, row)
+                seq.load_row(io, k, v, u, b, h, lane, loc[u], row)
             else:
                 for e in T.serial(VEC):
                     k[u, e] = T.cast(0, dtype)
@@ -150,6 +159,7 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
                                 v = T.sblock_alloc_buffer((U, VEC), dtype, scope="local")
                                 k_next = T.sblock_alloc_buffer((U, VEC), dtype, scope="local")
                                 v_next = T.sblock_alloc_buffer((U, VEC), dtype, scope="local")
+                                loc = T.sblock_alloc_buffer((U,), "int32", scope="local")
                                 bounds = T.sblock_alloc_buffer((2,), "int32", scope="local")
                                 sc = T.sblock_alloc_buffer((U, G), "float32", scope="local")
                                 mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
@@ -176,10 +186,14 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
                                     for g in T.serial(G):
                                         m[g] = T.float32(_NEG)
                                         d[g] = T.float32(0)
-                                    load_rows(io, seq, k, v, bz, by, tx, ty, base, row_begin, row_end, 0)
+                                    locate_rows(io, seq, loc, ty, base, row_begin, row_end, 0)
+                                    load_rows(io, seq, k, v, loc, bz, by, tx, ty, row_begin, row_end, 0)
+                                    locate_rows(io, seq, loc, ty, base, row_begin, row_end, 1)
                                     for step in T.serial(T.ceildiv(row_end - row_begin, BDY * U)):
-                                        # The next step's rows are in flight while this step's are used.
-                                        load_rows(io, seq, k_next, v_next, bz, by, tx, ty, base, row_begin, row_end, step + 1)
+                                        # The next step's rows are in flight while this step's are
+                                        # used, and the step after's are located.
+                                        load_rows(io, seq, k_next, v_next, loc, bz, by, tx, ty, row_begin, row_end, step + 1)
+                                        locate_rows(io, seq, loc, ty, base, row_begin, row_end, step + 2)
                                         # All U x G partial dot products first, then reduced across
                                         # the row's BDX lanes by butterfly shuffles, independent of one
                                         # another (one allreduce each would serialise on its latency).
@@ -312,8 +326,7 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
 
 
 @T.macro
-def _paged_row(io, k, v, u, b, h, lane, page_begin, row):
-    page_no: T.let[T.int32] = io.page_values[page_begin + T.floordiv(row, io.page_size)]
+def _paged_row(io, k, v, u, b, h, lane, page_no, row):
     slot: T.let[T.int32] = T.floormod(row, io.page_size)
     for e in T.vectorized(io.vec):
         k[u, e] = io.pages[page_no, 0, h, slot, lane * io.vec + e]
@@ -327,6 +340,7 @@ _PAGED = SimpleNamespace(
     # a sequence has at most all the pages of the batch
     max_length=lambda io: io.page_values.shape[0] * io.page_size,
     base=lambda io, b: io.page_indptr[b],
+    locate=lambda io, page_begin, row: io.page_values[page_begin + T.floordiv(row, io.page_size)],
     load_row=_paged_row,
     bias=None,
 )
@@ -400,7 +414,7 @@ def flash_decode_paged(
 
 
 @T.macro
-def _dense_row(io, k, v, u, b, h, lane, base, row):
+def _dense_row(io, k, v, u, b, h, lane, loc, row):
     for e in T.vectorized(io.vec):
         k[u, e] = io.k[b, row, h, lane * io.vec + e] if io.bshd else io.k[b, h, row, lane * io.vec + e]
     for e in T.vectorized(io.vec):
@@ -440,7 +454,7 @@ def dense_decode(
     bshd = layout == "BSHD"
     seq = SimpleNamespace(
         length=lambda io, b: T.Cast("int32", io.kv_len), max_length=lambda io: T.Cast("int32", io.kv_len),
-        base=lambda io, b: T.int32(0), load_row=_dense_row,
+        base=lambda io, b: T.int32(0), locate=lambda io, base, row: T.int32(0), load_row=_dense_row,
         bias=_dense_bias if additive_mask else None,
     )
 

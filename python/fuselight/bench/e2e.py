@@ -29,7 +29,7 @@ from . import bench_config
 from .kernels_run import sdpa_backends
 from .profile import profile_steps
 from .results import COMPILED_IMPLS, git_commit, make_record, write_results
-from .timing import device_name, synchronizer, time_host
+from .timing import device_name, host_samples, summarize, synchronizer, time_host
 
 SUITE = "e2e"
 # Model fields a library's metadata need not agree on with the benchmarked config (all others must).
@@ -323,35 +323,59 @@ class _Measure:
         self.sync()
         return out
 
-    def decode(self, context: int, steps: int, profile: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Median single-step decode time after a prompt of ``context`` tokens (warm-up steps untimed).
+    def decode(self, contexts: list[int], steps: int, profile: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Median single-step decode time after a prompt of each of ``contexts`` tokens.
 
+        The steps are taken in ``decode_rounds`` interleaved rounds (each round prefills every
+        context afresh, takes untimed warm-up steps, then its share of the timed ones), so a slow
+        drift of the host's speed falls on every context alike: on the H100 machine the same step
+        of the same library varied by 4% from minute to minute while its GPU time stayed within 0.5%.
         With ``profile`` (a dict), further steps run under the CUDA profiler and their kernels by
         family are stored in it under ``str(context)``.
         """
-        runner, warmup = self.runner, self.cfg["decode_warmup"]
+        runner, warmup, rounds = self.runner, self.cfg["decode_warmup"], self.cfg["decode_rounds"]
+        per_round = -(-steps // rounds)
+        samples: dict[int, list[float]] = {c: [] for c in contexts}
+        for _ in range(rounds):
+            for context in contexts:
+                runner.reset()
+                runner.prefill(self.ids[:context])
+                tokens = iter(int(t) for t in self.ids[context : context + warmup + per_round])
+                samples[context] += host_samples(
+                    lambda it=tokens: runner.decode(next(it)), warmup=warmup, repeat=per_round, sync=self.sync
+                )
+        records = []
+        for context in contexts:
+            stats = summarize(samples[context])
+            print(f"  decode after {context}: {stats.median_us / 1e3:.2f} ms/token", flush=True)
+            if profile is not None:
+                self._profile(context, profile)
+            nbytes, flops = decode_cost(self.config, context)
+            records.append(
+                make_record(
+                    **self.common,
+                    case=f"{self.config.name}-decode",
+                    shape={"context": context, "steps": stats.n},
+                    metric="ms_per_token",
+                    stats=stats,
+                    nbytes=nbytes,
+                    flops=flops,
+                    relerr=None,
+                )
+            )
+        return records
+
+    def _profile(self, context: int, profile: dict[str, Any]) -> None:
+        runner, warmup, extra = self.runner, self.cfg["decode_warmup"], self.cfg["profile_steps"]
         runner.reset()
         runner.prefill(self.ids[:context])
-        extra = self.cfg["profile_steps"] if profile is not None else 0
-        tokens = iter(int(t) for t in self.ids[context : context + warmup + steps + extra])
-        stats = time_host(lambda: runner.decode(next(tokens)), warmup=warmup, repeat=steps, sync=self.sync)
-        nbytes, flops = decode_cost(self.config, context)
-        print(f"  decode after {context}: {stats.median_us / 1e3:.2f} ms/token", flush=True)
-        if profile is not None:
-            prof = profile_steps(lambda: runner.decode(next(tokens)), extra, self.sync)
-            profile[str(context)] = prof
-            print(f"    profile: busy {prof['busy_us']:.0f} us; " + ", ".join(
-                f"{k} {v['us']:.0f} us/{v['launches']:.0f}" for k, v in prof["families"].items()), flush=True)
-        return make_record(
-            **self.common,
-            case=f"{self.config.name}-decode",
-            shape={"context": context, "steps": steps},
-            metric="ms_per_token",
-            stats=stats,
-            nbytes=nbytes,
-            flops=flops,
-            relerr=None,
-        )
+        tokens = iter(int(t) for t in self.ids[context : context + warmup + extra])
+        for _ in range(warmup):
+            runner.decode(next(tokens))
+        prof = profile_steps(lambda: runner.decode(next(tokens)), extra, self.sync)
+        profile[str(context)] = prof
+        print(f"    profile: busy {prof['busy_us']:.0f} us; " + ", ".join(
+            f"{k} {v['us']:.0f} us/{v['launches']:.0f}" for k, v in prof["families"].items()), flush=True)
 
 
 def run_e2e(
@@ -386,7 +410,7 @@ def run_e2e(
     decode_steps = decode_steps or cfg["decode_steps"]
     max_len = max(
         max(prefill_tokens),
-        max(decode_contexts) + cfg["decode_warmup"] + decode_steps + (cfg["profile_steps"] if profile else 0),
+        max(decode_contexts) + cfg["decode_warmup"] + max(-(-decode_steps // cfg["decode_rounds"]), cfg["profile_steps"] if profile else 0),
         cfg["accuracy_prompt"] + cfg["accuracy_decode_steps"],
     )
     if max_len > config.max_position_embeddings:
@@ -444,7 +468,7 @@ def run_e2e(
             acc_logits[impl] = measure.accuracy_logits(acc_prompt, acc_steps)
             records += [measure.prefill(n, refs[n]) for n in prefill_tokens]
             prof = profiles.setdefault(impl, {}) if profile and impl != "torch" else None
-            records += [measure.decode(c, decode_steps, prof) for c in decode_contexts]
+            records += measure.decode(decode_contexts, decode_steps, prof)
             del runner, measure
             release_memory()
             if device == "cuda":

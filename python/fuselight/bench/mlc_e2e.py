@@ -294,7 +294,7 @@ def _run_case(
                       "baseline_source": sources[impl]}
             measure = _Measure(config, runner, ids, run.sync, common)
             records += [measure.prefill(n, refs[n]) for n in run.prefill_tokens]
-            records += [measure.decode(c, run.decode_steps) for c in run.decode_contexts]
+            records += measure.decode(run.decode_contexts, run.decode_steps)
             del measure
         del runner
         release_memory()

@@ -148,6 +148,18 @@ def time_host(
     setup: Callable[[], Any] | None = None,
 ) -> Stats:
     """Wall-clock time of ``fn()`` between two ``sync()`` calls; ``setup()`` runs untimed before each."""
+    return summarize(host_samples(fn, warmup=warmup, repeat=repeat, sync=sync, setup=setup))
+
+
+def host_samples(
+    fn: Callable[[], Any],
+    *,
+    warmup: int,
+    repeat: int,
+    sync: Callable[[], None] | None = None,
+    setup: Callable[[], Any] | None = None,
+) -> list[float]:
+    """``time_host``'s samples in microseconds, for callers that pool several runs."""
     if repeat < 1:
         raise FuselightError(f"repeat must be at least 1, got {repeat}")
     samples = []
@@ -162,4 +174,4 @@ def time_host(
             sync()
         if i >= warmup:
             samples.append((time.perf_counter() - start) * 1e6)
-    return summarize(samples)
+    return samples
