@@ -4,7 +4,8 @@ TVM's built-in decode kernel gives each (sequence, KV head) one block and walks 
 in it: 8 blocks for LLaMA-3-8B at batch 1 on a 132-SM GPU. This one splits the context of each
 sequence across blocks so that batch x KV heads x splits fills the GPU, then merges the partial
 results by their log-sum-exp in a second kernel. A block serves every query head of its KV head
-(GQA), so each K/V byte is read once; a thread's next rows are loading while it uses the current ones,
+(GQA), so each K/V byte is read once; a thread's next rows are loading while it uses the current ones
+(and the pages of the rows after those are being looked up; a split's rows start on a step boundary),
 the scores of all rows and heads of a step are reduced together by shuffles, and the merge folds the
 splits in several thread rows at once, so no step waits on one memory or shuffle latency at a time.
 The merge kernel may launch while the split kernel runs (it waits for it with
@@ -56,9 +57,11 @@ def load_decode_config(arch: str) -> DecodeConfig:
     return load_arch_config("attention", "decode", arch, DecodeConfig)
 
 
-def _split_rows(kv_len, num_splits, min_rows: int):
-    """Rows per split of a sequence: the context spread evenly, but at least ``min_rows``."""
-    return T.max(T.ceildiv(kv_len, num_splits), min_rows)
+def _split_rows(kv_len, num_splits, min_rows: int, align: int):
+    """Rows per split of a sequence: the context spread evenly, rounded up to a multiple of
+    ``align`` (a block's rows a step: every step but the last then reads whole, aligned row
+    groups, one page each where pages are that size), and at least ``min_rows``."""
+    return T.max(T.ceildiv(T.ceildiv(kv_len, num_splits), align) * align, min_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +177,7 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
                                 base: T.let[T.int32] = seq.base(io, bz)
                                 kv_len: T.let[T.int32] = seq.length(io, bz)
                                 # in registers, not lets: TVM would inline the divisions into every use
-                                bounds[0] = _split_rows(kv_len, num_splits(batch), MIN_ROWS)
+                                bounds[0] = _split_rows(kv_len, num_splits(batch), MIN_ROWS, BDY * U)
                                 bounds[1] = T.min((bx + 1) * bounds[0], kv_len)
                                 bounds[0] = bx * bounds[0]
                                 row_begin: T.let[T.int32] = bounds[0]
@@ -272,7 +275,7 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
                             o_sm = T.sblock_alloc_buffer((MG, D), "float32", scope="shared")
                             mw_sm = T.sblock_alloc_buffer((MG, 2), "float32", scope="shared")
                             kv_len: T.let[T.int32] = seq.length(io, bz)
-                            used: T.let[T.int32] = T.ceildiv(kv_len, _split_rows(kv_len, num_splits(batch), MIN_ROWS))
+                            used: T.let[T.int32] = T.ceildiv(kv_len, _split_rows(kv_len, num_splits(batch), MIN_ROWS, BDY * U))
                             # Launched early where the TIR pipeline allows (fuselight.tir_pipeline):
                             # the split kernel's partials are complete and visible after this.
                             T.ptx.griddepcontrol.wait()
