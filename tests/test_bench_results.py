@@ -202,6 +202,18 @@ def test_kernel_suite_on_llvm(small_suite):
     assert (gemm["bytes"], gemm["flops"]) == ((33 * 64 + 48 * 64 + 33 * 48) * 2, 2 * 33 * 48 * 64)
 
 
+def test_kernel_suite_sweep_override(small_suite, tmp_path):
+    """--sweep runs other values of a symbolic case's swept dimension (odd and prime ones too)."""
+    manifest, _ = small_suite
+    records = kernels.run_suite(manifest, tmp_path / "r.json", cases=["gemm-48x64"], sweep=[2, 13])
+    assert [(r["shape"]["m"], r["impl"]) for r in records] == [
+        (m, impl) for m in (2, 13) for impl in ("baseline", "fuselight", "torch")
+    ]
+    assert all(r["relerr"] < 0.02 for r in records)
+    with pytest.raises(FuselightError, match="--sweep"):
+        kernels.run_suite(manifest, tmp_path / "r.json", cases=["gemm-48x64"], sweep=[0])
+
+
 def test_kernel_suite_flags_wrong_results(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     from fuselight.bench import kernels_build

@@ -62,7 +62,7 @@ def cmd_bench_build(args: argparse.Namespace) -> int:
 def cmd_bench_run(args: argparse.Namespace) -> int:
     from .bench.kernels import run_suite
 
-    run_suite(Path(args.manifest), Path(args.output), cases=args.cases)
+    run_suite(Path(args.manifest), Path(args.output), cases=args.cases, sweep=args.sweep)
     return 0
 
 
@@ -209,6 +209,9 @@ def _parser() -> argparse.ArgumentParser:
     br.add_argument("manifest", help="manifest.json written by 'bench build'")
     br.add_argument("-o", "--output", required=True, help="results JSON")
     br.add_argument("--cases", nargs="*", default=None)
+    br.add_argument(
+        "--sweep", nargs="+", type=int, default=None, help="run these values of each symbolic case's swept dimension"
+    )
     br.set_defaults(func=cmd_bench_run)
     pb = bsub.add_parser("paged-build", help="compile the KV-cache attention kernels, TVM's and ours")
     pb.add_argument("out", help="output directory")

@@ -11,6 +11,8 @@ GPU; an llvm build runs the same way on the CPU (for tests).
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -290,13 +292,23 @@ def _run_case(
     return records, failures
 
 
-def run_suite(manifest: Path, out_json: Path, cases: list[str] | None = None) -> list[dict[str, Any]]:
-    """Check and time every case of ``manifest`` (or the named ``cases``); write ``out_json``."""
+def run_suite(
+    manifest: Path, out_json: Path, cases: list[str] | None = None, sweep: list[int] | None = None
+) -> list[dict[str, Any]]:
+    """Check and time every case of ``manifest`` (or the named ``cases``); write ``out_json``.
+
+    ``sweep`` replaces the swept values of every case whose swept dimension is symbolic in its
+    libraries (e.g. only the low-batch M of the GEMM cases); a case built for one value keeps it.
+    """
     from ..report import text_table
 
     raw, all_cases = read_manifest(manifest)
     entries = {e["name"]: e for e in raw["cases"]}
     selected = select(all_cases, cases)
+    if sweep is not None:
+        if not sweep or not all(v > 0 for v in sweep):
+            raise FuselightError(f"--sweep must be positive integers, got {sweep}")
+        selected = [c if c.static else dataclasses.replace(c, sweep=tuple(sweep)) for c in selected]
     target = raw.get("target")
     if target not in DEVICE_OF_TARGET:
         raise FuselightError(f"{manifest}: field 'target' {target!r} is not one of {', '.join(DEVICE_OF_TARGET)}")
