@@ -12,7 +12,6 @@ GPU; an llvm build runs the same way on the CPU (for tests).
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from collections.abc import Callable
 from pathlib import Path
