@@ -23,12 +23,48 @@ from .gemm.analysis import MatmulDesc, analyze_matmul
 from .gemm.dispatch import load_dispatch
 from .gemm.gemv import (
     STATIC_SHARED_BYTES,
+    GemvConfig,
     check_gemv,
     config_for,
     gemv_body,
     grid_blocks,
     load_gemv_configs,
 )
+from .gemm.operands import GemmOperands
+
+
+def gemv_config(ops: GemmOperands, m: int, target: Target) -> GemvConfig | None:
+    """The GEMV bucket that computes ``ops`` for up to ``m`` token rows on ``target`` (``ops.m`` may
+    be symbolic), or None: no config for the arch, no bucket for ``m``, or operands the template
+    does not take (NN weights, K not a multiple of 32, too much shared memory)."""
+    try:
+        arch = arch_of(target)
+        cfg = config_for(load_gemv_configs(arch), m, grid_blocks(ops))
+        if cfg is None:
+            return None
+        # The kernel's shared memory is static: CUDA's static limit, or the target's if lower.
+        limit = min(int(target.attrs.get("max_shared_memory_per_block", STATIC_SHARED_BYTES)), STATIC_SHARED_BYTES)
+        check_gemv(ops, cfg, limit)
+    except FuselightError:
+        return None
+    return cfg
+
+
+def symbolic_m_buckets(ops: GemmOperands, target: Target) -> list[tuple[int, GemvConfig]]:
+    """``(largest M, bucket)`` in increasing M for a matmul whose M is symbolic: each bucket of the
+    arch's GEMV config that takes ``ops``, so the caller can branch on M into the template (which
+    needs no static M) below the GEMM plans."""
+    try:
+        tops = sorted({c.max_m for c in load_gemv_configs(arch_of(target))})
+    except FuselightError:
+        return []
+    buckets = []
+    for top in tops:
+        cfg = gemv_config(ops, top, target)
+        if cfg is None:
+            break  # no gaps: a bucket that does not take ops ends the GEMV range
+        buckets.append((top, cfg))
+    return buckets
 
 
 class Gemv(AnalyzeScheduleRule):
@@ -44,17 +80,10 @@ class Gemv(AnalyzeScheduleRule):
         """``func`` with its body replaced by the GEMV kernel for ``desc`` on ``target``, or None where
         the template does not serve it (M left to the Matmul rule, no config for the arch)."""
         try:
-            arch = arch_of(target)
-            min_static_m = load_dispatch(arch).min_static_m
+            min_static_m = load_dispatch(arch_of(target)).min_static_m
         except FuselightError:
             return None  # no GEMM config for this arch
-        cfg = config_for(load_gemv_configs(arch), desc.m_static, grid_blocks(desc.operands))
-        if desc.m_static >= min_static_m or cfg is None:
-            return None  # the Matmul rule's, or no bucket serves it
-        try:
-            # The kernel's shared memory is static: CUDA's static limit, or the target's if lower.
-            limit = min(int(target.attrs.get("max_shared_memory_per_block", STATIC_SHARED_BYTES)), STATIC_SHARED_BYTES)
-            check_gemv(desc.operands, cfg, limit)
-        except FuselightError:
-            return None  # operands the template does not take (NN weights, K not a multiple of 32, too much shared memory)
-        return with_kernels(func, gemv_body(desc.operands, cfg))
+        if desc.m_static >= min_static_m:
+            return None  # the Matmul rule's
+        cfg = gemv_config(desc.operands, desc.m_static, target)
+        return None if cfg is None else with_kernels(func, gemv_body(desc.operands, cfg))

@@ -5,9 +5,10 @@ folds the epilogue into one expression of the fp32 accumulator. ``schedule`` ask
 (``rules.gemm.dispatch``) which plan serves which range of M (the mma.sync template with split-K
 where M is too small to fill the GPU, the Hopper wgmma template above) and writes the template's
 body for each, behind a host-side branch on M, over the function's own buffers: the signature,
-the parameters and the epilogue stay, the intermediates vanish. Functions whose M is a small constant (decode
-GEMVs, below ``min_static_m`` of the dispatch config) and targets without a config are left to the
-next rule. A paired epilogue (``passes.fuse_gate_up_silu``: ``silu(gate) * up`` of a gate+up
+the parameters and the epilogue stay, the intermediates vanish. A symbolic M of at most the GEMV
+config's largest bucket (16 rows) branches into the GEMV template instead (``rules.gemv``), one
+kernel per bucket. Functions whose M is a small constant (decode GEMVs, below ``min_static_m`` of
+the dispatch config) and targets without a config are left to the next rule. A paired epilogue (``passes.fuse_gate_up_silu``: ``silu(gate) * up`` of a gate+up
 projection) is priced as the plain GEMM of the same N and K, among the plans whose template takes
 one (wgmma; mma.sync does not yet).
 """
@@ -23,6 +24,8 @@ from .base import AnalyzeScheduleRule, host_branch, with_kernels
 from .gemm import gemm_body
 from .gemm.analysis import MatmulDesc, analyze_matmul
 from .gemm.dispatch import load_dispatch, plan_ranges
+from .gemm.gemv import gemv_body
+from .gemv import symbolic_m_buckets
 
 
 class Matmul(AnalyzeScheduleRule):
@@ -46,10 +49,17 @@ class Matmul(AnalyzeScheduleRule):
         ranges = plan_ranges(ops, dispatch)
         if not ranges:
             return None
+        # A symbolic M of a few rows runs the GEMV template (one kernel at weight-streaming
+        # bandwidth, where the GEMM plans there split K over a second, reducing launch).
+        gemv = symbolic_m_buckets(ops, target) if desc.m_static is None else []
+        if gemv:
+            ranges = [r for r in ranges[:-1] if r[0] > gemv[-1][0]] + ranges[-1:]
         # Host-side branch on M: the last range serves every larger M.
         body = gemm_body(ops, ranges[-1][1])
         for upper, plan in reversed(ranges[:-1]):
             body = host_branch(ops.m <= upper, gemm_body(ops, plan), body)
+        for upper, cfg in reversed(gemv):
+            body = host_branch(ops.m <= upper, gemv_body(ops, cfg), body)
         if desc.m_static is None:
             body = host_branch(ops.m > 0, body)  # no empty grids
         return with_kernels(func, body)

@@ -13,7 +13,9 @@ import tvm
 from fuselight.errors import FuselightError
 from fuselight.rules.gemm import dispatch
 from fuselight.rules.gemm.analysis import analyze_matmul
+from fuselight.rules.gemm.gemv import load_gemv_configs
 from fuselight.rules.gemm.operands import GemmOperands
+from fuselight.rules.gemv import symbolic_m_buckets
 from fuselight.rules.matmul import Matmul
 from fuselight.target import resolve, to_tvm
 from fuselight.tune.gemm import matmul_prim_func
@@ -128,13 +130,18 @@ def test_rule_schedules_dynamic_m_matmuls_for_sm90(n, k, cuda):
     assert [p.name for p in kernel.params] == [p.name for p in func.params]  # the signature stays
     source = _cuda_source(kernel, cuda)
     d = dispatch.load_dispatch("sm_90")
-    ranges = dispatch.plan_ranges(analyze_matmul(func).operands, d)
-    names = [dispatch.plan_name(plan, d) for _, plan in ranges]
-    assert ("mma.sync.aligned.m16n8k16" in source) == any(not name.startswith("wgmma") for name in names)
+    ops = analyze_matmul(func).operands
+    # M up to 16 runs the GEMV template, one kernel per bucket of configs/gemm/gemv.json
+    gemv = symbolic_m_buckets(ops, cuda)
+    assert [top for top, _ in gemv] == sorted({c.max_m for c in load_gemv_configs("sm_90")}) == [1, 2, 4, 8, 16]
+    ranges = dispatch.plan_ranges(ops, d)
+    kept = [r for r in ranges[:-1] if r[0] > gemv[-1][0]] + ranges[-1:]
+    names = [dispatch.plan_name(plan, d) for _, plan in kept]
+    assert "mma.sync.aligned.m16n8k16" in source  # the GEMV template's
     assert "wgmma.mma_async" in source and "cp.async.bulk.tensor" in source
-    # one kernel per dispatch range, chosen on the host, and a reduction per split-K range (each
-    # kernel declared, then defined)
-    assert source.count("__global__") == 2 * sum(2 if "/sk" in name else 1 for name in names)
+    # one kernel per GEMV bucket and dispatch range, chosen on the host, and a reduction per
+    # split-K range (each kernel declared, then defined)
+    assert source.count("__global__") == 2 * (len(gemv) + sum(2 if "/sk" in name else 1 for name in names))
 
 
 @needs_nvcc
