@@ -9,6 +9,7 @@ vanish (a paired ``silu(gate) * up`` epilogue included: decode's gate+up project
 ``[M, I]`` directly). Unlike the Matmul rule it also takes an RMSNorm prologue
 (``passes.fuse_norm_gemv``: the template norms the token rows in every block). Other weights
 layouts, M without a bucket and targets without a config go on to the next rule (DLight's GEMV).
+``symbolic_m_buckets`` gives the Matmul rule the buckets it branches a symbolic M of a few rows into.
 """
 
 from __future__ import annotations
