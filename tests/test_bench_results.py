@@ -14,21 +14,21 @@ from fuselight.errors import FuselightError
 
 
 def _record(**over):
-    base = dict(
-        suite="kernels",
-        case="gemm-4096x4096",
-        shape={"m": 16, "n": 4096, "k": 4096},
-        impl="fuselight",
-        metric="tflops",
-        stats=timing.Stats(median_us=25.0, p10_us=24.0, p90_us=27.5, n=50),
-        nbytes=33_816_576,
-        flops=536_870_912,
-        relerr=1.5e-3,
-        device="NVIDIA H100 80GB HBM3",
-        tvm_version="0.26.0",
-        git_commit="abc123",
-        baseline_source="mlc-llm@79d603f",
-    )
+    base = {
+        "suite": "kernels",
+        "case": "gemm-4096x4096",
+        "shape": {"m": 16, "n": 4096, "k": 4096},
+        "impl": "fuselight",
+        "metric": "tflops",
+        "stats": timing.Stats(median_us=25.0, p10_us=24.0, p90_us=27.5, n=50),
+        "nbytes": 33_816_576,
+        "flops": 536_870_912,
+        "relerr": 1.5e-3,
+        "device": "NVIDIA H100 80GB HBM3",
+        "tvm_version": "0.26.0",
+        "git_commit": "abc123",
+        "baseline_source": "mlc-llm@79d603f",
+    }
     base.update(over)
     return results.make_record(**base)
 
