@@ -8,9 +8,9 @@ body for each, behind a host-side branch on M, over the function's own buffers: 
 the parameters and the epilogue stay, the intermediates vanish. A symbolic M of at most the GEMV
 config's largest bucket (16 rows) branches into the GEMV template instead (``rules.gemv``), one
 kernel per bucket. Functions whose M is a small constant (decode GEMVs, below ``min_static_m`` of
-the dispatch config) and targets without a config are left to the next rule. A paired epilogue (``passes.fuse_gate_up_silu``: ``silu(gate) * up`` of a gate+up
-projection) is priced as the plain GEMM of the same N and K, among the plans whose template takes
-one (wgmma; mma.sync does not yet).
+the dispatch config) and targets without a config are left to the next rule. A paired epilogue
+(``passes.fuse_gate_up_silu``: ``silu(gate) * up`` of a gate+up projection) is priced as the plain
+GEMM of the same N and K, among the plans whose template takes one (wgmma; mma.sync does not yet).
 """
 
 from __future__ import annotations
