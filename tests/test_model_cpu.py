@@ -107,6 +107,71 @@ def test_engine_rejects_bad_input(cpu_model):
         engine.decode(1)
 
 
+def _engine(cpu_model, seed: int, **engine_args):
+    cfg = _variant("llama3")
+    vm, device = cpu_model(cfg)
+    params = [tvm.runtime.tensor(w, device=device) for w in random_weights(cfg, seed=seed).values()]
+    return Engine(vm, params, cfg, device, **engine_args), vm, cfg
+
+
+@pytest.mark.parametrize("prompt_len", [1, 13])
+def test_generate_matches_step_by_step_greedy(cpu_model, prompt_len):
+    engine, _, cfg = _engine(cpu_model, seed=11 + prompt_len, max_total_seq_len=64, prefill_chunk_size=PREFILL_CHUNK)
+    prompt = np.random.default_rng(prompt_len).integers(0, cfg.vocab_size, prompt_len)
+    steps = 9
+    expected = []
+    logits = engine.prefill(prompt)
+    for _ in range(steps):
+        expected.append(int(np.argmax(logits.numpy().reshape(-1))))
+        logits = engine.decode(expected[-1])
+    engine.reset()
+    tokens = engine.generate(prompt, steps)
+    assert tokens.dtype == np.int32
+    assert tokens.tolist() == expected
+    # The last token is returned, not decoded: the cache holds the prompt and steps - 1 tokens.
+    assert engine._length == prompt_len + steps - 1
+    # Greedy tokens of random weights must not be one repeated id, or the loop's feedback is untested.
+    assert len(set(expected)) > 1
+
+
+def test_greedy_function_takes_the_first_maximum(cpu_model):
+    _, vm, cfg = _engine(cpu_model, seed=1)
+    logits = np.random.default_rng(2).uniform(-3.0, -1.0, (1, 1, cfg.vocab_size)).astype("float32")
+    logits[0, 0, [7, 300]] = 2.5
+    out = vm["greedy"](tvm.runtime.tensor(logits, device=tvm.cpu()))
+    assert out.numpy().tolist() == [7]
+
+
+class _WithoutGreedy:
+    """A VM whose library lacks ``decode_greedy``, as MLC-LLM's builds do."""
+
+    def __init__(self, vm) -> None:
+        self._vm, self.module = vm, self
+
+    def implements_function(self, name: str, query_imports: bool = False) -> bool:
+        return name != "decode_greedy"
+
+    def __getitem__(self, name: str):
+        return self._vm[name]
+
+
+def test_generate_rejects_bad_requests(cpu_model):
+    engine, vm, cfg = _engine(cpu_model, seed=3, max_total_seq_len=20)
+    with pytest.raises(FuselightError, match="max_new_tokens must be at least 1, got 0"):
+        engine.generate(np.arange(5), 0)
+    with pytest.raises(FuselightError, match="exceeds max_total_seq_len 20"):
+        engine.generate(np.arange(15), 7)
+    assert engine._length == 0
+    # 15 prompt tokens + 6 decoded (the 7th is only returned) exceed 20, before any work is done.
+    with pytest.raises(FuselightError, match="exceeds max_total_seq_len 20"):
+        engine.greedy(engine.prefill(np.arange(15)), 7)
+    assert engine._length == 15
+    params = [tvm.runtime.tensor(w, device=tvm.cpu()) for w in random_weights(cfg, seed=3).values()]
+    other = Engine(_WithoutGreedy(vm), params, cfg, tvm.cpu(), max_total_seq_len=20)
+    with pytest.raises(FuselightError, match="lacks greedy, decode_attend, decode_greedy"):
+        other.generate(np.arange(5), 2)
+
+
 def test_export_keeps_seq_len_symbolic_and_param_order():
     from fuselight.model.llama import export_module
     from fuselight.target import resolve, to_tvm

@@ -1,5 +1,10 @@
 """Run a compiled LLaMA step by step: one sequence, prefill then decode, over the TIR paged KV cache.
 
+``decode`` is one synchronous step (logits back on the host's call). ``greedy``/``generate`` run a
+greedy loop whose token never leaves the device and whose host prepares each step while the
+previous one finishes, so less of the host's per-step work (embedding, KV-cache bookkeeping, ~300
+kernel launches) leaves the GPU idle between steps.
+
 Runtime only (``tvm.runtime`` + NumPy), so it works where the TVM compiler is not installed. The
 VM functions are those ``fuselight.model.llama.export_module`` documents.
 """
@@ -11,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import tvm
+import tvm_ffi
 
 from .config import ModelConfig
 from .errors import FuselightError
@@ -22,6 +28,8 @@ _SEQ_ID = 0
 # One sequence at a time; no sliding window.
 _MAX_BATCH_SIZE = 1
 _SLIDING_WINDOW = 0
+# What greedy()/generate() call besides embed.
+_GREEDY_FUNCTIONS = ("greedy", "decode_attend", "decode_greedy")
 # DLPack device types: CUDA and its page-locked host memory.
 _CUDA, _CUDA_HOST = 2, 3
 
@@ -82,6 +90,10 @@ class Engine:
         self._embed = vm["embed"]
         self._prefill = vm["prefill"]
         self._decode = vm["decode"]
+        # Libraries built elsewhere (MLC-LLM's) lack these; only greedy() needs them.
+        self._greedy, self._decode_attend, self._decode_greedy = (
+            vm[name] if vm.module.implements_function(name) else None for name in _GREEDY_FUNCTIONS
+        )
         self._add_sequence = tvm.get_global_func("vm.builtin.kv_state_add_sequence")
         self._begin_forward = tvm.get_global_func("vm.builtin.kv_state_begin_forward")
         self._end_forward = tvm.get_global_func("vm.builtin.kv_state_end_forward")
@@ -108,6 +120,11 @@ class Engine:
             else None
         )
 
+    @property
+    def can_generate(self) -> bool:
+        """Whether the library has the functions ``greedy``/``generate`` need."""
+        return None not in (self._greedy, self._decode_attend, self._decode_greedy)
+
     def reset(self) -> None:
         """Start a fresh sequence: the KV cache is emptied."""
         self._clear(self._kv_cache)
@@ -124,7 +141,7 @@ class Engine:
             staged = self._ids_host._create_view((n,))
             staged.copyfrom(host_ids)
             staged.copyto(ids)
-        embed = self._reshape(self._embed(ids, self._params), tvm.runtime.ShapeTuple([1, n, self.config.hidden_size]))
+        embed = self._embed_ids(ids, n)
         self._begin_forward(self._kv_cache, tvm.runtime.ShapeTuple([_SEQ_ID]), tvm.runtime.ShapeTuple([n]))
         logits, self._kv_cache = fn(embed, self._kv_cache, self._params)
         self._end_forward(self._kv_cache)
@@ -133,6 +150,9 @@ class Engine:
         self.device.sync()
         self._length += n
         return logits
+
+    def _embed_ids(self, ids: Any, n: int) -> Any:
+        return self._reshape(self._embed(ids, self._params), tvm.runtime.ShapeTuple([1, n, self.config.hidden_size]))
 
     def _check_room(self, n: int) -> None:
         if self._length + n > self.max_total_seq_len:
@@ -166,3 +186,74 @@ class Engine:
         self._check_ids(ids)
         self._check_room(1)
         return self._step(self._decode, ids)
+
+    def greedy(self, logits: Any, max_new_tokens: int) -> np.ndarray:
+        """Greedy continuation from ``logits`` (``prefill``'s or ``decode``'s): int32 tokens
+        ``[max_new_tokens]``, the first ``argmax(logits)``; every token but the last is decoded.
+
+        Tokens stay on the device: ``decode_greedy`` feeds ``embed``. The host waits for each
+        step only until its ``decode_attend`` part is done, then enqueues the next step while the
+        rest (last MLP, lm_head, argmax) runs. It may not run further ahead: TVM's KV cache uploads
+        a step's page tables on its own stream at the step's first attention, with nothing that
+        orders the upload after the previous step's attention kernels, which read them."""
+        self._check_greedy(max_new_tokens, 0)
+        tokens = tvm.runtime.empty((max_new_tokens,), "int32", self.device)
+        pace = _StepPacer(self.device)
+        token = self._greedy(logits)
+        token.copyto(tokens._create_view((1,)))
+        for i in range(1, max_new_tokens):
+            embed = self._embed_ids(token, 1)
+            self._begin_forward(self._kv_cache, tvm.runtime.ShapeTuple([_SEQ_ID]), tvm.runtime.ShapeTuple([1]))
+            pace.wait()
+            hidden, self._kv_cache = self._decode_attend(embed, self._kv_cache, self._params)
+            pace.mark()
+            self._end_forward(self._kv_cache)
+            self._length += 1
+            token = self._decode_greedy(hidden, self._params)
+            # Device to device: the host does not wait for it.
+            token.copyto(tokens._create_view((1,), relative_byte_offset=4 * i))
+        self.device.sync()
+        return tokens.numpy()
+
+    def generate(self, token_ids: np.ndarray, max_new_tokens: int) -> np.ndarray:
+        """``prefill(token_ids)`` then ``greedy``: the ``max_new_tokens`` new tokens (int32)."""
+        # Checked before the prefill, which would otherwise fill the cache and then fail.
+        self._check_greedy(max_new_tokens, np.asarray(token_ids).size)
+        return self.greedy(self.prefill(token_ids), max_new_tokens)
+
+    def _check_greedy(self, max_new_tokens: int, prompt: int) -> None:
+        if not self.can_generate:
+            raise FuselightError(
+                f"this library lacks {', '.join(_GREEDY_FUNCTIONS)}, which greedy decoding needs: "
+                "build it with `fuselight compile`"
+            )
+        if max_new_tokens < 1:
+            raise FuselightError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        self._check_room(prompt + max_new_tokens - 1)
+
+
+class _StepPacer:
+    """Lets the host wait for the device to reach a marked point of the compute stream while later
+    work is already enqueued behind it: the mark is an event that a side stream waits on, and the
+    host synchronises with that side stream. Without streams (CPU) both calls return at once."""
+
+    def __init__(self, device: Any) -> None:
+        self._device = device
+        self._stream = None
+        if device.dlpack_device_type() == _CUDA:
+            self._compute = tvm_ffi.get_raw_stream(device)
+            self._stream = device.create_raw_stream()
+        self._sync_from_to = tvm.get_global_func("runtime.Device_StreamSyncFromTo")
+
+    def __del__(self) -> None:
+        if self._stream is not None:
+            self._device.free_raw_stream(self._stream)
+
+    def mark(self) -> None:
+        """The next ``wait`` returns once the device has done all work enqueued so far."""
+        if self._stream is not None:
+            self._sync_from_to(self._device, self._compute, self._stream)
+
+    def wait(self) -> None:
+        if self._stream is not None:
+            self._device.sync(self._stream)

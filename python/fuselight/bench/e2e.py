@@ -16,6 +16,7 @@ import dataclasses
 import inspect
 import json
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -207,6 +208,25 @@ class _TvmRunner:
     def decode(self, token: int) -> Any:
         return self.torch.from_dlpack(self.engine.decode(token)).reshape(-1)
 
+    def generate(self, ids: np.ndarray, steps: int) -> tuple[np.ndarray, float]:
+        """Prefill ``ids`` afresh, then ``Engine.greedy`` over ``steps`` decode steps: its
+        ``steps + 1`` tokens and its wall-clock seconds (the untimed prefill is synchronised)."""
+        self.engine.reset()
+        logits = self.engine.prefill(ids)
+        start = time.perf_counter()
+        tokens = self.engine.greedy(logits, steps + 1)
+        return tokens, time.perf_counter() - start
+
+    def greedy_by_steps(self, ids: np.ndarray, steps: int) -> np.ndarray:
+        """The same tokens as ``generate``, one synchronous step at a time, argmax on the host."""
+        self.reset()
+        logits = self.prefill(ids)
+        tokens = []
+        for _ in range(steps):
+            tokens.append(int(logits.argmax()))
+            logits = self.decode(tokens[-1])
+        return np.array([*tokens, int(logits.argmax())], dtype=np.int32)
+
 
 class _HfRunner:
     def __init__(self, model: Any, torch: Any, device: Any, backends: list) -> None:
@@ -365,6 +385,46 @@ class _Measure:
             )
         return records
 
+    def generate(self, contexts: list[int], steps: int, check: int) -> tuple[list[dict[str, Any]], dict[str, int]]:
+        """Greedy generation through ``Engine.greedy`` (token kept on the device, host one step
+        ahead): ms per decode step over ``steps`` steps after a prompt of each context, one sample
+        per round, rounds interleaved as in ``decode``. Also, per context, how many of the first
+        ``check + 1`` tokens agree with step-by-step decoding whose argmax runs on the host."""
+        runner, rounds = self.runner, self.cfg["decode_rounds"]
+        agree = {}
+        for context in contexts:
+            prompt = self.ids[:context]
+            got = runner.generate(prompt, check)[0]
+            want = runner.greedy_by_steps(prompt, check)
+            agree[str(context)] = int(np.cumprod(got == want).sum())
+        samples: dict[int, list[float]] = {c: [] for c in contexts}
+        for _ in range(rounds):
+            for context in contexts:
+                seconds = runner.generate(self.ids[:context], steps)[1]
+                samples[context].append(seconds / steps * 1e6)
+        records = []
+        for context in contexts:
+            stats = summarize(samples[context])
+            print(
+                f"  generate after {context}: {stats.median_us / 1e3:.2f} ms/token "
+                f"({agree[str(context)]}/{check + 1} tokens as step by step)",
+                flush=True,
+            )
+            nbytes, flops = decode_cost(self.config, context)
+            records.append(
+                make_record(
+                    **self.common,
+                    case=f"{self.config.name}-generate",
+                    shape={"context": context, "steps": steps},
+                    metric="ms_per_token",
+                    stats=stats,
+                    nbytes=nbytes,
+                    flops=flops,
+                    relerr=None,
+                )
+            )
+        return records, agree
+
     def _profile(self, context: int, profile: dict[str, Any]) -> None:
         runner, warmup, extra = self.runner, self.cfg["decode_warmup"], self.cfg["profile_steps"]
         runner.reset()
@@ -410,7 +470,12 @@ def run_e2e(
     decode_steps = decode_steps or cfg["decode_steps"]
     max_len = max(
         max(prefill_tokens),
-        max(decode_contexts) + cfg["decode_warmup"] + max(-(-decode_steps // cfg["decode_rounds"]), cfg["profile_steps"] if profile else 0),
+        max(decode_contexts)
+        + max(
+            cfg["decode_warmup"] + max(-(-decode_steps // cfg["decode_rounds"]), cfg["profile_steps"] if profile else 0),
+            cfg["generate_steps"],
+            cfg["generate_check"],
+        ),
         cfg["accuracy_prompt"] + cfg["accuracy_decode_steps"],
     )
     if max_len > config.max_position_embeddings:
@@ -453,6 +518,7 @@ def run_e2e(
         acc_refs = [reference_logits(config, weights, ids[: acc_prompt + i]) for i in range(acc_steps + 1)]
         acc_logits: dict[str, list[Any]] = {}
         profiles: dict[str, dict[str, Any]] = {}
+        generate_check: dict[str, dict[str, int]] = {}
         impls = list(libs) + (["torch"] if torch else [])
         for impl in impls:
             print(f"{impl}: loading", flush=True)
@@ -469,6 +535,11 @@ def run_e2e(
             records += [measure.prefill(n, refs[n]) for n in prefill_tokens]
             prof = profiles.setdefault(impl, {}) if profile and impl != "torch" else None
             records += measure.decode(decode_contexts, decode_steps, prof)
+            if isinstance(runner, _TvmRunner) and runner.engine.can_generate:
+                generated, generate_check[impl] = measure.generate(
+                    decode_contexts, cfg["generate_steps"], cfg["generate_check"]
+                )
+                records += generated
             del runner, measure
             release_memory()
             if device == "cuda":
@@ -480,6 +551,8 @@ def run_e2e(
         "libraries": {k: str(v) for k, v in libs.items()},
         "torch": torch,
         "accuracy": accuracy,
+        # Per library and context: leading greedy tokens that agree with step-by-step decoding.
+        "generate_check": {"tokens": cfg["generate_check"] + 1, "agree": generate_check},
         **({"decode_profile": profiles} if profile else {}),
     }
     write_results(Path(out_json), records, meta)

@@ -52,9 +52,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, -1, eps, bias=False)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), kv_cache, layer_id)
+    def attend(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
+        return x + self.self_attn(self.input_layernorm(x), kv_cache, layer_id)
+
+    def feed_forward(self, x: Tensor) -> Tensor:
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
+        return self.feed_forward(self.attend(x, kv_cache, layer_id))
 
 
 class LlamaModel(nn.Module):
@@ -79,8 +84,32 @@ def _last_position(x: Tensor) -> Tensor:
     return op.tensor_expr_op(compute, name_hint="last_position", args=[x])
 
 
+def _argmax_int32(logits: te.Tensor, index_dtype: str) -> te.Tensor:
+    """``[1, 1, vocab] -> int32 [1]``: the index of the largest value, the first on ties.
+
+    Written out rather than ``relax.op.argmax`` (whose int64 index would cost a second kernel for
+    the cast), with TVM's argmax combiner term for term: the GPU lowering of a cross-thread
+    reduction only accepts the combiners it knows. The index is reduced in ``index_dtype``: int64 on
+    GPUs, where an int32 index in the exporter's int64 loops gets casts that hide the pattern; int32
+    on CPUs, whose index-narrowing pass rejects int64 buffers."""
+
+    def combine(x: tuple, y: tuple) -> tuple:
+        first = tirx.Or(x[1] > y[1], tirx.And(x[1] == y[1], x[0] < y[0]))
+        return tirx.Select(first, x[0], y[0]), tirx.Select(x[1] > y[1], x[1], y[1])
+
+    def identity(index: str, value: str) -> tuple:
+        return tirx.const(-1, index), te.min_value(value)
+
+    reducer = te.comm_reducer(combine, identity, name="argmax")
+    k = te.reduce_axis((0, logits.shape[-1]), name="k")
+    index, _ = te.compute((1,), lambda i: reducer((k.var.astype(index_dtype), logits[0, 0, k]), axis=k), name="argmax")
+    # The pair stays an intermediate, so the GPU rules see a reduction with an epilogue (as for
+    # topi's argmax), not a function with two reduced outputs.
+    return te.compute((1,), lambda i: index[i].astype("int32"), name="greedy")
+
+
 class LlamaForCausalLM(nn.Module):
-    """LLaMA with ``embed``/``prefill``/``decode`` entry points over a TIR paged KV cache."""
+    """LLaMA with ``embed``/``prefill``/``decode``/``greedy`` entry points over a TIR paged KV cache."""
 
     def __init__(self, config: ModelConfig, target: tvm.target.Target) -> None:
         self.model = LlamaModel(config)
@@ -106,6 +135,23 @@ class LlamaForCausalLM(nn.Module):
 
     def decode(self, input_embed: Tensor, paged_kv_cache: PagedKVCache) -> tuple[Tensor, PagedKVCache]:
         return self._logits(self.model(input_embed, paged_kv_cache)), paged_kv_cache
+
+    # ``decode`` cut after its last use of the KV cache, for a generation loop that starts the next
+    # step's cache bookkeeping (which must not overtake this step's attention) while the rest runs.
+    def decode_attend(self, input_embed: Tensor, paged_kv_cache: PagedKVCache) -> tuple[Tensor, PagedKVCache]:
+        *layers, last = self.model.layers
+        x = input_embed
+        for layer_id, layer in enumerate(layers):
+            x = layer(x, paged_kv_cache, layer_id)
+        return last.attend(x, paged_kv_cache, len(layers)), paged_kv_cache
+
+    def decode_greedy(self, hidden: Tensor) -> Tensor:
+        return self.greedy(self._logits(self.model.norm(self.model.layers[-1].feed_forward(hidden))))
+
+    def greedy(self, logits: Tensor) -> Tensor:
+        # On the device, so a generation loop feeds the token to the next embed without a host trip.
+        index_dtype = "int32" if self.target.kind.name == "llvm" else "int64"
+        return op.tensor_expr_op(_argmax_int32, name_hint="greedy", args=[logits, index_dtype])
 
     def create_tir_paged_kv_cache(
         self,
@@ -162,6 +208,16 @@ class LlamaForCausalLM(nn.Module):
                     "paged_kv_cache": cache,
                     "$": packed,
                 },
+                "decode_attend": {
+                    "input_embed": nn.spec.Tensor([1, 1, c.hidden_size], c.dtype),
+                    "paged_kv_cache": cache,
+                    "$": packed,
+                },
+                "decode_greedy": {"hidden": nn.spec.Tensor([1, 1, c.hidden_size], c.dtype), "$": packed},
+                "greedy": {
+                    "logits": nn.spec.Tensor([1, 1, c.vocab_size], "float32"),
+                    "$": {"param_mode": "none", "effect_mode": "none"},
+                },
                 "create_tir_paged_kv_cache": {
                     "max_batch_size": int,
                     "max_total_seq_len": int,
@@ -188,6 +244,11 @@ def export_module(
     - ``prefill(input_embed: [1, seq_len, hidden], paged_kv_cache, params)
       -> (float32 logits [1, 1, vocab] of the last position, paged_kv_cache)``
     - ``decode(input_embed: [1, 1, hidden], paged_kv_cache, params) -> (float32 [1, 1, vocab], paged_kv_cache)``
+    - ``greedy(logits: float32 [1, 1, vocab]) -> int32 [1]``: the largest logit's index (the first
+      on ties), ready to feed ``embed``
+    - ``decode_attend(input_embed: [1, 1, hidden], paged_kv_cache, params) -> ([1, 1, hidden],
+      paged_kv_cache)`` and ``decode_greedy(hidden: [1, 1, hidden], params) -> int32 [1]``: ``decode``
+      then ``greedy``, cut after the last layer's attention (the last use of the cache)
     - ``create_tir_paged_kv_cache(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
       support_sliding_window)`` (shape-tuple ints) ``-> paged_kv_cache``
 
