@@ -225,7 +225,9 @@ def tiny_llama():
 
 def test_tiny_llama_every_binding_classified(tiny_llama):
     cfg, result = tiny_llama
-    assert set(result) == {"embed", "prefill", "decode", "create_tir_paged_kv_cache"}
+    assert set(result) == {
+        "embed", "prefill", "decode", "decode_attend", "decode_greedy", "greedy", "create_tir_paged_kv_cache"
+    }
     for infos in result.values():
         assert all(i.mapping in MAPPINGS for i in infos)
     opaque = [(fn, i.op) for fn, infos in result.items() for i in infos if i.mapping == "opaque"]
@@ -233,6 +235,18 @@ def test_tiny_llama_every_binding_classified(tiny_llama):
     assert opaque == [("create_tir_paged_kv_cache", "call_pure_packed:vm.builtin.paged_attention_kv_cache_create")]
     last = next(i for i in result["prefill"] if i.op == "call_tir:last_position")
     assert last.mapping == "one-to-one" and last.shape == [1, 1, cfg.hidden_size]
+
+
+def test_tiny_llama_split_decode_is_decode_plus_greedy(tiny_llama):
+    # decode_attend + decode_greedy (the generation loop's halves) compute decode, then the argmax.
+    _, result = tiny_llama
+
+    def ops(fn: str) -> Counter:
+        # Each function unpacks the params it uses: weight lookups differ, computations must not.
+        return Counter(i.op for i in result[fn] if i.op != "tuple_get_item")
+
+    assert ops("decode_attend") + ops("decode_greedy") == ops("decode") + ops("greedy")
+    assert [i.op for i in result["greedy"]] == ["call_tir:greedy1", "alias"]
 
 
 def test_tiny_llama_decode_counts_and_flops(tiny_llama):

@@ -182,7 +182,9 @@ def test_export_keeps_seq_len_symbolic_and_param_order():
     assert [(n, s) for n, s, _ in params] == param_names_and_shapes(cfg)
     assert {d for _, _, d in params} == {"float32"}
     functions = {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
-    assert set(functions) == {"embed", "prefill", "decode", "create_tir_paged_kv_cache"}
+    assert set(functions) == {
+        "embed", "prefill", "decode", "decode_attend", "decode_greedy", "greedy", "create_tir_paged_kv_cache"
+    }
 
     def shape(func: str, arg: int) -> list:
         return list(functions[func].params[arg].ty.shape.values)
@@ -193,5 +195,7 @@ def test_export_keeps_seq_len_symbolic_and_param_order():
         assert isinstance(dim, tirx.Var) and dim.name == "seq_len"
     assert int(hidden) == cfg.hidden_size
     assert [int(d) for d in shape("decode", 0)] == [1, 1, cfg.hidden_size]
+    assert [int(d) for d in shape("decode_attend", 0)] == [int(d) for d in shape("decode_greedy", 0)] == [1, 1, cfg.hidden_size]
+    assert [int(d) for d in shape("greedy", 0)] == [1, 1, cfg.vocab_size]
     logits = functions["prefill"].ret_ty.fields[0]
     assert [int(d) for d in logits.shape.values] == [1, 1, cfg.vocab_size] and logits.dtype == "float32"
