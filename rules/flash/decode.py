@@ -47,7 +47,7 @@ LOG2E = math.log2(math.e)
 class DecodeConfig:
     warps: int  # warps per block of the split kernel
     rows_per_step: int  # KV rows a thread loads before using them
-    target_blocks: int  # split until batch x KV heads x splits reaches about this many blocks
+    target_blocks: int  # split until batch x KV heads x splits reaches at most this many blocks
     max_splits: int  # bounds the workspace
     min_rows_per_split: int  # short contexts stay in few splits
     merge_groups: int  # thread rows of the merge kernel, each folding every merge_groups-th split
@@ -115,8 +115,9 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
     LOG_BDX = int(math.log2(BDX))
 
     def num_splits(batch):
-        # an expression, not a let-bound var: grid extents and the workspace shape both use it
-        return T.min(T.max(T.ceildiv(TARGET, batch * H_kv), 1), MAX_SPLITS)
+        # an expression, not a let-bound var: grid extents and the workspace shape both use it.
+        # Rounded down: a grid just over TARGET (whole waves) would add a nearly empty wave.
+        return T.min(T.max(T.floordiv(TARGET, batch * H_kv), 1), MAX_SPLITS)
 
     def grid_splits(io, batch, seq):
         # Blocks a (sequence, KV head) gets: no sequence uses more splits than the longest possible
