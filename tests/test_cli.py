@@ -87,10 +87,11 @@ def test_passes_alone_recorded_in_the_metadata(capsys, tmp_path):
     """The passes without our rules (how the passes are measured by themselves), as the sidecar says."""
     out = tmp_path / "x.so"
     argv = ["compile", "--model", "tiny-llama", "--target", "llvm", "--passes", "property_rewrite,accumulate_matmul_fp32",
-            "--no-rules", "-o", str(out)]
+            "--no-rules", "--no-programmatic-launch", "-o", str(out)]
     assert main(argv) == 0
     meta = json.loads((tmp_path / "x.so.json").read_text())
-    assert meta["fuselight"] == {"passes": ["property_rewrite", "accumulate_matmul_fp32"], "rules": False}
+    assert meta["fuselight"] == {"passes": ["property_rewrite", "accumulate_matmul_fp32"], "rules": False,
+                                 "programmatic_launch": False}
 
 
 def test_subprocess_exit_code_and_no_traceback():

@@ -99,7 +99,8 @@ def test_steps_run_at_the_anchors(stub, tmp_path) -> None:
     assert "NT_matmul" in second.read_text() and "R.nn.softmax" in second.read_text()
     assert "R.nn.softmax" not in third.read_text() and "T.prim_func" in third.read_text()
     log = json.loads((tmp_path / mp.SCHEDULE_LOG_FILE).read_text())
-    assert log["options"] == {"passes": ["accumulate_matmul_fp32", "paged_attention", "fusion_plan"], "rules": ["matmul"]}
+    assert log["options"] == {"passes": ["accumulate_matmul_fp32", "paged_attention", "fusion_plan"], "rules": ["matmul"],
+                              "programmatic_launch": True}
 
 
 def test_rule_families_are_tried_in_order_and_logged(stub, monkeypatch, tmp_path) -> None:
@@ -227,6 +228,8 @@ def test_cli_no_fuselight_is_mlc_alone(stub, tmp_path) -> None:
 def test_cli_errors_are_one_line(stub, tmp_path, capsys) -> None:
     assert _compile(tmp_path, "--no-fuselight", "--fuselight-passes", "none")[0] == 2
     assert "--no-fuselight with --fuselight-passes" in capsys.readouterr().err
+    assert _compile(tmp_path, "--no-fuselight", "--fuselight-no-programmatic-launch")[0] == 2
+    assert "--no-fuselight with --fuselight-no-programmatic-launch" in capsys.readouterr().err
     assert _compile(tmp_path, "--fuselight-rules", "bogus")[0] == 2
     assert "unknown rule family 'bogus'" in capsys.readouterr().err
 

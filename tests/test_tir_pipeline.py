@@ -1,10 +1,13 @@
-"""fuselight's TIR pipeline: the programmatic-dependent-launch flag on exactly the kernels that wait.
+"""fuselight's TIR pipelines: the programmatic-dependent-launch flag on exactly the kernels that wait,
+or on every kernel after a wait at its entry.
 
-On the GPU the decode kernels' numerics with the flag are the paged-attention suite's; here: which
-device kernels get the flag, where it goes among the launch parameters, and that the decode
-template built through the pipeline still builds and compiles with nvcc.
+On the GPU the decode kernels' numerics with the flag are the paged-attention suite's, and the
+every-kernel pipeline's the end-to-end suite's (logits against float64, generation against
+step-by-step decoding); here: which device kernels get the flag and the wait, where the flag goes
+among the launch parameters, which targets take it, and that the code compiles with nvcc.
 """
 
+import re
 import shutil
 
 import pytest
@@ -18,9 +21,9 @@ from tvm.script import tirx as T
 CUDA = to_tvm(resolve("cuda", "sm_90"))
 
 
-def _device_launch_params(func: tvm.tirx.PrimFunc) -> dict[str, list[str]]:
+def _device_launch_params(func: tvm.tirx.PrimFunc, every_kernel: bool = False) -> dict[str, list[str]]:
     """Launch parameters of each device kernel of ``func`` after fuselight's TIR pipeline."""
-    pipeline, _, finalize_device = tvm.tirx.get_tir_pipeline(tir_pipeline.register())
+    pipeline, _, finalize_device = tvm.tirx.get_tir_pipeline(tir_pipeline.register(every_kernel))
     with CUDA:
         mod = pipeline(tvm.tirx.transform.BindTarget(CUDA)(tvm.IRModule({"main": func.with_attr("global_symbol", "main")})))
     device = tvm.IRModule({gv: f for gv, f in mod.functions.items() if "tirx.kernel_launch_params" in (f.attrs or {})})
@@ -70,9 +73,37 @@ def test_flag_goes_before_dynamic_shared_memory():
     assert tir_pipeline.with_programmatic_launch(once) == once
 
 
-def test_register_is_idempotent_and_the_name_resolves():
+def test_register_is_idempotent_and_the_names_resolve():
     assert tir_pipeline.register() == tir_pipeline.register() == tir_pipeline.NAME
-    assert len(tvm.tirx.get_tir_pipeline(tir_pipeline.NAME)) == 3
+    assert tir_pipeline.register(True) == tir_pipeline.register(True) == tir_pipeline.NAME_EVERY_KERNEL
+    for name in (tir_pipeline.NAME, tir_pipeline.NAME_EVERY_KERNEL):
+        assert len(tvm.tirx.get_tir_pipeline(name)) == 3
+
+
+@pytest.mark.parametrize("wait_in_second", [False, True])
+def test_every_kernel_waits_at_entry_and_is_flagged(wait_in_second):
+    params = _device_launch_params(_two_kernels(wait_in_second), every_kernel=True)
+    assert sorted(params) == ["main_kernel", "main_kernel_1"]
+    assert all(p == ["blockIdx.x", "threadIdx.x", tir_pipeline.PDL_FLAG] for p in params.values())
+    exe = tvm.compile(tvm.IRModule({"main": _two_kernels(wait_in_second)}), target=CUDA,
+                      tir_pipeline=tir_pipeline.register(True))
+    src = exe.mod.imports[0].inspect_source("cuda")
+    bodies = re.findall(r"__global__ void [^{;]*\{(.*?)\n\}", src, re.DOTALL)
+    assert len(bodies) == 2
+    for body in bodies:
+        # the kernel's first statement, before any load, and only once where the kernel waited already
+        assert body.strip().startswith("tvm_builtin_ptx_griddepcontrol_wait();")
+        assert body.count("griddepcontrol_wait") == 1
+    if shutil.which("nvcc"):
+        compile_cuda(src, arch="sm_90")
+
+
+@pytest.mark.parametrize(
+    "kind,arch,ok", [("cuda", "sm_90", True), ("cuda", "sm_90a", True), ("cuda", "sm_100", True),
+                     ("cuda", "sm_80", False), ("cuda", None, False), ("llvm", None, False)]
+)
+def test_programmatic_launch_needs_sm90(kind, arch, ok):
+    assert tir_pipeline.programmatic_launch_supported(kind, arch) is ok
 
 
 @pytest.mark.parametrize("d,h_kv", [(128, 8), (64, 32)])
@@ -86,3 +117,25 @@ def test_decode_merge_kernel_is_launched_early_and_compiles(d, h_kv):
     assert "griddepcontrol.wait" in src and "griddepcontrol.launch_dependents" in src
     if shutil.which("nvcc"):
         compile_cuda(src, arch="sm_90")
+
+
+@pytest.mark.parametrize("programmatic_launch,arch,waits", [(True, "sm_90", True), (False, "sm_90", False), (True, "sm_80", False)])
+def test_lower_waits_at_every_kernel_entry_only_where_asked_and_supported(programmatic_launch, arch, waits):
+    """``compile.lower`` (the fuselight pipeline asks, the baseline does not; sm_80 has no griddepcontrol)."""
+    from fuselight.compile import lower
+    from fuselight.pipeline import baseline_pipeline
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((256, 512), "float16"))
+    with bb.function("main", [x]):
+        bb.emit_func_output(bb.emit(relax.op.add(relax.op.exp(x), x)))
+    target = to_tvm(resolve("cuda", arch))
+    _, exe = lower(bb.get(), target, baseline_pipeline(target, use_mlc=False), programmatic_launch=programmatic_launch)
+    def cuda_sources(mod):
+        own = [mod.inspect_source("cuda")] if mod.kind == "cuda" else []
+        return own + [src for sub in mod.imports for src in cuda_sources(sub)]
+
+    (src,) = cuda_sources(exe.mod)
+    kernels = len(re.findall(r"__global__ void [^{;]*\{", src))
+    assert kernels >= 1 and src.count("griddepcontrol_wait();") == (kernels if waits else 0)

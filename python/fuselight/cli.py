@@ -31,9 +31,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     cfg = _model_config(args.model, args.dtype)
     spec = resolve(args.target, args.arch)
     options = None
-    if args.passes is not None or args.no_rules:
+    if args.passes is not None or args.no_rules or args.no_programmatic_launch:
         passes = None if args.passes is None else tuple(p for p in args.passes.split(",") if p and p != "none")
-        options = fc.Options(passes=passes, rules=not args.no_rules)
+        options = fc.Options(passes=passes, rules=not args.no_rules, programmatic_launch=not args.no_programmatic_launch)
     built = fc.build(cfg, spec, args.pipeline, options=options, cuda_graph=args.cuda_graph)
     out = fc.export(built, Path(args.output), aot_cuda=not args.no_aot)
     s = built.stats
@@ -185,6 +185,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--passes", default=None,
                    help="fuselight pipeline: comma-separated graph passes ('none': no passes; default: fuselight.passes.default())")
     c.add_argument("--no-rules", action="store_true", help="fuselight pipeline: DLight's rules only (measure the passes alone)")
+    c.add_argument("--no-programmatic-launch", action="store_true",
+                   help="fuselight pipeline: launch each kernel only after the one before it has finished (no PDL)")
     c.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the static parts of each function as CUDA graphs (default: on for cuda, as MLC-LLM's O2)")
     c.set_defaults(func=cmd_compile)

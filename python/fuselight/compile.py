@@ -61,15 +61,19 @@ class Built:
 @dataclasses.dataclass(frozen=True)
 class Options:
     """What the fuselight pipeline turns on: ``passes`` (names from ``fuselight.passes``; None: its
-    defaults) and ``rules`` (False: DLight's rules alone, to measure the passes by themselves)."""
+    defaults), ``rules`` (False: DLight's rules alone, to measure the passes by themselves) and
+    ``programmatic_launch`` (every kernel may launch while the one before it finishes, on sm_90 and
+    later: ``tir_pipeline.NAME_EVERY_KERNEL``)."""
 
     passes: tuple[str, ...] | None = None
     rules: bool = True
+    programmatic_launch: bool = True
 
     def describe(self) -> dict[str, Any]:
         from .passes import default
 
-        return {"passes": list(self.passes if self.passes is not None else default()), "rules": self.rules}
+        return {"passes": list(self.passes if self.passes is not None else default()), "rules": self.rules,
+                "programmatic_launch": self.programmatic_launch}
 
 
 def pipeline_pass(
@@ -95,19 +99,28 @@ def pipeline_pass(
     )
 
 
-def lower(mod: Any, tvm_target: Any, pipeline: Any, *, cuda_graph: bool = False) -> tuple[Any, Any]:
+def lower(
+    mod: Any, tvm_target: Any, pipeline: Any, *, cuda_graph: bool = False, programmatic_launch: bool = False
+) -> tuple[Any, Any]:
     """Run the ``pipeline`` pass over ``mod`` under ``tvm_target`` and compile the result.
 
     cuda_graph: let RewriteCUDAGraph capture the static parts of each function (as MLC-LLM's
     default optimisation level does for CUDA): replayed as CUDA graphs, their kernels cost no
     host launch each.
+    programmatic_launch: every kernel may launch while the one before it finishes
+    (``tir_pipeline.NAME_EVERY_KERNEL``; ignored where the target does not support it).
     Returns the lowered IRModule and its ``tvm.relax.VMExecutable``.
     """
     import tvm
 
+    every_kernel = programmatic_launch and tir_pipeline.programmatic_launch_supported(
+        tvm_target.kind.name, str(tvm_target.attrs.get("arch", "")) or None
+    )
     with tvm.transform.PassContext(config={CUDA_GRAPH_CONFIG: cuda_graph}), tvm_target:
         lowered = pipeline(mod)
-    return lowered, tvm.compile(lowered, target=tvm_target, relax_pipeline=None, tir_pipeline=tir_pipeline.register())
+    return lowered, tvm.compile(
+        lowered, target=tvm_target, relax_pipeline=None, tir_pipeline=tir_pipeline.register(every_kernel)
+    )
 
 
 def _decode_attention_launches(mod: Any) -> int:
@@ -192,7 +205,9 @@ def build(
         cuda_graph = target.kind == "cuda"
     elif cuda_graph and target.kind != "cuda":
         raise FuselightError(f"CUDA graphs need a cuda target, not {target.kind!r}")
-    lowered, executable = lower(mod, tvm_target, seq, cuda_graph=cuda_graph)
+    # The baseline launches its kernels as MLC-LLM's builds do.
+    pdl = pipeline != "baseline" and (options or Options()).programmatic_launch
+    lowered, executable = lower(mod, tvm_target, seq, cuda_graph=cuda_graph, programmatic_launch=pdl)
     return Built(
         config=config,
         target=target,

@@ -1,15 +1,22 @@
-"""fuselight's TIR pipeline: TVM's default one, plus programmatic dependent launch where a kernel asks.
+"""fuselight's TIR pipelines: TVM's default one, plus programmatic dependent launch (PDL, sm_90+).
 
 A kernel that waits for the grids before it with ``griddepcontrol.wait`` (PTX; ``T.ptx.griddepcontrol``)
-can be launched before they finish, once they have all called ``griddepcontrol.launch_dependents``
-(CUDA's programmatic stream serialization): its launch latency and whatever it does before the wait
-overlap their tail. TVM's CUDA runtime launches a kernel that way when its launch parameters carry
-the ``tirx.use_programtic_dependent_launch`` flag (TVM's spelling), which its default pipeline never
-sets for scheduled (``s_tir``) functions; this pipeline sets it on exactly the device kernels that
-wait. Launched normally (any other pipeline) the wait returns at once, so the kernels stay correct;
-only the overlap is lost.
+can be launched before they finish (CUDA's programmatic stream serialization): once they have all
+called ``griddepcontrol.launch_dependents``, or once their blocks have exited where they do not call
+it. Its launch latency and whatever it does before the wait then overlap their tail. TVM's CUDA
+runtime launches a kernel that way when its launch parameters carry the
+``tirx.use_programtic_dependent_launch`` flag (TVM's spelling), which its default pipeline never
+sets for scheduled (``s_tir``) functions.
 
-Compile with ``tvm.compile(..., tir_pipeline=fuselight.tir_pipeline.NAME)`` (``register()`` first);
+- ``NAME``: the flag on exactly the device kernels that wait (the decode attention's merge kernel);
+  kernels that do not wait launch as TVM launches them. Every build uses at least this one.
+- ``NAME_EVERY_KERNEL``: first every other kernel waits at its entry, before any memory access, so
+  it stays ordered after the kernel before it as without the flag, and then all get the flag: the
+  gap between two kernels of a decode step (about 1 us, 258 times a step) shrinks to the wait.
+  The fuselight pipeline's builds use it on sm_90 and later (``programmatic_launch_supported``).
+
+Launched normally (any other pipeline) the wait returns at once, so the kernels stay correct; only
+the overlap is lost. Compile with ``tvm.compile(..., tir_pipeline=register(...))``;
 ``fuselight.compile`` and the benchmarks' builds do.
 """
 
@@ -18,6 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 NAME = "fuselight"
+NAME_EVERY_KERNEL = "fuselight-every-kernel"
+PDL_MIN_SM = 90  # griddepcontrol is PTX for sm_90 and later
 PDL_FLAG = "tirx.use_programtic_dependent_launch"
 _LAUNCH_PARAMS = "tirx.kernel_launch_params"
 _DYN_SHARED_FLAG = "tirx.use_dyn_shared_memory"  # must stay the last launch parameter
@@ -69,21 +78,51 @@ def mark_programmatic_launch() -> Any:
     return mark
 
 
-def register() -> str:
-    """Register the pipeline under ``NAME`` (once; idempotent) and return the name."""
+def wait_at_kernel_entry() -> Any:
+    """A module pass over device functions: every kernel that does not wait for the previous grid
+    waits at its entry, before any memory access (so it is ordered after the grid before it as it
+    is without the flag), and then gets the PDL flag from ``mark_programmatic_launch``."""
+    import tvm
+    from tvm import tirx
+
+    @tvm.transform.module_pass(opt_level=0, name="fuselight.WaitAtKernelEntry")
+    def wait(mod: Any, _ctx: Any) -> Any:
+        updates = {}
+        for gv, func in mod.functions.items():
+            if not isinstance(func, tirx.PrimFunc) or func.attrs is None or _LAUNCH_PARAMS not in func.attrs:
+                continue
+            if not waits_for_previous_grid(func):
+                entry = tirx.Evaluate(tirx.call_intrin("", _WAIT_OP))
+                updates[gv] = func.with_body(tirx.SeqStmt([entry, func.body]))
+        for gv, func in updates.items():
+            mod[gv] = func
+        return mod
+
+    return wait
+
+
+def programmatic_launch_supported(kind: str, arch: str | None) -> bool:
+    """Whether kernels of a ``kind`` target of ``arch`` (``sm_90``) can wait for the grid before them."""
+    return kind == "cuda" and arch is not None and int(arch.removeprefix("sm_").rstrip("a")) >= PDL_MIN_SM
+
+
+def register(every_kernel: bool = False) -> str:
+    """Register ``NAME_EVERY_KERNEL`` if ``every_kernel``, else ``NAME`` (once; idempotent); return its name."""
     import tvm
     from tvm.tirx import compilation_pipeline
 
-    if NAME in compilation_pipeline.PIPELINE_MAP:
-        return NAME
+    name = NAME_EVERY_KERNEL if every_kernel else NAME
+    if name in compilation_pipeline.PIPELINE_MAP:
+        return name
 
     def factory() -> tuple[Any, Any, Any]:
         pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("default")
 
         def device_passes() -> Any:
-            return tvm.ir.transform.Sequential([finalize_device(), mark_programmatic_launch()])
+            waits = [wait_at_kernel_entry()] if every_kernel else []
+            return tvm.ir.transform.Sequential([finalize_device(), *waits, mark_programmatic_launch()])
 
         return pipeline, finalize_host, device_passes
 
-    compilation_pipeline.register_tir_pipeline(NAME, factory)
-    return NAME
+    compilation_pipeline.register_tir_pipeline(name, factory)
+    return name

@@ -5,6 +5,7 @@ Every argument but ours goes to MLC's compile command unchanged. Ours:
 - ``--fuselight-passes a,b`` graph passes (``none``: no passes; default ``fuselight.passes.default()``);
 - ``--fuselight-rules fam,...`` rule families (``none``: DLight's rules alone; default all);
 - ``--fuselight-dump DIR`` the module after each of our steps and ``schedule.json``;
+- ``--fuselight-no-programmatic-launch`` each kernel of a ``.so`` launched only after the one before it has finished;
 - ``--no-fuselight`` MLC's own pipeline (the baseline), with the same target handling and output.
 
 Two platform adjustments to MLC's command: the "thrust" library MLC adds to CUDA targets is left out
@@ -42,6 +43,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--fuselight-passes", default=None)
     p.add_argument("--fuselight-rules", default=None)
     p.add_argument("--fuselight-dump", default=None)
+    p.add_argument("--fuselight-no-programmatic-launch", action="store_true")
     p.add_argument("--no-fuselight", action="store_true")
     return p.parse_known_args(list(argv))
 
@@ -58,6 +60,8 @@ def options_from_args(ours: argparse.Namespace) -> Any:
 
     if ours.no_fuselight:
         given = [f for f in ("fuselight_passes", "fuselight_rules", "fuselight_dump") if getattr(ours, f) is not None]
+        if ours.fuselight_no_programmatic_launch:
+            given.append("fuselight_no_programmatic_launch")
         if given:
             raise FuselightError(f"--no-fuselight with --{given[0].replace('_', '-')}: pick one")
         return None
@@ -65,6 +69,7 @@ def options_from_args(ours: argparse.Namespace) -> Any:
         passes=_names(ours.fuselight_passes),
         rules=_names(ours.fuselight_rules),
         dump=Path(ours.fuselight_dump) if ours.fuselight_dump else None,
+        programmatic_launch=not ours.fuselight_no_programmatic_launch,
     )
 
 
@@ -134,8 +139,12 @@ def _library_build(mlc_build: Callable[..., Any], name: str, options: Any) -> Ca
         from ..target import arch_of, resolve
 
         spec = resolve(kind, arch_of(args.target) if kind == "cuda" else None)
+        # MLC's own build (no options) launches its kernels as MLC does.
+        every_kernel = (options is not None and options.programmatic_launch
+                        and tir_pipeline.programmatic_launch_supported(kind, spec.arch))
         executable = relax.build(
-            mod, target=args.target, relax_pipeline=pipeline, tir_pipeline=tir_pipeline.register(), system_lib=False
+            mod, target=args.target, relax_pipeline=pipeline, tir_pipeline=tir_pipeline.register(every_kernel),
+            system_lib=False,
         )
         extra: dict[str, Any] = {
             "mlc_model_type": args.model.name,

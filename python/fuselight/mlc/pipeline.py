@@ -56,11 +56,14 @@ class Options:
     passes: graph pass names from ``fuselight.passes`` (None: ``fuselight.passes.default()``; () none).
     rules: rule families from ``RULE_FAMILIES`` (None: all; () none).
     dump: a folder for the module after each of our steps and ``schedule.json``.
+    programmatic_launch: every kernel of a ``.so`` we build may launch while the one before it
+    finishes (sm_90 and later; ``fuselight.tir_pipeline.NAME_EVERY_KERNEL``).
     """
 
     passes: tuple[str, ...] | None = None
     rules: tuple[str, ...] | None = None
     dump: Path | None = None
+    programmatic_launch: bool = True
 
     def __post_init__(self) -> None:
         for name in self.passes or ():
@@ -79,7 +82,7 @@ class Options:
         return [family for family in RULE_FAMILIES if family in chosen]  # fuselight's order
 
     def describe(self) -> dict[str, Any]:
-        return {"passes": self.pass_names, "rules": self.rule_families}
+        return {"passes": self.pass_names, "rules": self.rule_families, "programmatic_launch": self.programmatic_launch}
 
 
 @dataclasses.dataclass
