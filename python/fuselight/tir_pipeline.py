@@ -22,6 +22,7 @@ the overlap is lost. Compile with ``tvm.compile(..., tir_pipeline=register(...))
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 NAME = "fuselight"
@@ -57,48 +58,47 @@ def with_programmatic_launch(params: list[str]) -> list[str]:
     return [*params, PDL_FLAG]
 
 
-def mark_programmatic_launch() -> Any:
-    """A module pass over device functions: the PDL flag on every kernel that waits for the previous grid."""
+def _kernel_pass(name: str, update: Callable[[Any], Any]) -> Any:
+    """A module pass over device functions: each kernel (a PrimFunc with launch parameters) becomes
+    ``update(kernel)``, which returns it unchanged where it has nothing to do."""
     import tvm
     from tvm import tirx
 
-    @tvm.transform.module_pass(opt_level=0, name="fuselight.MarkProgrammaticLaunch")
-    def mark(mod: Any, _ctx: Any) -> Any:
-        updates = {}
-        for gv, func in mod.functions.items():
-            if not isinstance(func, tirx.PrimFunc) or func.attrs is None or _LAUNCH_PARAMS not in func.attrs:
-                continue
-            if waits_for_previous_grid(func):
-                params = [str(p) for p in func.attrs[_LAUNCH_PARAMS]]
-                updates[gv] = func.with_attr(_LAUNCH_PARAMS, with_programmatic_launch(params))
-        for gv, func in updates.items():
-            mod[gv] = func
+    @tvm.transform.module_pass(opt_level=0, name=name)
+    def run(mod: Any, _ctx: Any) -> Any:
+        kernels = {gv: func for gv, func in mod.functions.items()
+                   if isinstance(func, tirx.PrimFunc) and func.attrs is not None and _LAUNCH_PARAMS in func.attrs}
+        for gv, func in kernels.items():
+            mod[gv] = update(func)
         return mod
 
-    return mark
+    return run
+
+
+def mark_programmatic_launch() -> Any:
+    """A module pass over device functions: the PDL flag on every kernel that waits for the previous grid."""
+
+    def mark(func: Any) -> Any:
+        if not waits_for_previous_grid(func):
+            return func
+        params = [str(p) for p in func.attrs[_LAUNCH_PARAMS]]
+        return func.with_attr(_LAUNCH_PARAMS, with_programmatic_launch(params))
+
+    return _kernel_pass("fuselight.MarkProgrammaticLaunch", mark)
 
 
 def wait_at_kernel_entry() -> Any:
     """A module pass over device functions: every kernel that does not wait for the previous grid
     waits at its entry, before any memory access (so it is ordered after the grid before it as it
     is without the flag), and then gets the PDL flag from ``mark_programmatic_launch``."""
-    import tvm
     from tvm import tirx
 
-    @tvm.transform.module_pass(opt_level=0, name="fuselight.WaitAtKernelEntry")
-    def wait(mod: Any, _ctx: Any) -> Any:
-        updates = {}
-        for gv, func in mod.functions.items():
-            if not isinstance(func, tirx.PrimFunc) or func.attrs is None or _LAUNCH_PARAMS not in func.attrs:
-                continue
-            if not waits_for_previous_grid(func):
-                entry = tirx.Evaluate(tirx.call_intrin("", _WAIT_OP))
-                updates[gv] = func.with_body(tirx.SeqStmt([entry, func.body]))
-        for gv, func in updates.items():
-            mod[gv] = func
-        return mod
+    def wait(func: Any) -> Any:
+        if waits_for_previous_grid(func):
+            return func
+        return func.with_body(tirx.SeqStmt([tirx.Evaluate(tirx.call_intrin("", _WAIT_OP)), func.body]))
 
-    return wait
+    return _kernel_pass("fuselight.WaitAtKernelEntry", wait)
 
 
 def programmatic_launch_supported(kind: str, arch: str | None) -> bool:
