@@ -22,6 +22,7 @@ the overlap is lost. Compile with ``tvm.compile(..., tir_pipeline=register(...))
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -103,7 +104,8 @@ def wait_at_kernel_entry() -> Any:
 
 def programmatic_launch_supported(kind: str, arch: str | None) -> bool:
     """Whether kernels of a ``kind`` target of ``arch`` (``sm_90``) can wait for the grid before them."""
-    return kind == "cuda" and arch is not None and int(arch.removeprefix("sm_").rstrip("a")) >= PDL_MIN_SM
+    match = re.fullmatch(r"sm_(\d+)[a-z]?", arch or "")
+    return kind == "cuda" and match is not None and int(match.group(1)) >= PDL_MIN_SM
 
 
 def register(every_kernel: bool = False) -> str:
