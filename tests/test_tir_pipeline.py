@@ -100,7 +100,7 @@ def test_every_kernel_waits_at_entry_and_is_flagged(wait_in_second):
 
 @pytest.mark.parametrize(
     "kind,arch,ok", [("cuda", "sm_90", True), ("cuda", "sm_90a", True), ("cuda", "sm_100", True),
-                     ("cuda", "sm_100f", True), ("cuda", "sm_80", False), ("cuda", None, False), ("cuda", "gfx90a", False),
+                     ("cuda", "sm_100f", False), ("cuda", "sm_80", False), ("cuda", None, False), ("cuda", "gfx90a", False),
                      ("llvm", None, False)]
 )
 def test_programmatic_launch_needs_sm90(kind, arch, ok):

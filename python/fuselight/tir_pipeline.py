@@ -22,7 +22,6 @@ the overlap is lost. Compile with ``tvm.compile(..., tir_pipeline=register(...))
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -103,9 +102,17 @@ def wait_at_kernel_entry() -> Any:
 
 
 def programmatic_launch_supported(kind: str, arch: str | None) -> bool:
-    """Whether kernels of a ``kind`` target of ``arch`` (``sm_90``) can wait for the grid before them."""
-    match = re.fullmatch(r"sm_(\d+)[a-z]?", arch or "")
-    return kind == "cuda" and match is not None and int(match.group(1)) >= PDL_MIN_SM
+    """Whether kernels of a ``kind`` target of ``arch`` (``sm_90``) can wait for the grid before them
+    (an arch fuselight does not read as ``sm_XX`` cannot)."""
+    from .errors import FuselightError
+    from .target import arch_number
+
+    if kind != "cuda" or arch is None:
+        return False
+    try:
+        return arch_number(arch) >= PDL_MIN_SM
+    except FuselightError:
+        return False
 
 
 def register(every_kernel: bool = False) -> str:
