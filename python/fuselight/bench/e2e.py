@@ -387,9 +387,10 @@ class _Measure:
 
     def generate(self, contexts: list[int], steps: int, check: int) -> tuple[list[dict[str, Any]], dict[str, int]]:
         """Greedy generation through ``Engine.greedy`` (token kept on the device, the next step
-        enqueued while the current one finishes): ms per decode step over ``steps`` steps after a prompt of each context, one sample
-        per round, rounds interleaved as in ``decode``. Also, per context, how many of the first
-        ``check + 1`` tokens agree with step-by-step decoding whose argmax runs on the host."""
+        enqueued while the current one finishes): ms per decode step over ``steps`` steps after a
+        prompt of each context, one sample per round, rounds interleaved as in ``decode``. Also, per
+        context, how many of the first ``check + 1`` tokens agree with step-by-step decoding whose
+        argmax runs on the host."""
         runner, rounds = self.runner, self.cfg["decode_rounds"]
         agree = {}
         for context in contexts:
