@@ -198,8 +198,9 @@ def test_gemv_rule_builds_the_paired_kernel(cuda, m: int) -> None:
     sch = Gemv().apply(func, cuda, False)
     assert sch is not None
     src = _cuda_source(sch.mod["main"], cuda)
-    # One launch, 8 output columns a block: 256 / 8 blocks; both accumulators of a lane combined.
-    assert "mma.sync" in src and "hexp" in src
+    # One launch; both accumulators of an output combined by one thread (silu's exp in the epilogue).
+    # With the shipped buckets one token row streams whole rows, more run on the tensor cores.
+    assert "hexp" in src and ("mma.sync" in src) == (m > 1)
     assert Matmul().apply(func, cuda, False) is None  # static M below min_static_m: the Gemv rule's
 
 

@@ -155,7 +155,7 @@ def test_llama_shaped_kernels_build_for_sm90_and_nvcc_compiles_them(cuda):
     source = lib.mod.imports[0].inspect_source("cuda")
     kernels_found = set(re.findall(r"__global__ void __launch_bounds__\([^)]*\) (\w+)\(", source))
     assert len(kernels_found) == len(funcs)  # one launch each
-    assert "rsqrtf" in source and "mma.sync.aligned.m16n8k16" in source
+    assert "rsqrtf" in source  # the norm in every kernel (which template: test_gemv, test_gemv_rows)
     assert compile_cuda(source, "sm_90")
 
 

@@ -113,11 +113,19 @@ def test_rule_takes_llama_decode_gemvs_and_builds_for_sm90(n, k, cuda):
     assert [p.name for p in kernel.params] == [p.name for p in func.params]  # the signature stays
     source = _cuda_source(kernel, cuda)
     assert len(_kernels(source)) == 1  # one launch: the cast epilogue is fused
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in source
     assert "uint4" in source  # 16-byte weight loads
     # ptxas may keep every unrolled load in flight rather than budget registers for full occupancy
     cfg = gemv.config_for(gemv.load_gemv_configs("sm_90"), 1, gemv.grid_blocks(analyze_matmul(func).operands))
     assert f"__launch_bounds__({cfg.warps * 32}, {cfg.min_blocks_per_sm}) main_kernel" in source
+    _assert_template(source, cfg)
+
+
+def _assert_template(source: str, cfg: gemv.GemvConfig) -> None:
+    """The kernel is the template ``cfg`` names: whole rows summed over the lanes by shuffles, or mma tiles."""
+    if cfg.rows_per_warp is not None:
+        assert "__shfl_xor_sync" in source and "mma.sync" not in source
+    else:
+        assert "mma.sync.aligned.m16n8k16.row.col.f32" in source
 
 
 def test_config_for_takes_the_smallest_grid_bucket_that_fits():
@@ -133,18 +141,20 @@ def test_config_for_takes_the_smallest_grid_bucket_that_fits():
     assert gemv.config_for(configs, 3, 256) is None
 
 
-def test_rule_gives_small_grids_fewer_warps_and_more_blocks_an_sm(cuda):
-    # LLaMA-3-8B's down projection (256 blocks) and gate_up with SiLU-mul's 28672 rows (1792)
+def test_rule_gives_each_grid_its_bucket(cuda):
+    # LLaMA-3-8B's down projection (256 blocks of 16 rows), QKV (384) and gate_up with SiLU-mul's
+    # 28672 rows (1792): the shipped buckets bound by max_blocks, then the one for any grid.
     configs = gemv.load_gemv_configs("sm_90")
-    small, large = matmul_prim_func(4096, 14336, "float16", m=1), matmul_prim_func(28672, 4096, "float16", m=1)
     got = {}
-    for name, func in (("small", small), ("large", large)):
+    for name, (n, k) in (("down", (4096, 14336)), ("qkv", (6144, 4096)), ("gate_up", (28672, 4096))):
+        func = matmul_prim_func(n, k, "float16", m=1)
         blocks = gemv.grid_blocks(analyze_matmul(func).operands)
         got[name] = gemv.config_for(configs, 1, blocks)
+        assert got[name].max_blocks is None or blocks <= got[name].max_blocks
         assert f"__launch_bounds__({got[name].warps * 32}, {got[name].min_blocks_per_sm}) main_kernel" in _cuda_source(
             _scheduled(func, cuda), cuda)
-    assert got["small"].max_blocks is not None and got["large"].max_blocks is None
-    assert got["small"].warps < got["large"].warps
+    assert got["down"].max_blocks < got["qkv"].max_blocks and got["gate_up"].max_blocks is None
+    assert len({got[name] for name in got}) == 3
 
 
 def test_rule_takes_the_lm_head_with_its_two_casts(cuda):

@@ -69,6 +69,11 @@ class GemvConfig:
     # Serves only grids of at most this many blocks (None: any). Small grids fit on the GPU at
     # once with fewer warps a block and more blocks an SM; large ones stream best with many warps.
     max_blocks: int | None = None
+    # Set: the row-streaming template (``gemv_rows``, M = 1 only), where a warp owns this many output
+    # columns and streams their weight rows along K, 512 contiguous bytes a load; ``warps`` are then
+    # the block's warps (one column group each) and ``unroll`` the 512-byte steps of each row in
+    # flight. None: the mma template above.
+    rows_per_warp: int | None = None
 
     @property
     def token_tiles(self) -> int:
@@ -84,8 +89,11 @@ def check_gemv_config(cfg: GemvConfig, where: str = "GEMV config") -> None:
     for field in ("unroll", "min_blocks_per_sm"):
         if getattr(cfg, field) < 1:
             raise FuselightError(f"{where}: field {field!r} must be a positive integer, got {getattr(cfg, field)}")
-    if cfg.max_blocks is not None and cfg.max_blocks < 1:
-        raise FuselightError(f"{where}: field 'max_blocks' must be a positive integer or absent, got {cfg.max_blocks}")
+    for field in ("max_blocks", "rows_per_warp"):
+        if getattr(cfg, field) is not None and getattr(cfg, field) < 1:
+            raise FuselightError(f"{where}: field {field!r} must be a positive integer or absent, got {getattr(cfg, field)}")
+    if cfg.rows_per_warp is not None and cfg.max_m != 1:
+        raise FuselightError(f"{where}: field 'rows_per_warp' (the row-streaming template) needs max_m 1, got {cfg.max_m}")
 
 
 def load_gemv_configs(arch: str) -> list[GemvConfig]:
@@ -129,7 +137,8 @@ def _block_cols(ops: GemmOperands) -> int:
 
 
 def grid_blocks(ops: GemmOperands) -> int:
-    """Blocks of the GEMV grid for ``ops``."""
+    """Blocks of the mma template's grid for ``ops`` (16 weight rows each; 8 output columns paired):
+    the size that buckets' ``max_blocks`` bound, whichever template the bucket uses."""
     return -(-ops.out_n // _block_cols(ops))
 
 
@@ -151,7 +160,10 @@ def check_gemv(ops: GemmOperands, cfg: GemvConfig, max_shared_bytes: int | None 
 
 
 def shared_bytes(ops: GemmOperands, cfg: GemvConfig) -> int:
-    """Shared memory of a block: the warps' partial tiles, and the normed token rows of a prologue."""
+    """Shared memory of a block: the warps' partial tiles, and the normed token rows of a prologue
+    (the row-streaming template: the token row)."""
+    if cfg.rows_per_warp is not None:
+        return ops.k * 2
     partials = block_warps(ops, cfg) * MMA_M * MMA_N * cfg.token_tiles * 4
     if ops.prologue is None:
         return partials
@@ -182,6 +194,10 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     from tvm.script import tirx as T
 
     check_gemv(ops, cfg)
+    if cfg.rows_per_warp is not None:
+        from .gemv_rows import rows_body  # that template imports this module's helpers
+
+        return rows_body(ops, cfg)
     n, k, dtype = ops.n, ops.k, ops.dtype
     norm = ops.prologue
     ab = DTYPE_ABBREV[dtype]
@@ -222,10 +238,8 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     # prologue (one piece of padding a row). Prologue: a thread's pieces of a row, and the pieces
     # of x + r a block writes.
     x_stride = words if norm is None else words + PIECE_WORDS
-    pieces = k // PIECE
-    thread_pieces = -(-pieces // threads)
     rows_p = 0 if norm is None else _static_m(ops)
-    slice_pieces = -(-(rows_p * pieces) // blocks)
+    norm_rows = None if norm is None else norm_prologue(ops, threads, blocks, x_stride)
 
     @T.macro
     def load_weights(w, W, w_lo, w_hi, warp, rr, u):
@@ -242,12 +256,6 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
         W = T.decl_buffer((n * words,), "uint32", data=ops.b.data)
         if norm is None:
             X = T.decl_buffer((ops.m * words,), "uint32", data=ops.a.data)
-        else:
-            Xg = T.decl_buffer((rows_p * k,), dtype, data=norm.x.data)
-            Wn = T.decl_buffer((k,), dtype, data=norm.weight.data)
-            if norm.residual is not None:
-                Rg = T.decl_buffer((rows_p * k,), dtype, data=norm.residual.data)
-                Tg = T.decl_buffer((rows_p * k,), dtype, data=norm.total.data)
         for bx in T.thread_binding(blocks, thread="blockIdx.x"):
             for tid in T.thread_binding(threads, thread="threadIdx.x"):
                 with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", cfg.min_blocks_per_sm), T.sblock("gemv"):
@@ -277,44 +285,7 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                                 load_weights(w, W, w_lo, w_hi, warp, 0, u)
                         xs = T.sblock_alloc_buffer((rows_p * x_stride * 2,), dtype, scope="shared")
                         X = T.decl_buffer((rows_p * x_stride,), "uint32", data=xs.data, scope="shared")
-                        t_reg = T.sblock_alloc_buffer((thread_pieces * PIECE,), dtype, scope="local")
-                        piece = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
-                        part = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        ssq = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        for row in T.unroll(rows_p):
-                            part[0] = T.float32(0)
-                            for i in T.unroll(thread_pieces):
-                                p: T.let[T.int32] = i * threads + T.Cast("int32", tid)
-                                if p < pieces:
-                                    for e in T.vectorized(PIECE):
-                                        t_reg[i * PIECE + e] = Xg[row * k + p * PIECE + e]
-                                    if norm.residual is not None:
-                                        for e in T.vectorized(PIECE):
-                                            piece[e] = Rg[row * k + p * PIECE + e]
-                                        for e in T.unroll(PIECE):
-                                            t_reg[i * PIECE + e] = t_reg[i * PIECE + e] + piece[e]
-                                        if bx * slice_pieces <= row * pieces + p and row * pieces + p < (bx + 1) * slice_pieces:
-                                            for e in T.vectorized(PIECE):
-                                                Tg[row * k + p * PIECE + e] = t_reg[i * PIECE + e]
-                                    for e in T.unroll(PIECE):
-                                        part[0] = part[0] + T.Cast("float32", t_reg[i * PIECE + e]) * T.Cast("float32", t_reg[i * PIECE + e])
-                            with T.sblock("norm_sum"):
-                                T.reads(part[0])
-                                T.writes(ssq[0])
-                                T.attr(T.comm_reducer(lambda a0, b0: a0 + b0, [T.float32(0)]), "reduce_scope", T.int32(0))
-                                T.tvm_thread_allreduce(T.uint32(1), part[0], True, ssq[0], tid, dtype="void")
-                            # As TOPI's rms_norm: rsqrt(mean + eps) * float32(t) * float32(w), rounded once.
-                            # (A register: TVM lowers ``ssq`` to shared memory, which a store would race on.)
-                            rstd: T.let[T.float32] = T.rsqrt(ssq[0] / T.float32(k) + T.float32(norm.eps))
-                            for i in T.unroll(thread_pieces):
-                                p: T.let[T.int32] = i * threads + T.Cast("int32", tid)
-                                if p < pieces:
-                                    for e in T.vectorized(PIECE):
-                                        piece[e] = Wn[p * PIECE + e]
-                                    for e in T.unroll(PIECE):
-                                        piece[e] = T.Cast(dtype, rstd * T.Cast("float32", t_reg[i * PIECE + e]) * T.Cast("float32", piece[e]))
-                                    for e in T.vectorized(PIECE):
-                                        xs[row * x_stride * 2 + p * PIECE + e] = piece[e]
+                        norm_rows(xs, tid, bx)
                         T.tvm_storage_sync("shared")
                     for r in T.serial(rounds):
                         # Every load of ``unroll`` steps first, so they are in flight together.
@@ -369,3 +340,68 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                                     T.Cast(m_dtype, row), T.Cast(m_dtype, col), total[0], total[1])
     # fmt: on
     return body.body
+
+
+def norm_prologue(ops: GemmOperands, threads: int, blocks: int, x_stride: int) -> Any:
+    """The GEMV templates' norm prologue (``ops.prologue``, static M) as a TIR macro
+    ``norm_rows(xs, tid, bx)``: thread ``tid`` of block ``bx`` (of ``blocks``, ``threads`` each)
+    reads its pieces of the M rows of ``x`` (+ the residual) in 16-byte pieces, the block sums the
+    squares of ``x + r`` in float32, and writes the normed rows, rounded to the activation dtype as
+    the norm kernel rounds them, to the shared buffer ``xs`` (row ``r`` at ``2 r x_stride``
+    elements). ``x + r`` is written out in slices, one per block. The caller syncs the block after."""
+    from tvm.script import tirx as T
+
+    norm, k, dtype = ops.prologue, ops.k, ops.dtype
+    rows_p = _static_m(ops)
+    pieces = k // PIECE
+    thread_pieces = -(-pieces // threads)
+    slice_pieces = -(-(rows_p * pieces) // blocks)
+
+    # fmt: off
+    @T.macro
+    def norm_rows(xs, tid, bx):
+        Xg = T.decl_buffer((rows_p * k,), dtype, data=norm.x.data)
+        Wn = T.decl_buffer((k,), dtype, data=norm.weight.data)
+        if norm.residual is not None:
+            Rg = T.decl_buffer((rows_p * k,), dtype, data=norm.residual.data)
+            Tg = T.decl_buffer((rows_p * k,), dtype, data=norm.total.data)
+        t_reg = T.sblock_alloc_buffer((thread_pieces * PIECE,), dtype, scope="local")
+        piece = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
+        part = T.sblock_alloc_buffer((1,), "float32", scope="local")
+        ssq = T.sblock_alloc_buffer((1,), "float32", scope="local")
+        for row in T.unroll(rows_p):
+            part[0] = T.float32(0)
+            for i in T.unroll(thread_pieces):
+                p: T.let[T.int32] = i * threads + T.Cast("int32", tid)
+                if p < pieces:
+                    for e in T.vectorized(PIECE):
+                        t_reg[i * PIECE + e] = Xg[row * k + p * PIECE + e]
+                    if norm.residual is not None:
+                        for e in T.vectorized(PIECE):
+                            piece[e] = Rg[row * k + p * PIECE + e]
+                        for e in T.unroll(PIECE):
+                            t_reg[i * PIECE + e] = t_reg[i * PIECE + e] + piece[e]
+                        if bx * slice_pieces <= row * pieces + p and row * pieces + p < (bx + 1) * slice_pieces:
+                            for e in T.vectorized(PIECE):
+                                Tg[row * k + p * PIECE + e] = t_reg[i * PIECE + e]
+                    for e in T.unroll(PIECE):
+                        part[0] = part[0] + T.Cast("float32", t_reg[i * PIECE + e]) * T.Cast("float32", t_reg[i * PIECE + e])
+            with T.sblock("norm_sum"):
+                T.reads(part[0])
+                T.writes(ssq[0])
+                T.attr(T.comm_reducer(lambda a0, b0: a0 + b0, [T.float32(0)]), "reduce_scope", T.int32(0))
+                T.tvm_thread_allreduce(T.uint32(1), part[0], True, ssq[0], tid, dtype="void")
+            # As TOPI's rms_norm: rsqrt(mean + eps) * float32(t) * float32(w), rounded once.
+            # (A register: TVM lowers ``ssq`` to shared memory, which a store would race on.)
+            rstd: T.let[T.float32] = T.rsqrt(ssq[0] / T.float32(k) + T.float32(norm.eps))
+            for i in T.unroll(thread_pieces):
+                p: T.let[T.int32] = i * threads + T.Cast("int32", tid)
+                if p < pieces:
+                    for e in T.vectorized(PIECE):
+                        piece[e] = Wn[p * PIECE + e]
+                    for e in T.unroll(PIECE):
+                        piece[e] = T.Cast(dtype, rstd * T.Cast("float32", t_reg[i * PIECE + e]) * T.Cast("float32", piece[e]))
+                    for e in T.vectorized(PIECE):
+                        xs[row * x_stride * 2 + p * PIECE + e] = piece[e]
+    # fmt: on
+    return norm_rows
