@@ -1,8 +1,14 @@
 """Decode-step profile summaries (bench/profile.py): kernel families from configs/bench.json, per-step sums."""
 
 import pytest
-
-from fuselight.bench.profile import OTHER, covered, families, family_of, summarize
+from fuselight.bench.profile import (
+    OTHER,
+    covered,
+    exclusive,
+    families,
+    family_of,
+    summarize,
+)
 
 
 @pytest.mark.parametrize(
@@ -43,3 +49,14 @@ def test_busy_time_counts_overlapping_kernels_once():
     out = summarize([("NT_matmul_kernel", 30.0, 3)], 3, [("gemv", "matmul")], busy_us=24.0)
     assert out["busy_us"] == 8.0 and out["gpu_us"] == 10.0
     assert "busy_us" not in summarize([("NT_matmul_kernel", 30.0, 3)], 3, [("gemv", "matmul")])
+
+
+def test_exclusive_time_counts_an_early_kernel_from_the_end_of_the_one_before():
+    # b launched early (waiting from 8 to 10 for a), c after a gap, d inside c: nothing added
+    runs = [("a", 0.0, 10.0), ("b", 8.0, 14.0), ("c", 20.0, 25.0), ("d", 21.0, 22.0), ("a", 30.0, 31.0)]
+    got = exclusive(runs)
+    assert got == {"a": 11.0, "b": 4.0, "c": 5.0, "d": 0.0}
+    assert sum(got.values()) == covered([r[1:] for r in runs])
+    out = summarize([("a_matmul", 22.0, 2), ("b", 12.0, 2)], 2, [("gemv", "matmul")], exclusive_us={"a_matmul": 20.0, "b": 8.0})
+    assert out["families"]["gemv"] == {"us": 11.0, "launches": 1.0, "exclusive_us": 10.0}
+    assert out["kernels"]["b"] == {"family": OTHER, "us": 6.0, "launches": 1.0, "exclusive_us": 4.0}

@@ -435,8 +435,8 @@ class _Measure:
             runner.decode(next(tokens))
         prof = profile_steps(lambda: runner.decode(next(tokens)), extra, self.sync)
         profile[str(context)] = prof
-        print(f"    profile: busy {prof['busy_us']:.0f} us; " + ", ".join(
-            f"{k} {v['us']:.0f} us/{v['launches']:.0f}" for k, v in prof["families"].items()), flush=True)
+        print(f"    profile: busy {prof['busy_us']:.0f} us; exclusive " + ", ".join(
+            f"{k} {v['exclusive_us']:.0f} us/{v['launches']:.0f}" for k, v in prof["families"].items()), flush=True)
 
 
 def run_e2e(

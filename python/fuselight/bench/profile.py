@@ -4,7 +4,10 @@ Runs the step under ``torch.profiler`` with CUDA activities (TVM 0.26's VM has n
 own; kernels carry their PrimFunc names, and kernels replayed from CUDA graphs are recorded too) and
 sums each kernel's device time per step (``gpu_us``), and the time at least one kernel runs
 (``busy_us``, the union of their intervals: kernels launched early overlap the one before, so the
-sum counts that time twice). Families are the first matching name pattern of
+sum counts that time twice), and each kernel's exclusive time (``exclusive_us``: what its runs add
+past the end of the kernels started before them, so a kernel launched early is counted from the end
+of the one it waits for; these add up to ``busy_us``, and are a kernel's share of the step where
+durations are not). Families are the first matching name pattern of
 ``profile_families`` in ``configs/bench.json`` ("other" if none matches), so the split between weight
 GEMVs, attention and everything else that issue targets name is read off directly.
 Runtime-only: PyTorch is imported when called.
@@ -40,29 +43,46 @@ def covered(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def exclusive(runs: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Per kernel name, the time its ``(name, start, end)`` runs add past the end of every run that
+    started before them (see the module docstring); the values add up to ``covered`` of the runs."""
+    out: dict[str, float] = {}
+    reach = float("-inf")
+    for name, start, end in sorted(runs, key=lambda r: r[1]):
+        out[name] = out.get(name, 0.0) + max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return out
+
+
 def summarize(
-    events: list[tuple[str, float, int]], steps: int, table: list[tuple[str, str]], busy_us: float | None = None
+    events: list[tuple[str, float, int]],
+    steps: int,
+    table: list[tuple[str, str]],
+    busy_us: float | None = None,
+    exclusive_us: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Per-step totals of ``(kernel name, device µs, calls)`` events, by family and by kernel;
-    ``busy_us``: the steps' covered device time (``covered``), stored per step."""
+    ``busy_us``: the steps' covered device time (``covered``), stored per step; ``exclusive_us``: each
+    kernel name's exclusive time over the steps (``exclusive``), stored per step beside ``us``."""
+    fields = ("us", "launches", *(("exclusive_us",) if exclusive_us is not None else ()))
     by_family: dict[str, dict[str, float]] = {}
     by_kernel: dict[str, dict[str, Any]] = {}
     for name, us, calls in events:
         fam = family_of(name, table)
-        f = by_family.setdefault(fam, {"us": 0.0, "launches": 0.0})
-        f["us"] += us / steps
-        f["launches"] += calls / steps
-        k = by_kernel.setdefault(name, {"family": fam, "us": 0.0, "launches": 0.0})
-        k["us"] += us / steps
-        k["launches"] += calls / steps
-    rounded = {fam: {"us": round(v["us"], 2), "launches": round(v["launches"], 2)} for fam, v in by_family.items()}
+        add = {"us": us, "launches": calls, "exclusive_us": (exclusive_us or {}).get(name, 0.0)}
+        f = by_family.setdefault(fam, dict.fromkeys(fields, 0.0))
+        k = by_kernel.setdefault(name, {"family": fam, **dict.fromkeys(fields, 0.0)})
+        for field in fields:
+            f[field] += add[field] / steps
+            k[field] += add[field] / steps
+    rounded = {fam: {f: round(v[f], 2) for f in fields} for fam, v in by_family.items()}
     return {
         "steps": steps,
         "gpu_us": round(sum(v["us"] for v in by_family.values()), 1),
         **({"busy_us": round(busy_us / steps, 1)} if busy_us is not None else {}),
         "launches": round(sum(v["launches"] for v in by_family.values()), 1),
         "families": dict(sorted(rounded.items(), key=lambda kv: -kv[1]["us"])),
-        "kernels": {n: {**v, "us": round(v["us"], 2), "launches": round(v["launches"], 2)}
+        "kernels": {n: {**v, **{f: round(v[f], 2) for f in fields}}
                     for n, v in sorted(by_kernel.items(), key=lambda kv: -kv[1]["us"])},
     }
 
@@ -82,9 +102,9 @@ def profile_steps(step: Callable[[], Any], steps: int, sync: Callable[[], None])
         for e in prof.key_averages()
         if e.device_time_total > 0 and not e.key.startswith(skip)
     ]
-    intervals = [
-        (e.time_range.start, e.time_range.end)
+    runs = [
+        (e.name, e.time_range.start, e.time_range.end)
         for e in prof.events()
         if e.device_type.name == "CUDA" and not e.name.startswith(skip)
     ]
-    return summarize(events, steps, families(), covered(intervals))
+    return summarize(events, steps, families(), covered([r[1:] for r in runs]), exclusive(runs))
