@@ -27,6 +27,9 @@ float32 across the block, and writes the normed rows, rounded to the activation 
 kernel rounds them, to shared memory, where the token fragments are then read from (rows padded by
 one piece, so rows g of a fragment load sit in different banks). The rows are read from L2 by
 every block (a few percent of the weight bytes); ``x + r`` is written out in slices, one per block.
+
+A bucket that sets ``rows_per_warp`` (M = 1) runs the row-streaming template of ``gemv_rows``
+instead, with the same prologue (``norm_prologue``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .gemv import PIECE, GemvConfig, check_gemv, norm_prologue
+from .gemv import PIECE, GemvConfig, norm_prologue
 from .operands import GemmOperands
 from .plan import WARP
 
@@ -31,13 +31,10 @@ def rows_grid_blocks(ops: GemmOperands, cfg: GemvConfig) -> int:
 
 
 def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
-    """The kernel body (a ``tvm.tirx.Stmt``) computing ``ops`` (M = 1) over ``ops``' buffers.
-
-    FuselightError if the template cannot serve ``ops`` (see ``gemv.check_gemv``).
-    """
+    """The kernel body (a ``tvm.tirx.Stmt``) computing ``ops`` (M = 1) over ``ops``' buffers; call
+    it through ``gemv.gemv_body``, which checks first that the template serves ``ops``."""
     from tvm.script import tirx as T
 
-    check_gemv(ops, cfg)
     n, k, dtype = ops.n, ops.k, ops.dtype
     norm, pair = ops.prologue, ops.out.pair_offset
     warps, unroll, cols_w = cfg.warps, cfg.unroll, cfg.rows_per_warp
