@@ -7,6 +7,9 @@ runtime and benchmark modules must import there. The compiler side (``fuselight.
 
 __version__ = "0.1.0"
 
+from . import inspect_cache
 from .errors import FuselightError
+
+inspect_cache.prime()  # before any TVMScript is parsed (see the module)
 
 __all__ = ["FuselightError", "__version__"]
