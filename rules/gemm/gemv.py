@@ -181,6 +181,11 @@ def block_warps(ops: GemmOperands, cfg: GemvConfig) -> int:
     return warps
 
 
+def index_dtype(ops: GemmOperands) -> str:
+    """The dtype of the output's row and column indices: M's, or int64 for a static M."""
+    return "int64" if isinstance(ops.m, int) else str(ops.m.ty.dtype)
+
+
 def _static_m(ops: GemmOperands) -> int | None:
     m = ops.m
     if isinstance(m, int):
@@ -211,7 +216,7 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     rounds = -(-steps // unroll)
     ragged = steps % unroll != 0
     outputs = MMA_M * MMA_N * tiles  # accumulators of a block (per warp: 4 a lane per tile)
-    m_dtype = "int64" if isinstance(ops.m, int) else str(ops.m.ty.dtype)
+    m_dtype = index_dtype(ops)
     m = T.Cast("int32", ops.m) if not isinstance(ops.m, int) else ops.m
     words = k // 2  # a row of K elements in 32-bit words
     pair = ops.out.pair_offset

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .gemv import PIECE, GemvConfig, norm_prologue
+from .gemv import PIECE, GemvConfig, index_dtype, norm_prologue
 from .operands import GemmOperands
 from .plan import WARP
 
-LOG_WARP = 5
+LOG_WARP = WARP.bit_length() - 1  # butterfly rounds over a warp's lanes
 
 
 def rows_grid_blocks(ops: GemmOperands, cfg: GemvConfig) -> int:
@@ -45,7 +45,7 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     ragged = pieces % (WARP * unroll) != 0
     blocks = rows_grid_blocks(ops, cfg)
     out_n = ops.out_n
-    m_dtype = "int64" if isinstance(ops.m, int) else str(ops.m.ty.dtype)
+    m_dtype = index_dtype(ops)
     # The token row: copied (a thread's pieces of it), or normed by the prologue (row 0 at 0).
     copy_pieces = -(-pieces // threads)
     norm_rows = None if norm is None else norm_prologue(ops, threads, blocks, k // 2)
