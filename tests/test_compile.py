@@ -35,7 +35,15 @@ def test_compile_tiny_for_sm90_with_aot_cubins(tmp_path, capsys):
     attention_calls, rest = divmod(kv_cache_launches, fc.KV_CACHE_KERNELS_PER_DECODE_ATTENTION + 1)
     assert rest == 0 and attention_calls == load("tiny-llama").num_hidden_layers
     assert lib.stat().st_size > 0
-    assert meta["cuda_graph"] is True  # CUDA's default, as in MLC-LLM's O2
+    assert meta["cuda_graph"] is False  # every kernel launches programmatically on sm_90: no graphs
+
+
+def test_graphs_by_default_unless_every_kernel_launches_programmatically():
+    cuda = resolve("cuda", "sm_90")
+    assert fc.graphs_by_default(cuda, programmatic_launch=False)  # the baseline, as MLC-LLM's O2
+    assert not fc.graphs_by_default(cuda, programmatic_launch=True)
+    assert fc.graphs_by_default(resolve("cuda", "sm_80"), programmatic_launch=True)  # no PDL before sm_90
+    assert not fc.graphs_by_default(resolve("llvm"), programmatic_launch=False)
 
 
 def test_cuda_graph_captures_decode_and_needs_cuda():

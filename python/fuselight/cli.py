@@ -188,7 +188,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--no-programmatic-launch", action="store_true",
                    help="fuselight pipeline: launch each kernel only after the one before it has finished (no PDL)")
     c.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
-                   help="capture the static parts of each function as CUDA graphs (default: on for cuda, as MLC-LLM's O2)")
+                   help="capture the static parts of each function as CUDA graphs (default: on for cuda, as MLC-LLM's O2, "
+                        "except where every kernel launches programmatically: the fuselight pipeline on sm_90+)")
     c.set_defaults(func=cmd_compile)
 
     d = sub.add_parser("demo", help="tiny LLaMA through both pipelines on the CPU, compared")

@@ -123,6 +123,18 @@ def lower(
     )
 
 
+def graphs_by_default(target: TargetSpec, programmatic_launch: bool) -> bool:
+    """Whether a build for ``target`` captures CUDA graphs when not told: on CUDA, unless every kernel
+    launches programmatically there (``tir_pipeline.NAME_EVERY_KERNEL``). A graph ends at each call
+    it leaves out, the KV cache's attention in every layer, and the kernel after a graph or after
+    such a call then starts only when the one before has finished (2.4-2.6 us idle at each of the
+    two boundaries a layer on an H100: about 150 us a decode step, ``bench/results/README.md``),
+    while kernels launched one by one from the stream each overlap the one before."""
+    if target.kind != "cuda":
+        return False
+    return not (programmatic_launch and tir_pipeline.programmatic_launch_supported(target.kind, target.arch))
+
+
 def _decode_attention_launches(mod: Any) -> int:
     """Launches of the decode attention kernel the module's KV cache uses (1 if it says nothing)."""
     from tvm import tirx
@@ -185,8 +197,9 @@ def build(
     """Export our model for ``target``, run ``pipeline`` (with ``options``) over it, and compile.
 
     Prefills longer than ``prefill_chunk_size`` tokens (default: ``configs/runtime.json``) are run
-    in chunks by the engine. ``cuda_graph`` (None: on for CUDA, as in MLC-LLM's default ``O2``)
-    captures the static parts of each function as CUDA graphs.
+    in chunks by the engine. ``cuda_graph`` captures the static parts of each function as CUDA
+    graphs; None: on for CUDA (as in MLC-LLM's default ``O2``) unless every kernel launches
+    programmatically (``graphs_by_default``).
     """
     from .engine import runtime_config
     from .model.llama import export_module
@@ -201,12 +214,12 @@ def build(
     # As MLC-LLM compiles: the prefill length is bounded by the chunk size, so memory is planned statically.
     seq = pipeline_pass(pipeline, tvm_target, {"seq_len": prefill_chunk_size}, options)
     mod, params = export_module(config, tvm_target)
-    if cuda_graph is None:
-        cuda_graph = target.kind == "cuda"
-    elif cuda_graph and target.kind != "cuda":
+    if cuda_graph and target.kind != "cuda":
         raise FuselightError(f"CUDA graphs need a cuda target, not {target.kind!r}")
     # The baseline launches its kernels as MLC-LLM's builds do.
     pdl = pipeline != "baseline" and (options or Options()).programmatic_launch
+    if cuda_graph is None:
+        cuda_graph = graphs_by_default(target, pdl)
     lowered, executable = lower(mod, tvm_target, seq, cuda_graph=cuda_graph, programmatic_launch=pdl)
     return Built(
         config=config,

@@ -107,7 +107,7 @@ BASELINE_PASSES: list[PassInfo] = [
     PassInfo("IPCAllReduceRewrite", 5, "absent", "single GPU", "allreduce_strategy"),
     PassInfo("StaticPlanBlockMemory", 5, "tvm"),
     PassInfo("AttachMetadataWithMemoryUsage", 5, "absent", "metadata for MLC's serving engine"),
-    PassInfo("RewriteCUDAGraph", 5, "tvm", "active with the pass config relax.backend.use_cuda_graph (fuselight compile: on for cuda, as MLC-LLM's O2)"),
+    PassInfo("RewriteCUDAGraph", 5, "tvm", "active with the pass config relax.backend.use_cuda_graph (fuselight compile: on for cuda, as MLC-LLM's O2, unless every kernel launches programmatically)"),
     PassInfo("AttachCUDAGraphAllocInitFunc", 5, "equivalent"),
     PassInfo("LowerGPUIPCAllocStorage", 5, "tvm"),
     PassInfo("LowerAllocTensor", 5, "tvm"),
