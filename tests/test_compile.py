@@ -4,7 +4,6 @@ import json
 import shutil
 
 import pytest
-
 from fuselight import compile as fc
 from fuselight.cli import main
 from fuselight.config import load

@@ -140,9 +140,9 @@ def _decode_attention_launches(mod: Any) -> int:
     from tvm import tirx
 
     for gv, func in mod.functions.items():
-        if isinstance(func, tirx.PrimFunc) and "decode_paged_kv" in gv.name_hint and "sliding" not in gv.name_hint:
-            if func.attrs is not None and KERNEL_LAUNCHES_ATTR in func.attrs:
-                return int(func.attrs[KERNEL_LAUNCHES_ATTR])
+        if (isinstance(func, tirx.PrimFunc) and "decode_paged_kv" in gv.name_hint and "sliding" not in gv.name_hint
+                and func.attrs is not None and KERNEL_LAUNCHES_ATTR in func.attrs):
+            return int(func.attrs[KERNEL_LAUNCHES_ATTR])
     return 1
 
 
