@@ -128,7 +128,7 @@ def graphs_by_default(target: TargetSpec, programmatic_launch: bool) -> bool:
     launches programmatically there (``tir_pipeline.NAME_EVERY_KERNEL``). A graph ends at each call
     it leaves out, the KV cache's attention in every layer, and the kernel after a graph or after
     such a call then starts only when the one before has finished (2.4-2.6 us idle at each of the
-    two boundaries a layer on an H100: about 150 us a decode step, ``bench/results/README.md``),
+    two boundaries a layer on an H100: about 160 us a decode step, ``bench/results/README.md``),
     while kernels launched one by one from the stream each overlap the one before."""
     if target.kind != "cuda":
         return False
