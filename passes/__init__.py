@@ -28,6 +28,7 @@ from .fold_norm_weight import FoldNormWeight
 from .fuse_attention import FuseAttention
 from .fuse_gate_up_silu import FuseGateUpSiLU
 from .fuse_norm_gemv import FuseNormIntoGemv
+from .fuse_rope_append import FuseRopeAppend
 from .merge_sibling_matmuls import MergeSiblingMatmuls
 from .paged_attention import PagedAttentionKernels
 from .property_rewrite import PropertyRewrite
@@ -41,6 +42,9 @@ class GraphPass:
     name: str
     slot: Slot
     make: Callable[[], tvm.transform.Pass]
+    # The built library calls back into the fuselight runtime (``fuselight.kv_hooks``): it runs only
+    # where fuselight is imported, so not in MLC-LLM's engine.
+    needs_fuselight_runtime: bool = False
 
 
 PASSES: dict[str, GraphPass] = {
@@ -54,6 +58,7 @@ PASSES: dict[str, GraphPass] = {
         # Moves scales across R.matmul, which FuseTransposeMatmul lowers to TIR.
         GraphPass("property_rewrite", "before_fuse_transpose_matmul", PropertyRewrite),
         GraphPass("paged_attention", "after_graph_passes", PagedAttentionKernels),
+        GraphPass("fuse_rope_append", "after_graph_passes", FuseRopeAppend, needs_fuselight_runtime=True),
         # Before add_rms_norm_kernels, which replaces the norm kernels this pass recognises.
         GraphPass("fuse_norm_gemv", "after_graph_passes", FuseNormIntoGemv),
         GraphPass("add_rms_norm_kernels", "after_graph_passes", AddRMSNormKernels),
@@ -65,8 +70,8 @@ PASSES: dict[str, GraphPass] = {
 def default() -> list[str]:
     """Names of the passes the fuselight pipeline runs by default, in order."""
     return [
-        "fuse_attention", "accumulate_matmul_fp32", "fuse_gate_up_silu", "property_rewrite", "paged_attention", "fuse_norm_gemv",
-        "add_rms_norm_kernels", "fusion_plan",
+        "fuse_attention", "accumulate_matmul_fp32", "fuse_gate_up_silu", "property_rewrite", "paged_attention",
+        "fuse_rope_append", "fuse_norm_gemv", "add_rms_norm_kernels", "fusion_plan",
     ]  # fmt: skip
 
 
@@ -76,4 +81,4 @@ def get(name: str) -> GraphPass:
     return PASSES[name]
 
 
-__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "Classify", "FoldNormWeight", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "FuseAttention", "FuseGateUpSiLU", "FuseNormIntoGemv", "GraphPass", "Slot", "classify_module", "default", "get"]
+__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "Classify", "FoldNormWeight", "FuseAttention", "FuseGateUpSiLU", "FuseNormIntoGemv", "FuseRopeAppend", "GraphPass", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "Slot", "classify_module", "default", "get"]

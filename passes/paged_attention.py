@@ -15,11 +15,10 @@ the module comes back unchanged.
 from __future__ import annotations
 
 import tvm
+from fuselight.rules.paged_attention import PagedAttention
 from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
-
-from fuselight.rules.paged_attention import PagedAttention
 
 from ..relax_rewrite import FunctionRewriter
 
@@ -28,7 +27,8 @@ CREATE_FUNC = "vm.builtin.paged_attention_kv_cache_create"
 _ROPE_MODE_ARG = 8
 
 
-def _create_calls(mod: tvm.IRModule) -> list[relax.Call]:
+def create_calls(mod: tvm.IRModule) -> list[relax.Call]:
+    """Every call of ``vm.builtin.paged_attention_kv_cache_create`` in ``mod``'s Relax functions."""
     calls: list[relax.Call] = []
 
     def visit(expr: relax.Expr) -> None:
@@ -52,7 +52,8 @@ def _rope_inline(call: relax.Call) -> bool:
     return not isinstance(arg, tirx.IntImm) or int(arg.value) == int(RopeMode.INLINE)
 
 
-def _global_vars(expr: relax.Expr) -> list[tvm.ir.GlobalVar]:
+def global_vars(expr: relax.Expr) -> list[tvm.ir.GlobalVar]:
+    """The GlobalVars ``expr`` references (a create call's kernels), first occurrences in order."""
     found: list[tvm.ir.GlobalVar] = []
 
     def visit(e: relax.Expr) -> None:
@@ -64,7 +65,7 @@ def _global_vars(expr: relax.Expr) -> list[tvm.ir.GlobalVar]:
 
 
 def _kernels(call: relax.Call) -> list[tvm.ir.GlobalVar]:
-    return [gv for arg in call.args[1:] for gv in _global_vars(arg)]
+    return [gv for arg in call.args[1:] for gv in global_vars(arg)]
 
 
 @tvm.transform.module_pass(opt_level=0, name="PagedAttentionKernels")
@@ -77,7 +78,7 @@ class PagedAttentionKernels:
             return mod
         rule = PagedAttention()
         rewriter = _Repoint(mod)
-        for call in _create_calls(mod):
+        for call in create_calls(mod):
             if _rope_inline(call):
                 continue
             for gv in _kernels(call):
@@ -94,7 +95,7 @@ class PagedAttentionKernels:
             return mod
         out = rewriter.transform()
         # TVM's kernels are referenced by the create call only: drop the ones no longer referenced
-        still_used = {gv for func in out.functions.values() if isinstance(func, relax.Function) for gv in _global_vars(func)}
+        still_used = {gv for func in out.functions.values() if isinstance(func, relax.Function) for gv in global_vars(func)}
         for gv in rewriter.replaced:
             if gv not in still_used:
                 del out[gv]

@@ -33,6 +33,12 @@ def gemv_rule() -> ScheduleRule:
     return Gemv()
 
 
+def rope_append_rule() -> ScheduleRule:
+    from .rope_append import RopeAppend
+
+    return RopeAppend()
+
+
 def row_reduction_rule() -> ScheduleRule:
     from .row_reduction import RowReduction
 
@@ -42,7 +48,9 @@ def row_reduction_rule() -> ScheduleRule:
 # Factories of fuselight's rules, most specific first: FlashAttention only takes functions tagged
 # by FuseAttention (and checked to be exactly that computation), which DLight's Reduction and
 # Fallback rules would otherwise accept and schedule as separate, S x S-materialising stages.
-FUSELIGHT_RULES: list[Callable[[], ScheduleRule]] = [flash_attention_rule, matmul_rule, gemv_rule, row_reduction_rule]
+FUSELIGHT_RULES: list[Callable[[], ScheduleRule]] = [
+    flash_attention_rule, matmul_rule, gemv_rule, row_reduction_rule, rope_append_rule,
+]
 
 
 def fuselight_rules() -> list[ScheduleRule]:

@@ -1,4 +1,4 @@
-"""The ``fuselight`` command line: compile, demo, bench, explain, report.
+"""The ``fuselight`` command line: compile, demo, bench, explain, report, audit-pdl.
 
 Bad input (unknown preset, bad config field, unsupported target, arch or dtype, a library built for
 another GPU) prints ``error: ...`` in one line and exits with code 2. Compiler-side modules are
@@ -170,6 +170,20 @@ def cmd_tune_gemm_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit_pdl(args: argparse.Namespace) -> int:
+    from .pdl_audit import audit_library, summary
+
+    ok = True
+    for library in args.libraries:
+        found = summary(audit_library(Path(library)))
+        print(f"{library}: {found['kernels']} kernels, {found['waiting']} wait for the grid before them, "
+              f"{len(found['out_of_order'])} touch memory before their wait")
+        for bad in found["out_of_order"]:
+            print(f"  {bad['kernel']}: wait at instruction {bad['wait_at']}, before it: {'; '.join(bad['memory_before_wait'][:4])}")
+        ok = ok and not found["out_of_order"]
+    return 0 if ok else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fuselight", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -284,6 +298,10 @@ def _parser() -> argparse.ArgumentParser:
     tm.add_argument("--write", action="store_true",
                     help="store the model and the dataset in configs/gemm/ (cost-model-<arch>.json, measured-<arch>.json)")
     tm.set_defaults(func=cmd_tune_gemm_model)
+
+    a = sub.add_parser("audit-pdl", help="SASS check: every waiting kernel touches memory only after its wait (needs cuobjdump)")
+    a.add_argument("libraries", nargs="+", help="libraries built by fuselight compile (their .cuda fatbins are read)")
+    a.set_defaults(func=cmd_audit_pdl)
 
     r = sub.add_parser("report", help="one Markdown report and plots over results JSONs (or directories of them)")
     r.add_argument("results", nargs="+", help="results or tuning JSON files, or directories: every JSON in them")

@@ -22,6 +22,8 @@ from .target import TargetSpec
 PIPELINES = ("baseline", "fuselight")
 # TVM's paged KV cache launches these kernels for one decode attention call of one layer besides the
 # attention kernel itself: q/k rotary split, K/V append into pages.
+# The KV cache's own kernels around each attention call: split-rotary and append (TVM's), or one
+# where fuselight.passes.fuse_rope_append gave it the fused kernel.
 KV_CACHE_KERNELS_PER_DECODE_ATTENTION = 2
 # A kernel PrimFunc that launches more than one kernel says how many in this attribute.
 KERNEL_LAUNCHES_ATTR = "fuselight.kernel_launches"
@@ -135,6 +137,17 @@ def graphs_by_default(target: TargetSpec, programmatic_launch: bool) -> bool:
     return not (programmatic_launch and tir_pipeline.programmatic_launch_supported(target.kind, target.arch))
 
 
+def kv_cache_kernels(mod: Any) -> int:
+    """The KV cache's kernels around one decode attention call besides attention (see the constants)."""
+    from tvm import tirx
+
+    from .passes.fuse_rope_append import FUSED_ATTR
+
+    fused = any(isinstance(f, tirx.PrimFunc) and f.attrs is not None and FUSED_ATTR in f.attrs
+                for f in mod.functions.values())
+    return 1 if fused else KV_CACHE_KERNELS_PER_DECODE_ATTENTION
+
+
 def _decode_attention_launches(mod: Any) -> int:
     """Launches of the decode attention kernel the module's KV cache uses (1 if it says nothing)."""
     from tvm import tirx
@@ -180,7 +193,7 @@ def kernel_stats(mod: Any) -> KernelStats:
     return KernelStats(
         kernels=len(prims),
         launches_per_decode_step=len(calls)
-        + (KV_CACHE_KERNELS_PER_DECODE_ATTENTION + _decode_attention_launches(mod)) * attention_calls,
+        + (kv_cache_kernels(mod) + _decode_attention_launches(mod)) * attention_calls,
         decode_kernels=tuple(calls),
     )
 

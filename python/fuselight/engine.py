@@ -18,6 +18,7 @@ import numpy as np
 import tvm
 import tvm_ffi
 
+from . import kv_hooks
 from .config import ModelConfig
 from .errors import FuselightError
 from .jsonfile import read_json_object
@@ -61,6 +62,7 @@ class Engine:
         so another model with the same functions (MLC-LLM's) runs with its own parameter list.
         Unset sizes come from ``runtime_config()``; ``prefill_chunk_size`` must not exceed the one
         the library was built with."""
+        kv_hooks.register()  # the cache of a library built with fuselight.passes.fuse_rope_append
         defaults = runtime_config()
         max_total_seq_len = max_total_seq_len or defaults["max_total_seq_len"]
         prefill_chunk_size = prefill_chunk_size or defaults["prefill_chunk_size"]

@@ -185,10 +185,7 @@ def _run_pipeline(mod, step: str, prompt_len: int, graph_passes: Sequence[str] |
     """The counts for one pipeline, and its ``fusion_plan`` pass (None if it runs none)."""
     from tvm import relax
 
-    from .compile import (
-        KV_CACHE_KERNELS_PER_DECODE_ATTENTION,
-        _decode_attention_launches,
-    )
+    from .compile import _decode_attention_launches, kv_cache_kernels
     from .passes.classify import KV_LEN, NON_CALL_OPS, classify_binding, classify_module
     from .passes.fusion_plan import io_bytes
     from .pipeline import stages
@@ -214,7 +211,7 @@ def _run_pipeline(mod, step: str, prompt_len: int, graph_passes: Sequence[str] |
                 cost = io_bytes(binding, dims)  # a fused PrimFunc may be opaque to the classifier
             elif info.op.startswith("call_dps_packed:vm.builtin.attention_kv_cache"):
                 # As `fuselight compile` counts: the cache's kernels, and the decode kernel's launches.
-                launches += KV_CACHE_KERNELS_PER_DECODE_ATTENTION + _decode_attention_launches(mod)
+                launches += kv_cache_kernels(mod) + _decode_attention_launches(mod)
                 cost = info.cost(dims)[1]
             elif info.op.startswith(("call_dps_packed:", "call_pure_packed:", "call_packed:")):
                 launches += 1

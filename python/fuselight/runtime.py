@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from . import kv_hooks
 from .compile import aot_dir, metadata_path
 from .cuda_compile import compile_cuda, nvcc_path
 from .errors import FuselightError
@@ -65,6 +66,7 @@ def init_tvm() -> Any:
                     _STATE.runtime_lib_error = f"{name}: {err}"
     if not _STATE.registered:
         register_cuda_compiler()
+    kv_hooks.register()  # libraries built with fuselight.passes.fuse_rope_append call it
     return tvm
 
 

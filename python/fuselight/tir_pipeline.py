@@ -3,7 +3,9 @@
 A kernel that waits for the grids before it with ``griddepcontrol.wait`` (PTX; ``T.ptx.griddepcontrol``)
 can be launched before they finish (CUDA's programmatic stream serialization): once they have all
 called ``griddepcontrol.launch_dependents``, or once their blocks have exited where they do not call
-it. Its launch latency and whatever it does before the wait then overlap their tail. TVM's CUDA
+it. Its launch latency then overlaps their tail (work placed before the wait does not: ptxas
+schedules the wait first, and where it does not, it may move loads of their outputs above the wait;
+``fuselight.pdl_audit`` checks the SASS, ``fuselight audit-pdl`` on the GPU host). TVM's CUDA
 runtime launches a kernel that way when its launch parameters carry the
 ``tirx.use_programtic_dependent_launch`` flag (TVM's spelling), which its default pipeline never
 sets for scheduled (``s_tir``) functions.

@@ -278,7 +278,10 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
                             kv_len: T.let[T.int32] = seq.length(io, bz)
                             used: T.let[T.int32] = T.ceildiv(kv_len, _split_rows(kv_len, num_splits(batch), MIN_ROWS, BDY * U))
                             # Launched early where the TIR pipeline allows (fuselight.tir_pipeline):
-                            # the split kernel's partials are complete and visible after this.
+                            # the split kernel's partials are complete and visible after this. ptxas
+                            # schedules the wait first (SASS, H100, nvcc 13.0), so the lengths above
+                            # load after it; a branch would keep them before it, but then ptxas may
+                            # move the partials' read-only loads above the wait too (fuselight.pdl_audit).
                             T.ptx.griddepcontrol.wait()
                             # Each of the MG thread rows folds splits ty, ty + MG, ..., all loaded
                             # first (one memory latency, not one a split), then row 0 merges the MG

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..config import ModelConfig, load
 from ..errors import FuselightError
+from ..pdl_audit import audit_if_possible
 from ..runtime import init_tvm, load_library, read_metadata, release_memory
 from . import bench_config
 from .kernels_run import sdpa_backends
@@ -556,8 +557,14 @@ def run_e2e(
         "generate_check": {"tokens": cfg["generate_check"] + 1, "agree": generate_check},
         **({"decode_profile": profiles} if profile else {}),
     }
+    if device == "cuda":
+        meta["pdl_audit"] = {impl: audit_if_possible(path) for impl, path in libs.items()}
     write_results(Path(out_json), records, meta)
     print(text_table(records))
     print(accuracy_text(accuracy))
+    for impl, found in meta.get("pdl_audit", {}).items():
+        if found is not None:
+            print(f"{impl}: {found['waiting']} of {found['kernels']} kernels wait for the grid before them; "
+                  f"{len(found['out_of_order'])} touch memory before the wait {[k['kernel'] for k in found['out_of_order']]}")
     print(f"{len(records)} measurements; results: {out_json}", flush=True)
     return records

@@ -53,7 +53,9 @@ SCHEDULE_LOG_FILE = "schedule.json"
 class Options:
     """What fuselight adds to MLC's pipeline.
 
-    passes: graph pass names from ``fuselight.passes`` (None: ``fuselight.passes.default()``; () none).
+    passes: graph pass names from ``fuselight.passes`` (None: ``fuselight.passes.default()`` less
+    the passes whose libraries call back into the fuselight runtime, which MLC-LLM's engine does not
+    load; () none).
     rules: rule families from ``RULE_FAMILIES`` (None: all; () none).
     dump: a folder for the module after each of our steps and ``schedule.json``.
     programmatic_launch: every kernel of a ``.so`` we build may launch while the one before it
@@ -67,14 +69,17 @@ class Options:
 
     def __post_init__(self) -> None:
         for name in self.passes or ():
-            get_graph_pass(name)  # unknown names fail now
+            if get_graph_pass(name).needs_fuselight_runtime:  # unknown names fail here too
+                raise FuselightError(f"pass {name!r} needs the fuselight runtime where the model runs; MLC-LLM's engine does not load it")
         for family in self.rules or ():
             if family not in RULE_FAMILIES:
                 raise FuselightError(f"unknown rule family {family!r}: expected one of {', '.join(RULE_FAMILIES)}")
 
     @property
     def pass_names(self) -> list[str]:
-        return list(self.passes) if self.passes is not None else default_passes()
+        if self.passes is not None:
+            return list(self.passes)
+        return [name for name in default_passes() if not get_graph_pass(name).needs_fuselight_runtime]
 
     @property
     def rule_families(self) -> list[str]:

@@ -1,0 +1,101 @@
+"""Audit a built library's machine code: does every kernel that waits for the grid before it
+(programmatic dependent launch, ``fuselight.tir_pipeline``) touch memory only after the wait?
+
+A kernel launched programmatically may start while the kernel before it still runs, so it must not
+read that kernel's outputs, nor write what that kernel still reads, before ``griddepcontrol.wait``
+(SASS ``ACQBULK``). The CUDA source orders them; ptxas schedules the SASS, and it moves read-only
+(``ld.global.nc``) loads across the wait in both directions. Seen on the H100 with nvcc 13.0:
+- loads the CUDA puts before the wait come out after it (the wait is the kernel's first instruction),
+  so work placed before a wait overlaps nothing;
+- with a branch between such loads and the wait, the wait stays after them, but loads the CUDA puts
+  after the wait can come out before it: a race (an LLaMA-3-8B decode with such kernels generated
+  wrong tokens).
+
+fuselight's kernels therefore do nothing before their wait, and this audit checks what ptxas made of
+them: in each kernel that waits, no global memory instruction before the first ``ACQBULK``. It reads
+the SASS with ``cuobjdump`` (CUDA toolkit; on the GPU host when the build host has none) from the
+fatbins ``fuselight compile`` writes beside a library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from .compile import aot_dir
+from .errors import FuselightError
+
+WAIT_OPCODE = "ACQBULK"  # griddepcontrol.wait
+# Opcodes that read or write global memory (generic LD/ST may too); local (LDL/STL) and shared
+# (LDS/STS) memory are the block's own.
+_MEMORY_OPCODES = frozenset({"LDG", "STG", "LD", "ST", "ATOM", "ATOMG", "RED", "LDGSTS", "UTMALDG", "UTMASTG", "UBLKCP"})
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOrder:
+    """One kernel's SASS: where its first wait is and the memory instructions before it."""
+
+    kernel: str
+    instructions: int
+    wait_at: int | None  # index of the first ACQBULK; None: the kernel never waits
+    memory_before_wait: tuple[str, ...]
+
+    @property
+    def ordered(self) -> bool:
+        return self.wait_at is None or not self.memory_before_wait
+
+
+def parse_sass(text: str) -> list[KernelOrder]:
+    """Every kernel of ``cuobjdump -sass`` output, in order."""
+    kernels = []
+    for block in text.split("Function : ")[1:]:
+        name = block.split("\n", 1)[0].strip()
+        ops = [(m.group(1), (m.group(1) + m.group(2)).strip()) for m in _INSTRUCTION.finditer(block)]
+        wait_at = next((i for i, (op, _) in enumerate(ops) if op == WAIT_OPCODE), None)
+        before = () if wait_at is None else tuple(text for op, text in ops[:wait_at] if op.split(".")[0] in _MEMORY_OPCODES)
+        kernels.append(KernelOrder(name, len(ops), wait_at, before))
+    return kernels
+
+
+def fatbins(library: Path) -> list[Path]:
+    """The fatbins ``fuselight compile`` wrote beside ``library``."""
+    found = sorted(aot_dir(Path(library)).glob("*.fatbin"))
+    if not found:
+        raise FuselightError(f"{library}: no compiled CUDA beside it (expected {aot_dir(Path(library))}/*.fatbin)")
+    return found
+
+
+def audit_library(library: Path) -> list[KernelOrder]:
+    """Every kernel of ``library``'s fatbins; needs ``cuobjdump``."""
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        raise FuselightError("cuobjdump not found: the audit reads SASS with the CUDA toolkit's cuobjdump")
+    kernels = []
+    for fatbin in fatbins(library):
+        proc = subprocess.run([tool, "-sass", str(fatbin)], capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise FuselightError(f"cuobjdump failed on {fatbin}: {proc.stderr.strip()[:300]}")
+        kernels += parse_sass(proc.stdout)
+    return kernels
+
+
+def summary(kernels: list[KernelOrder]) -> dict:
+    """Counts and the out-of-order kernels, for results files and the CLI."""
+    bad = [k for k in kernels if not k.ordered]
+    return {
+        "kernels": len(kernels),
+        "waiting": sum(k.wait_at is not None for k in kernels),
+        "out_of_order": [{"kernel": k.kernel, "wait_at": k.wait_at, "memory_before_wait": list(k.memory_before_wait)} for k in bad],
+    }
+
+
+def audit_if_possible(library: Path) -> dict | None:
+    """``summary`` of ``library``'s kernels, or None where it cannot be read here (no cuobjdump, or
+    a library whose CUDA is compiled when loaded): for benchmarks, which record it beside their timings."""
+    if shutil.which("cuobjdump") is None or not aot_dir(Path(library)).is_dir():
+        return None
+    return summary(audit_library(library))

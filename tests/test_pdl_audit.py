@@ -1,0 +1,64 @@
+"""The programmatic-launch SASS audit (``fuselight.pdl_audit``): parsing cuobjdump's listing, which
+instructions count as touching memory before the wait, and the CLI's errors. Reading real fatbins
+needs cuobjdump (the GPU host); the committed audit of the LLaMA-3-8B library is in bench/results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fuselight.cli import main
+from fuselight.pdl_audit import fatbins, parse_sass, summary
+
+
+def _line(addr: int, text: str) -> str:
+    # cuobjdump -sass: address, instruction, encoding; a second line carries the rest of the encoding
+    return f"        /*{addr:04x}*/                   {text} ;   /* 0x000000000000782e */\n{' ' * 86}/* 0x000fe20000000800 */\n"
+
+
+def _function(name: str, instructions: list[str]) -> str:
+    body = "".join(_line(16 * i, text) for i, text in enumerate(instructions))
+    return f"\t\tFunction : {name}\n\t.headerflags\t@\"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)\"\n{body}\t\t..........\n\n"
+
+
+LISTING = "\n\tcode for sm_90\n\t.target\tsm_90\n\n" + "".join([
+    # wait first, loads after: ordered
+    _function("wait_first", ["LDC R1, c[0x0][0x28]", "S2R R0, SR_TID.X", "ACQBULK", "LDG.E.128.CONSTANT R4, desc[UR4][R2.64]", "EXIT"]),
+    # a read-only load scheduled above the wait: out of order
+    _function("load_first", ["S2R R0, SR_TID.X", "LDG.E.128.CONSTANT R4, desc[UR4][R2.64]", "@!P0 BRA 0x130", "ACQBULK", "EXIT"]),
+    # a predicated store and a generic load before the wait: both count
+    _function("store_first", ["@P0 STG.E desc[UR4][R2.64], R5", "LD.E R6, [R8.64]", "ACQBULK", "EXIT"]),
+    # local and shared memory are the block's own: not counted
+    _function("local_first", ["STL [R1], R4", "LDS R5, [R6]", "ACQBULK", "LDG.E R7, desc[UR4][R2.64]", "EXIT"]),
+    # no wait at all (launched normally): nothing to order
+    _function("no_wait", ["LDG.E R7, desc[UR4][R2.64]", "STG.E desc[UR4][R2.64], R7", "EXIT"]),
+])
+
+
+def test_parse_sass_finds_each_kernel_and_its_wait():
+    kernels = {k.kernel: k for k in parse_sass(LISTING)}
+    assert list(kernels) == ["wait_first", "load_first", "store_first", "local_first", "no_wait"]
+    assert kernels["wait_first"].wait_at == 2 and kernels["wait_first"].instructions == 5
+    assert kernels["wait_first"].ordered and kernels["wait_first"].memory_before_wait == ()
+    assert kernels["load_first"].wait_at == 3 and not kernels["load_first"].ordered
+    assert kernels["load_first"].memory_before_wait == ("LDG.E.128.CONSTANT R4, desc[UR4][R2.64]",)
+    assert kernels["store_first"].memory_before_wait == ("STG.E desc[UR4][R2.64], R5", "LD.E R6, [R8.64]")
+    assert kernels["local_first"].ordered
+    assert kernels["no_wait"].wait_at is None and kernels["no_wait"].ordered
+
+
+def test_summary_lists_only_the_out_of_order_kernels():
+    found = summary(parse_sass(LISTING))
+    assert (found["kernels"], found["waiting"]) == (5, 4)
+    assert [k["kernel"] for k in found["out_of_order"]] == ["load_first", "store_first"]
+    assert found["out_of_order"][0]["wait_at"] == 3
+
+
+def test_a_library_without_compiled_cuda_is_a_clear_error(tmp_path: Path, capsys):
+    lib = tmp_path / "model.so"
+    lib.write_bytes(b"not a library")
+    with pytest.raises(Exception, match=r"no compiled CUDA beside it"):
+        fatbins(lib)
+    assert main(["audit-pdl", str(lib)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and ("no compiled CUDA" in err or "cuobjdump not found" in err)
