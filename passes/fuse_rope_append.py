@@ -13,7 +13,8 @@ in any order the cache calls them (prefill attends before it appends).
 
 The rewrite is skipped (module unchanged) unless both kernels are TVM's layout: split-rotary over
 [tokens, heads, dim] buffers with exactly one store to k and one to v, and the append's pages
-[pages, 2, kv heads, page size, dim] with k's heads and dim and the same dtype. Programs that run
+[pages, 2, kv heads, page size, dim] with k's heads and dim and the same dtype, and every kernel of
+the cache a PrimFunc of the module (an external one could not be wrapped). Programs that run
 such a library must have the fuselight runtime imported (``fuselight.runtime`` registers the
 wrappers); MLC-LLM's engine does not, so the MLC integration leaves this pass out.
 """
@@ -63,6 +64,13 @@ def _stores(func: tirx.PrimFunc, buffer: tirx.Var) -> list[tirx.BufferStore]:
     return found
 
 
+def _extern_funcs(args: list[relax.Expr]) -> list[relax.ExternFunc]:
+    found: list[relax.ExternFunc] = []
+    for arg in args:
+        relax.analysis.post_order_visit(arg, lambda e: found.append(e) if isinstance(e, relax.ExternFunc) else None)
+    return found
+
+
 def _static(dim: tvm.ir.PrimExpr) -> int | None:
     return int(dim) if isinstance(dim, tirx.IntImm) else None
 
@@ -73,10 +81,10 @@ def analyze(rope: tirx.PrimFunc, append: tirx.PrimFunc) -> RopeAppendDesc | None
     scalars = [p for p in rope.params if not isinstance(p.ty, tirx.BufferType)]
     if len(rope_buffers) != 5 or len(scalars) != 1 or str(scalars[0].ty) != "int64" or len(append_buffers) != 4:
         return None
-    qkv, positions, _q, k, v = rope_buffers
+    qkv, positions, q, k, v = rope_buffers
     pages, k_in, v_in, append_positions = append_buffers
     dtype = str(qkv.ty.dtype)
-    if any(len(b.ty.shape) != 3 or str(b.ty.dtype) != dtype for b in (qkv, _q, k, v, k_in, v_in)):
+    if any(len(b.ty.shape) != 3 or str(b.ty.dtype) != dtype for b in (qkv, q, k, v, k_in, v_in)):
         return None
     if len(pages.ty.shape) != 5 or str(pages.ty.dtype) != dtype:
         return None
@@ -149,6 +157,8 @@ class FuseRopeAppend:
             split_gv, append_gv = args[SPLIT_ROTARY_ARG], args[TRANSPOSE_APPEND_ARG]
             if not isinstance(split_gv, tvm.ir.GlobalVar) or not isinstance(append_gv, tvm.ir.GlobalVar):
                 continue
+            if _extern_funcs(args):
+                continue  # a kernel we cannot wrap (e.g. FlashInfer's) could read q, k, v before the split ran
             rope, append = mod[split_gv], mod[append_gv]
             if not isinstance(rope, tirx.PrimFunc) or not isinstance(append, tirx.PrimFunc):
                 continue

@@ -84,6 +84,25 @@ def test_a_module_whose_kernels_do_not_match_is_left_alone():
     assert FUSED_NAME not in [gv.name_hint for gv in out.get_global_vars()]
 
 
+def test_a_cache_with_an_external_kernel_is_left_alone():
+    @relax.expr_functor.mutator
+    class External(relax.PyExprMutator):  # one attention kernel as an external function (FlashInfer's)
+        def visit_global_var_(self, gv):
+            return relax.ExternFunc("flashinfer.prefill") if gv.name_hint == "batch_prefill_ragged_kv" else gv
+
+    mod = _module(_config(gqa=True))
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function) and create_calls(tvm.IRModule({gv: func})):
+            mod[gv] = External(mod).visit_expr(func)
+    assert any(isinstance(e, relax.ExternFunc) for e in _flatten(create_calls(mod)[0].args[1:]))
+    tvm.ir.assert_structural_equal(FuseRopeAppend()(mod), mod)
+
+
+def _flatten(args):
+    for a in args:
+        yield from (_flatten(a.fields) if isinstance(a, relax.Tuple) else [a])
+
+
 class _Tensor:
     def __init__(self, ptr: int, shape: tuple = (1, 2, 8)) -> None:
         self.ptr, self.shape = ptr, shape
