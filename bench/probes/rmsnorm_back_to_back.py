@@ -8,13 +8,12 @@ enqueue them all. The single call's output lands in L2 and is written back after
 back, the earlier calls' write-backs share the memory with the current call.
 
 GPU host, after ``fuselight bench build build/norm --cases rmsnorm-4096`` on the build host:
-    python3 bench/probes/rmsnorm_back_to_back.py build/norm/manifest.json  (writes $OUT or /tmp/norm_b2b.json)
+    python3 bench/probes/rmsnorm_back_to_back.py build/norm/manifest.json h100-rmsnorm-back-to-back.json
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ SLEEP_CYCLES = 3_000_000  # about 1.5 ms: the host enqueues every call before th
 HIDDEN, EPS = 4096, 1e-5
 
 
-def main(manifest: Path) -> None:
+def main(manifest: Path, out_json: Path) -> None:
     import torch
     import torch.nn.functional as F
     from fuselight.bench.timing import time_fn
@@ -70,8 +69,10 @@ def main(manifest: Path) -> None:
                                       "back_to_back_GBps": nbytes / b2b / 1e3, "single_call_GBps": nbytes / single / 1e3}
             print(f"M={m:5d} {impl:10s} back to back {b2b:7.2f} us ({nbytes / b2b / 1e3:5.0f} GB/s)"
                   f"   single call {single:7.2f} us ({nbytes / single / 1e3:5.0f} GB/s)", flush=True)
-    Path(os.environ.get("OUT", "/tmp"), "norm_b2b.json").write_text(json.dumps(results, indent=1))
+    out_json.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    if len(sys.argv) != 3:
+        sys.exit("usage: rmsnorm_back_to_back.py MANIFEST.json OUT.json")
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
