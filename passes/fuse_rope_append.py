@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 import tvm
+from fuselight.rules.paged_attention import static_dim
 from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 
@@ -71,10 +72,6 @@ def _extern_funcs(args: list[relax.Expr]) -> list[relax.ExternFunc]:
     return found
 
 
-def _static(dim: tvm.ir.PrimExpr) -> int | None:
-    return int(dim) if isinstance(dim, tirx.IntImm) else None
-
-
 def analyze(rope: tirx.PrimFunc, append: tirx.PrimFunc) -> RopeAppendDesc | None:
     """The buffers to fuse the two kernels over, or None where they are not TVM's layout."""
     rope_buffers, append_buffers = _buffers(rope), _buffers(append)
@@ -90,11 +87,11 @@ def analyze(rope: tirx.PrimFunc, append: tirx.PrimFunc) -> RopeAppendDesc | None
         return None
     if any(len(b.ty.shape) != 1 or str(b.ty.dtype) != "int32" for b in (positions, append_positions)):
         return None
-    heads, dim = _static(k.ty.shape[1]), _static(k.ty.shape[2])
-    two, page_heads, page_size, page_dim = (_static(x) for x in pages.ty.shape[1:])
+    heads, dim = static_dim(k.ty.shape[1]), static_dim(k.ty.shape[2])
+    two, page_heads, page_size, page_dim = (static_dim(x) for x in pages.ty.shape[1:])
     if None in (heads, dim, page_size) or (two, page_heads, page_dim) != (2, heads, dim):
         return None
-    if (_static(v.ty.shape[1]), _static(v.ty.shape[2])) != (heads, dim):
+    if (static_dim(v.ty.shape[1]), static_dim(v.ty.shape[2])) != (heads, dim):
         return None
     if len(_stores(rope, k)) != 1 or len(_stores(rope, v)) != 1:
         return None

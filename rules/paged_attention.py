@@ -52,7 +52,8 @@ class PagedAttentionDesc:
     dtype: str
 
 
-def _static(dim: tvm.ir.PrimExpr) -> int | None:
+def static_dim(dim: tvm.ir.PrimExpr) -> int | None:
+    """A buffer dimension's value where it is static, else None."""
     return int(dim) if isinstance(dim, tirx.IntImm) else None
 
 
@@ -87,8 +88,8 @@ def _analyze_paged(kind: Kind, q, pages, output, lse, index_buffers: list) -> Pa
     if any(str(b.dtype) != "int32" for b in index_buffers) or str(lse.dtype) != "float32":
         return None
     dtype = str(q.dtype)
-    h_qo, d = _static(q.shape[1]), _static(q.shape[2])
-    two, h_kv, page, d_kv = (_static(x) for x in pages.shape[1:])
+    h_qo, d = static_dim(q.shape[1]), static_dim(q.shape[2])
+    two, h_kv, page, d_kv = (static_dim(x) for x in pages.shape[1:])
     if str(pages.dtype) != dtype or str(output.dtype) != dtype or two != 2 or None in (h_qo, d, h_kv, page) or d_kv != d:
         return None
     if h_qo % h_kv:
@@ -111,8 +112,8 @@ def _analyze_ragged(buffers: list) -> PagedAttentionDesc | None:
     if any(str(b.dtype) != "int32" for b in (q_indptr, kv_indptr, q_pos, k_offset)) or str(lse.dtype) != "float32":
         return None
     dtype = str(q.dtype)
-    h_qo, d = _static(q.shape[1]), _static(q.shape[2])
-    h_kv, d_k, h_v, d_v = _static(k.shape[1]), _static(k.shape[2]), _static(v.shape[1]), _static(v.shape[2])
+    h_qo, d = static_dim(q.shape[1]), static_dim(q.shape[2])
+    h_kv, d_k, h_v, d_v = static_dim(k.shape[1]), static_dim(k.shape[2]), static_dim(v.shape[1]), static_dim(v.shape[2])
     if any(str(b.dtype) != dtype for b in (k, v, output)) or None in (h_qo, d, h_kv) or (d_k, h_v, d_v) != (d, h_kv, d):
         return None
     if h_qo % h_kv:

@@ -33,12 +33,12 @@ class RopeAppendHooks:
         self.pending = args
 
     def run_append(self, pages: Any, k: Any, v: Any, positions: Any) -> None:
-        pending, self.pending = self.pending, None
+        pending = self.pending
         if pending is not None and _same_buffer(pending[3], k) and _same_buffer(pending[4], v):
+            self.pending = None
             self.fused(*pending, pages, positions)  # qkv, positions, q, k, v, apply_rope, pages, append positions
             return
-        if pending is not None:
-            self.split_rotary(*pending)
+        self.flush()
         self.append(pages, k, v, positions)
 
     def flush(self) -> None:

@@ -56,7 +56,7 @@ def parse_sass(text: str) -> list[KernelOrder]:
         name = block.split("\n", 1)[0].strip()
         ops = [(m.group(1), (m.group(1) + m.group(2)).strip()) for m in _INSTRUCTION.finditer(block)]
         wait_at = next((i for i, (op, _) in enumerate(ops) if op == WAIT_OPCODE), None)
-        before = () if wait_at is None else tuple(text for op, text in ops[:wait_at] if op.split(".")[0] in _MEMORY_OPCODES)
+        before = () if wait_at is None else tuple(text for op, text in ops[:wait_at] if op in _MEMORY_OPCODES)
         kernels.append(KernelOrder(name, len(ops), wait_at, before))
     return kernels
 
