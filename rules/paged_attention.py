@@ -19,6 +19,7 @@ from tvm import tirx
 from tvm.s_tir.dlight import ScheduleRule
 
 from .flash.decode import flash_decode_paged, load_decode_config
+from .flash.paging import static_dim
 from .flash.prefill import (
     HEAD_DIMS,
     flash_prefill_paged,
@@ -50,11 +51,6 @@ class PagedAttentionDesc:
     head_dim: int
     page_size: int  # 0 where the kernel reads no pages
     dtype: str
-
-
-def static_dim(dim: tvm.ir.PrimExpr) -> int | None:
-    """A buffer dimension's value where it is static, else None."""
-    return int(dim) if isinstance(dim, tirx.IntImm) else None
 
 
 def _interface(func: tirx.PrimFunc) -> tuple[list, list[str]] | None:

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 import tvm
-from conftest import compare_with_reference
+from conftest import FakeTensor, compare_with_reference
 from fuselight import FuselightError, config, kv_hooks
 from fuselight.model.llama import export_module
 from fuselight.model.weights import hf_config, random_weights
@@ -103,14 +103,6 @@ def _flatten(args):
         yield from (_flatten(a.fields) if isinstance(a, relax.Tuple) else [a])
 
 
-class _Tensor:
-    def __init__(self, ptr: int, shape: tuple = (1, 2, 8)) -> None:
-        self.ptr, self.shape = ptr, shape
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-
 def _hooks():
     calls = []
     hooks = kv_hooks.RopeAppendHooks(
@@ -122,10 +114,10 @@ def _hooks():
 
 def test_wrappers_fuse_a_split_followed_by_its_append():
     hooks, _, calls = _hooks()
-    k, v = _Tensor(1), _Tensor(2)
+    k, v = FakeTensor(1), FakeTensor(2)
     hooks.record_split("qkv", "pos", "q", k, v, 1)
     assert calls == []  # nothing launched yet
-    hooks.run_append("pages", _Tensor(1), _Tensor(2), "append_pos")  # new views of the same k and v
+    hooks.run_append("pages", FakeTensor(1), FakeTensor(2), "append_pos")  # new views of the same k and v
     assert calls == [("fused", ("qkv", "pos", "q", k, v, 1, "pages", "append_pos"))]
     hooks.run_append("pages", k, v, "append_pos")  # nothing pending: TVM's append
     assert calls[-1][0] == "append"
@@ -133,7 +125,7 @@ def test_wrappers_fuse_a_split_followed_by_its_append():
 
 def test_wrappers_run_a_pending_split_before_any_other_kernel():
     hooks, attention, calls = _hooks()
-    k, v = _Tensor(1), _Tensor(2)
+    k, v = FakeTensor(1), FakeTensor(2)
     hooks.record_split("qkv", "pos", "q", k, v, 1)
     attention("q", "out")  # prefill attends first: the split must have run
     hooks.run_append("pages", k, v, "append_pos")
@@ -142,12 +134,12 @@ def test_wrappers_run_a_pending_split_before_any_other_kernel():
 
 def test_wrappers_keep_order_for_other_buffers_and_repeated_splits():
     hooks, _, calls = _hooks()
-    hooks.record_split("qkv0", "pos", "q", _Tensor(1), _Tensor(2), 1)
-    hooks.record_split("qkv1", "pos", "q", _Tensor(1), _Tensor(2), 1)  # the first runs now
-    hooks.run_append("pages", _Tensor(7), _Tensor(2), "append_pos")  # not the split's k
+    hooks.record_split("qkv0", "pos", "q", FakeTensor(1), FakeTensor(2), 1)
+    hooks.record_split("qkv1", "pos", "q", FakeTensor(1), FakeTensor(2), 1)  # the first runs now
+    hooks.run_append("pages", FakeTensor(7), FakeTensor(2), "append_pos")  # not the split's k
     assert [(c[0], c[1][0]) for c in calls] == [("split", "qkv0"), ("split", "qkv1"), ("append", "pages")]
-    hooks.record_split("qkv2", "pos", "q", _Tensor(1), _Tensor(2, (3, 2, 8)), 1)
-    hooks.run_append("pages", _Tensor(1), _Tensor(2), "append_pos")  # v of another shape
+    hooks.record_split("qkv2", "pos", "q", FakeTensor(1), FakeTensor(2, (3, 2, 8)), 1)
+    hooks.run_append("pages", FakeTensor(1), FakeTensor(2), "append_pos")  # v of another shape
     assert [c[0] for c in calls[-2:]] == ["split", "append"]
 
 

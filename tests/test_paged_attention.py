@@ -163,10 +163,11 @@ def test_pass_leaves_inline_rope_and_cpu_alone():
 
 def test_suite_points_and_costs():
     layout, points = load_points()
-    assert {p.kind for p in points} == {"decode", "prefill"}
-    small = Layout(q_heads=4, kv_heads=2, head_dim=8, dtype="float16", page_size=16)
-    # decode: K and V of every row, plus q and out
+    assert {p.kind for p in points} == {"decode", "prefill", "rope_decode"}
+    small = Layout(q_heads=4, kv_heads=2, head_dim=8, dtype="float16", page_size=16, rope_theta=1e4)
+    # decode: K and V of every row, plus q and out; rope_decode the same bytes
     assert Point("decode", (3, 5)).cost(small) == ((2 * 8 * 2 * 8 + 2 * 2 * 4 * 8) * 2, 4 * 8 * 8 * 4)
+    assert Point("rope_decode", (3, 5)).cost(small) == Point("decode", (3, 5)).cost(small)
     # causal prefill counts the lower triangle with its diagonal
     assert Point("prefill", (3,), causal=True).cost(small)[1] == 4 * 6 * 8 * 4
     assert Point("prefill", (3,), causal=False).cost(small)[1] == 4 * 9 * 8 * 4

@@ -138,14 +138,16 @@ def graphs_by_default(target: TargetSpec, programmatic_launch: bool) -> bool:
 
 
 def kv_cache_kernels(mod: Any) -> int:
-    """The KV cache's kernels around one decode attention call besides attention (see the constants)."""
+    """The KV cache's kernels around one decode attention call besides attention (see the constants):
+    1 with the fused RoPE + append kernel, none where decode attention does that work too."""
     from tvm import tirx
 
-    from .passes.fuse_rope_append import FUSED_ATTR
+    from .passes.fuse_rope_append import FUSED_ATTR, FUSED_DECODE_ATTR
 
-    fused = any(isinstance(f, tirx.PrimFunc) and f.attrs is not None and FUSED_ATTR in f.attrs
-                for f in mod.functions.values())
-    return 1 if fused else KV_CACHE_KERNELS_PER_DECODE_ATTENTION
+    attrs = [f.attrs for f in mod.functions.values() if isinstance(f, tirx.PrimFunc) and f.attrs is not None]
+    if any(FUSED_DECODE_ATTR in a for a in attrs):
+        return 0
+    return 1 if any(FUSED_ATTR in a for a in attrs) else KV_CACHE_KERNELS_PER_DECODE_ATTENTION
 
 
 def _decode_attention_launches(mod: Any) -> int:

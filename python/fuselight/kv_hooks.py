@@ -1,12 +1,18 @@
 """Run-time half of ``fuselight.passes.fuse_rope_append``: the KV cache's kernels, wrapped.
 
 A library built with that pass creates its paged KV cache with the wrappers this module's global
-function ``fuselight.kv_cache.fuse_rope_append`` returns for its kernels (the pass's docstring says
-why). For each cache it keeps one pending split-rotary call:
+function ``fuselight.kv_cache.fuse_rope_append`` (or, with a fused decode kernel,
+``fuselight.kv_cache.fuse_rope_append_decode``) returns for its kernels (the pass's docstring says
+why). For each cache it keeps one pending split-rotary call, and with the fused decode kernel one
+pending append:
 - the split-rotary wrapper records its arguments (no launch);
-- the append wrapper, with a call pending, launches the fused kernel on the recorded arguments and
-  the append's (one launch where there were two); with none pending, it appends as TVM's kernel does;
-- every other kernel's wrapper first launches a pending split-rotary as TVM's kernel, then itself.
+- the append wrapper, with a split pending, launches the fused kernel on the recorded arguments and
+  the append's (one launch where there were two) or, with the fused decode kernel, records its own;
+  with none pending, it appends as TVM's kernel does;
+- the decode wrapper, with both pending for its q and pages, launches the fused decode kernel (no
+  launch for RoPE and the append at all);
+- every other kernel's wrapper (and the decode wrapper otherwise) first launches what is pending
+  (the fused RoPE + append, or TVM's split-rotary), then itself.
 So every kernel sees the q, k and v it would see without the pass, whatever the order of the calls.
 
 Registered by ``register()``, which the fuselight runtime (``runtime.init_tvm``) and ``Engine`` call:
@@ -19,14 +25,24 @@ from collections.abc import Callable
 from typing import Any
 
 GLOBAL_NAME = "fuselight.kv_cache.fuse_rope_append"
+DECODE_GLOBAL_NAME = "fuselight.kv_cache.fuse_rope_append_decode"
 
 
 class RopeAppendHooks:
     """One KV cache's wrappers around its kernels (see the module docstring)."""
 
-    def __init__(self, fused: Callable[..., Any], split_rotary: Callable[..., Any], append: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        fused: Callable[..., Any],
+        split_rotary: Callable[..., Any],
+        append: Callable[..., Any],
+        fused_decode: Callable[..., Any] | None = None,
+        decode: Callable[..., Any] | None = None,
+    ) -> None:
         self.fused, self.split_rotary, self.append = fused, split_rotary, append
-        self.pending: tuple | None = None
+        self.fused_decode, self.decode = fused_decode, decode
+        self.pending: tuple | None = None  # split-rotary's arguments
+        self.pending_append: tuple | None = None  # (pages, append positions), only with fused_decode
 
     def record_split(self, *args: Any) -> None:
         self.flush()  # two splits in a row: the first still runs, in order
@@ -34,16 +50,32 @@ class RopeAppendHooks:
 
     def run_append(self, pages: Any, k: Any, v: Any, positions: Any) -> None:
         pending = self.pending
-        if pending is not None and _same_buffer(pending[3], k) and _same_buffer(pending[4], v):
+        if pending is not None and self.pending_append is None and _same_buffer(pending[3], k) and _same_buffer(pending[4], v):
+            if self.fused_decode is not None:
+                self.pending_append = (pages, positions)  # the decode attention may take both
+                return
             self.pending = None
             self.fused(*pending, pages, positions)  # qkv, positions, q, k, v, apply_rope, pages, append positions
             return
         self.flush()
         self.append(pages, k, v, positions)
 
+    def run_decode(self, q: Any, pages: Any, *args: Any) -> Any:
+        split, append = self.pending, self.pending_append
+        if split is not None and append is not None and _same_buffer(split[2], q) and _same_buffer(append[0], pages):
+            self.pending = self.pending_append = None
+            return self.fused_decode(*split, *append, *args)
+        self.flush()
+        return self.decode(q, pages, *args)
+
     def flush(self) -> None:
-        pending, self.pending = self.pending, None
-        if pending is not None:
+        pending, append = self.pending, self.pending_append
+        self.pending = self.pending_append = None
+        if pending is None:
+            return
+        if append is not None:
+            self.fused(*pending, *append)
+        else:
             self.split_rotary(*pending)
 
     def wrap(self, kernel: Callable[..., Any]) -> Callable[..., Any]:
@@ -65,9 +97,18 @@ def make_wrappers(fused: Any, split_rotary: Any, append: Any, *kernels: Any) -> 
     return [hooks.record_split, hooks.run_append, *(hooks.wrap(k) for k in kernels)]
 
 
+def make_decode_wrappers(
+    fused: Any, fused_decode: Any, split_rotary: Any, append: Any, decode: Any, *kernels: Any
+) -> list[Callable[..., Any]]:
+    """``[split-rotary wrapper, append wrapper, decode wrapper, then one per kernel of kernels]``."""
+    hooks = RopeAppendHooks(fused, split_rotary, append, fused_decode, decode)
+    return [hooks.record_split, hooks.run_append, hooks.run_decode, *(hooks.wrap(k) for k in kernels)]
+
+
 def register() -> None:
-    """Register ``GLOBAL_NAME`` (once; idempotent)."""
+    """Register ``GLOBAL_NAME`` and ``DECODE_GLOBAL_NAME`` (once; idempotent)."""
     import tvm_ffi
 
-    if tvm_ffi.get_global_func(GLOBAL_NAME, allow_missing=True) is None:
-        tvm_ffi.register_global_func(GLOBAL_NAME, make_wrappers)
+    for name, factory in ((GLOBAL_NAME, make_wrappers), (DECODE_GLOBAL_NAME, make_decode_wrappers)):
+        if tvm_ffi.get_global_func(name, allow_missing=True) is None:
+            tvm_ffi.register_global_func(name, factory)

@@ -14,7 +14,11 @@ so its launch latency is hidden, and the split grid has only as many splits as t
 sequence can use.
 
 ``flash_decode_paged`` has the signature, buffers and output conventions (base-2 lse) of TVM's
-``batch_decode_paged_kv``, so the KV cache runtime calls it in its place. ``dense_decode`` is
+``batch_decode_paged_kv``, so the KV cache runtime calls it in its place.
+``flash_decode_paged_rotary`` is the same kernel doing the cache's RoPE and KV append first, from
+the fused qkv (``passes.fuse_rope_append`` hands it to the cache): each split block computes its q
+heads and the new key and value rows by TVM's split-rotary expressions (``rotary.py``), writes the
+rows into the pages and attends after a barrier, so a decode layer launches nothing else for them. ``dense_decode`` is
 plain attention of one query row over dense K/V: the body ``prefill.flash_attention_dense`` runs
 where the query length is 1 at run time. Both are the same two kernels (``_kernels``), differing
 only in how a sequence's length and a K/V row are found.
@@ -32,8 +36,10 @@ from tvm.script import tirx as T
 
 from ..arch_config import load_arch_config
 from .paging import paged_kv_len
+from .rotary import K_OUT, Q_OUT, V_OUT, SplitRotary
 
 GLOBAL_SYMBOL = "fuselight_decode_paged_kv"
+ROTARY_GLOBAL_SYMBOL = "fuselight_rope_append_decode_paged_kv"
 # TVM's kernels use this finite "minus infinity" for running maxima, and as an empty sequence's lse.
 _NEG = -5e4
 _LOAD_BYTES = 16  # each thread loads 16 bytes of a K/V row at once
@@ -92,7 +98,7 @@ def _heads(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str) -> _
     return _Heads(num_qo_heads, num_kv_heads, head_dim, dtype, vec, bdx)
 
 
-def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
+def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = None) -> SimpleNamespace:
     """The split and merge kernels as macros, and the split count, for one head layout.
 
     ``split(io, batch, seq, sm_scale)`` and ``merge(io, batch, seq)`` read the query from ``io.Q``
@@ -105,6 +111,11 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
     ``seq.load_row(io, k, v, u, b, h, lane, loc, row)`` (a macro) row ``row``'s elements of head
     ``h`` for ``lane``, placed by ``loc``, into ``k[u, :]``, ``v[u, :]``, and
     ``seq.bias(io, b, row)`` what is added to the row's base-2 score (None: nothing).
+
+    With ``rotary`` (TVM's split-rotary kernel, read by ``rotary.analyze``) the split kernel first
+    does that kernel's and the KV append's work for its token and KV head (``rotate``): ``io.Q``
+    is then the split-rotary's q output, and ``io.rotary`` has its ``qkv``, ``positions``, ``k``,
+    ``v``, ``apply_rope`` and the append's ``append_positions``.
     """
     H_qo, H_kv, D, G, VEC, BDX, dtype = heads.qo, heads.kv, heads.dim, heads.group, heads.vec, heads.bdx, heads.dtype
     BDY = _WARP // BDX * config.warps  # rows processed side by side in a block
@@ -113,6 +124,7 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
     MG = config.merge_groups
     FOLDS = -(-MAX_SPLITS // MG)  # splits a merge thread row folds, at most
     LOG_BDX = int(math.log2(BDX))
+    THREADS = BDY * BDX
 
     def num_splits(batch):
         # an expression, not a let-bound var: grid extents and the workspace shape both use it.
@@ -143,6 +155,33 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
                 for e in T.serial(VEC):
                     k[u, e] = T.cast(0, dtype)
                     v[u, e] = T.cast(0, dtype)
+
+    @T.macro
+    def rotate(io, bz, by, bx, ty, tx, q_rot):
+        # TVM's split-rotary values of this token's G query heads into q_rot[0] [G, D] (fp32), its key
+        # and value rows into the pages by every block (whichever holds the new row reads it after
+        # the barrier), and all of them into the split-rotary outputs by the first split.
+        t: T.let[T.int32] = ty * BDX + tx
+        for i in T.serial(-(-(G * D) // THREADS)):
+            if i * THREADS + t < G * D:
+                g: T.let[T.int32] = T.floordiv(i * THREADS + t, D)
+                e: T.let[T.int32] = T.floormod(i * THREADS + t, D)
+                q_val: T.let = rotary.value(Q_OUT, io.rotary.qkv, io.rotary.positions, io.rotary.apply_rope, bz, by * G + g, e)
+                q_rot[0, g, e] = T.cast(q_val, "float32")
+                if bx == 0:
+                    io.Q[bz, by * G + g, e] = q_val
+        pos: T.let[T.int32] = io.rotary.append_positions[bz]
+        for i in T.serial(-(-D // THREADS)):
+            if i * THREADS + t < D:
+                k_val: T.let = rotary.value(K_OUT, io.rotary.qkv, io.rotary.positions, io.rotary.apply_rope, bz, by, i * THREADS + t)
+                v_val: T.let = rotary.value(V_OUT, io.rotary.qkv, io.rotary.positions, io.rotary.apply_rope, bz, by, i * THREADS + t)
+                if pos != -1:  # TVM's append skips such tokens
+                    io.pages[T.floordiv(pos, io.page_size), 0, by, T.floormod(pos, io.page_size), i * THREADS + t] = k_val
+                    io.pages[T.floordiv(pos, io.page_size), 1, by, T.floormod(pos, io.page_size), i * THREADS + t] = v_val
+                if bx == 0:
+                    io.rotary.k[bz, by, i * THREADS + t] = k_val
+                    io.rotary.v[bz, by, i * THREADS + t] = v_val
+        T.tvm_storage_sync("shared")
 
     # pylint: disable=invalid-name,too-many-locals,too-many-statements
     @T.macro
@@ -183,9 +222,14 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
                                 bounds[0] = bx * bounds[0]
                                 row_begin: T.let[T.int32] = bounds[0]
                                 row_end: T.let[T.int32] = bounds[1]
+                                if rotary is not None:
+                                    rotate(io, bz, by, bx, ty, tx, o_smem)
                                 if T.tvm_thread_invariant(row_begin < row_end):
                                     for g, e in T.grid(G, VEC):
-                                        q[g, e] = T.cast(io.Q[bz, by * G + g, tx * VEC + e], "float32") * sm_scale * LOG2E
+                                        if rotary is not None:
+                                            q[g, e] = o_smem[0, g, tx * VEC + e] * sm_scale * LOG2E
+                                        else:
+                                            q[g, e] = T.cast(io.Q[bz, by * G + g, tx * VEC + e], "float32") * sm_scale * LOG2E
                                         o[g, e] = T.float32(0)
                                     for g in T.serial(G):
                                         m[g] = T.float32(_NEG)
@@ -237,6 +281,8 @@ def _kernels(heads: _Heads, config: DecodeConfig) -> SimpleNamespace:
                                             k[u, e] = k_next[u, e]
                                             v[u, e] = v_next[u, e]
                                     # merge the row groups of the block through shared memory
+                                    if rotary is not None:
+                                        T.tvm_storage_sync("shared")  # every thread has read its q from o_smem
                                     for g in T.serial(G):
                                         for e in T.serial(VEC):
                                             o_smem[ty, g, tx * VEC + e] = o[g, e]
@@ -353,19 +399,28 @@ _PAGED = SimpleNamespace(
 )
 
 
-def flash_decode_paged(
-    num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, page_size: int, config: DecodeConfig
-) -> tvm.tirx.PrimFunc:
-    """The decode kernel for one head layout; a drop-in for TVM's ``batch_decode_paged_kv``."""
-    heads = _heads(num_kv_heads, num_qo_heads, head_dim, dtype)
-    kernels = _kernels(heads, config)
-    H_qo, H_kv, D, PAGE, VEC = heads.qo, heads.kv, heads.dim, page_size, heads.vec
+# The rotary kernel's parameters (split-rotary's qkv, positions, k, v, apply_rope; the append's
+# positions) by index: without them its signature is TVM's ``batch_decode_paged_kv``'s.
+_ROTARY_ONLY_PARAMS = (0, 1, 3, 4, 5, 7)
+
+
+def _paged_decode(heads: _Heads, config: DecodeConfig, page_size: int, rotary: SplitRotary | None) -> tvm.tirx.PrimFunc:
+    """The two kernels over TVM's paged cache with the rotary kernel's signature; without
+    ``rotary`` the split-rotary and append parameters are unused."""
+    kernels = _kernels(heads, config, rotary)
+    H_qo, H_kv, D, PAGE, VEC, dtype = heads.qo, heads.kv, heads.dim, page_size, heads.vec, heads.dtype
 
     # pylint: disable=invalid-name
     @T.prim_func(s_tir=True)
     def decode(
+        qkv_handle: T.handle,
+        positions_handle: T.handle,
         Q_handle: T.handle,
+        k_handle: T.handle,
+        v_handle: T.handle,
+        apply_rope: T.int64,
         pages_handle: T.handle,
+        append_positions_handle: T.handle,
         page_table_indptr_handle: T.handle,
         page_table_values_handle: T.handle,
         var_length_info: T.handle,
@@ -378,18 +433,25 @@ def flash_decode_paged(
         rope_theta: T.float32,
         sm_scale: T.float32,
     ):
-        T.func_attr({"tirx.is_scheduled": True, "global_symbol": GLOBAL_SYMBOL, "fuselight.kernel_launches": 2})
+        T.func_attr({"tirx.is_scheduled": True, "fuselight.kernel_launches": 2})
         B = T.int32()
         nnz_pages = T.int32()
         max_num_pages = T.int32()
+        positions_elem_offset = T.int32()
+        append_positions_elem_offset = T.int32()
         page_indptr_elem_offset = T.int32()
         page_values_elem_offset = T.int32()
         k_rope_pos_offset_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
 
+        qkv = T.match_buffer(qkv_handle, (B, H_qo + 2 * H_kv, D), dtype)
+        positions = T.match_buffer(positions_handle, (B,), "int32", elem_offset=positions_elem_offset)
         Q = T.match_buffer(Q_handle, (B, H_qo, D), dtype)
+        k = T.match_buffer(k_handle, (B, H_kv, D), dtype)
+        v = T.match_buffer(v_handle, (B, H_kv, D), dtype)
         pages = T.match_buffer(pages_handle, (max_num_pages, 2, H_kv, PAGE, D), dtype)
+        append_positions = T.match_buffer(append_positions_handle, (B,), "int32", elem_offset=append_positions_elem_offset)
         page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_elem_offset)
         page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
         k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_rope_pos_offset_elem_offset)  # noqa: F841
@@ -406,6 +468,7 @@ def flash_decode_paged(
             SimpleNamespace(
                 Q=Q, O_part=O_part, lse_part=lse_part, pages=pages, page_indptr=page_table_indptr,
                 page_values=page_table_values, length_info=length_info, page_size=PAGE, vec=VEC,
+                rotary=SimpleNamespace(qkv=qkv, positions=positions, k=k, v=v, apply_rope=apply_rope, append_positions=append_positions),
             ),
             B, _PAGED, sm_scale,
         )
@@ -418,6 +481,26 @@ def flash_decode_paged(
         )
 
     return decode
+
+
+def flash_decode_paged(
+    num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str, page_size: int, config: DecodeConfig
+) -> tvm.tirx.PrimFunc:
+    """The decode kernel for one head layout; a drop-in for TVM's ``batch_decode_paged_kv``."""
+    full = _paged_decode(_heads(num_kv_heads, num_qo_heads, head_dim, dtype), config, page_size, None)
+    params = [p for i, p in enumerate(full.params) if i not in _ROTARY_ONLY_PARAMS]
+    return tvm.tirx.PrimFunc(params, full.body, full.ret_type, full.attrs).with_attr("global_symbol", GLOBAL_SYMBOL)
+
+
+def flash_decode_paged_rotary(split_rotary: SplitRotary, page_size: int, config: DecodeConfig) -> tvm.tirx.PrimFunc:
+    """TVM's split-rotary, its KV append and the decode kernel in one: ``(qkv, positions, q, k, v,
+    apply_rope)`` (split-rotary's parameters), ``pages, append_positions`` (the append's), then the
+    decode kernel's from ``page_table_indptr`` on. Each split block computes its q heads and new k / v
+    rows by ``split_rotary``'s expressions, so nothing waits for another launch; the split-rotary
+    outputs are written as TVM's kernel writes them."""
+    rot = split_rotary
+    heads = _heads(rot.num_kv_heads, rot.num_qo_heads, rot.head_dim, rot.dtype)
+    return _paged_decode(heads, config, page_size, rot).with_attr("global_symbol", ROTARY_GLOBAL_SYMBOL)
 
 
 @T.macro

@@ -5,8 +5,11 @@ These are the kernels the KV cache runtime calls (``batch_decode_paged_kv`` for 
 PrimFuncs with the runtime's arguments: pages shuffled in memory, ragged batches, base-2 lse.
 ``baseline`` is TVM's kernel as every MLC-LLM build has it; ``fuselight`` is what the
 ``PagedAttention`` rule gives for it; ``torch`` is ``scaled_dot_product_attention`` (flash backend)
-where the batch is one sequence, on contiguous K/V. Outputs and lse are checked against a float64
-reference on fresh random inputs, outputs poisoned (NaN) before each checked call.
+where the batch is one sequence, on contiguous K/V. ``rope_decode`` is a whole decode step of the
+cache from the fused qkv: ``baseline`` launches TVM's split-rotary, append and decode kernels in
+turn, ``fuselight`` the one kernel ``fuselight.passes.fuse_rope_append`` gives the cache in their
+place. Outputs and lse (and for ``rope_decode`` the new K/V rows in the pages) are checked against
+a float64 reference on fresh random inputs, poisoned (NaN) before each checked call.
 
 Points come from ``paged_attention`` in ``configs/bench.json``. ``build_suite`` runs on the build
 host (TVM's compiler), ``run_suite`` on the GPU host (runtime-only TVM and PyTorch).
@@ -17,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +30,7 @@ from . import bench_config
 
 SUITE = "paged_attention"
 MANIFEST_NAME = "manifest.json"
-KINDS = ("decode", "prefill")
+KINDS = ("decode", "prefill", "rope_decode")
 BUILT_IMPLS = ("baseline", "fuselight")
 _ITEMSIZE = {"float16": 2, "bfloat16": 2}
 _BASELINE_SOURCE = "tvm-builtin-kv-cache-kernels"
@@ -39,6 +43,7 @@ class Layout:
     head_dim: int
     dtype: str
     page_size: int
+    rope_theta: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +65,7 @@ class Point:
     def cost(self, layout: Layout) -> tuple[int, int]:
         """(bytes, flops): K/V and Q/O traffic, and 2 flops per multiply-add of QK^T and PV."""
         h, kvh, d, item = layout.q_heads, layout.kv_heads, layout.head_dim, _ITEMSIZE[layout.dtype]
-        if self.kind == "decode":
+        if self.kind in ("decode", "rope_decode"):
             kv = sum(self.lengths)
             return (2 * kv * kvh * d + 2 * len(self.lengths) * h * d) * item, 4 * kv * d * h
         pairs = sum(n * (n + 1) // 2 if self.causal else n * n for n in self.lengths)
@@ -100,21 +105,68 @@ def load_points() -> tuple[Layout, list[Point]]:
 
 
 def builtin_kernel(kind: str, layout: Layout, target: Any) -> Any:
-    """TVM's own kernel of ``kind``, generated as ``TIRPagedKVCache`` generates it."""
+    """TVM's own kernel of ``kind`` (``rope_decode``: its decode kernel), generated as
+    ``TIRPagedKVCache`` generates it."""
     from tvm.relax.frontend.nn.llm._decode_kernels import _attention_decode
     from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill_ragged
 
     h, kvh, d, dt = layout.q_heads, layout.kv_heads, layout.head_dim, layout.dtype
-    if kind == "decode":
+    if kind in ("decode", "rope_decode"):
         return _attention_decode(kvh, h, d, dt, False, {}, target, page_size=layout.page_size)
     return _attention_prefill_ragged(kvh, h, d, d, dt, {}, target)
 
 
-def build_suite(out_dir: Path, arch: str = "sm_90") -> Path:
-    """Compile both kernels of each kind for ``arch`` into ``out_dir``; returns the manifest path."""
-    import tvm
+def rope_append_kernels(layout: Layout) -> tuple[Any, Any]:
+    """TVM's split-rotary (default RoPE, ``layout.rope_theta``) and transpose-append kernels, unscheduled."""
+    from tvm.relax.frontend.nn.llm.kv_cache import _kv_cache_transpose_append
+    from tvm.relax.frontend.nn.llm.position_embedding import (
+        llama_rope_with_position_map,
+    )
 
+    h, kvh, d, dt = layout.q_heads, layout.kv_heads, layout.head_dim, layout.dtype
+    split = llama_rope_with_position_map(layout.rope_theta, 1.0, d, h, kvh, dt, {}, d)
+    return split, _kv_cache_transpose_append(kvh, d, dt)
+
+
+def _dlight_scheduled(func: Any, target: Any) -> Any:
+    """``func`` as a build schedules it with DLight's default rules (the baseline's)."""
+    import tvm
+    from tvm.s_tir import dlight as dl
+
+    from fuselight.rules import dlight_defaults
+
+    with target:
+        return dl.ApplyDefaultSchedule(*dlight_defaults(target))(tvm.IRModule({"main": func}))["main"]
+
+
+def _suite_kernels(kind: str, layout: Layout, target: Any, arch: str) -> dict[str, Any]:
+    """The PrimFuncs a point of ``kind`` calls, by name: ``baseline`` and ``fuselight`` (and TVM's
+    ``split_rotary`` and ``append`` that ``rope_decode``'s baseline launches before its decode)."""
+    from fuselight.passes.fuse_rope_append import analyze as analyze_rope_append
+    from fuselight.rules.flash.decode import (
+        flash_decode_paged_rotary,
+        load_decode_config,
+    )
     from fuselight.rules.paged_attention import PagedAttention
+
+    builtin = builtin_kernel(kind, layout, target)
+    if kind != "rope_decode":
+        ours = PagedAttention().apply(builtin, target, False)
+        if ours is None:
+            raise FuselightError(f"the PagedAttention rule declined TVM's {kind} kernel for {layout}")
+        return {"baseline": builtin, "fuselight": ours}
+    split, append = rope_append_kernels(layout)
+    desc = analyze_rope_append(split, append)
+    if desc is None:
+        raise FuselightError(f"fuse_rope_append declined TVM's split-rotary and append kernels for {layout}")
+    fused = flash_decode_paged_rotary(desc.rotary, layout.page_size, load_decode_config(arch))
+    return {"baseline": builtin, "fuselight": fused, "split_rotary": _dlight_scheduled(split, target),
+            "append": _dlight_scheduled(append, target)}
+
+
+def build_suite(out_dir: Path, arch: str = "sm_90") -> Path:
+    """Compile every kernel of each kind for ``arch`` into ``out_dir``; returns the manifest path."""
+    import tvm
 
     from .. import tir_pipeline
     from ..compile import library_metadata, write_library
@@ -127,12 +179,8 @@ def build_suite(out_dir: Path, arch: str = "sm_90") -> Path:
     out_dir = Path(out_dir)
     libraries: dict[str, dict[str, str]] = {}
     for kind in KINDS:
-        builtin = builtin_kernel(kind, layout, target)
-        ours = PagedAttention().apply(builtin, target, False)
-        if ours is None:
-            raise FuselightError(f"the PagedAttention rule declined TVM's {kind} kernel for {layout}")
         libraries[kind] = {}
-        for impl, func in (("baseline", builtin), ("fuselight", ours)):
+        for impl, func in _suite_kernels(kind, layout, target, arch).items():
             mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
             executable = tvm.compile(mod, target=target, tir_pipeline=tir_pipeline.register())
             name = f"{kind}-{impl}.so"
@@ -210,7 +258,7 @@ def _decode_case(torch, tvm, fns, point, layout, rnd, dev):
     if b == 1:
         k, v = _gather_kv(torch, cache, point.lengths, 0)
         torch_call = _sdpa(torch, q, k.contiguous(), v.contiguous(), scale, False)
-    return calls, torch_call, (out, lse), (ref_out, ref_lse)
+    return calls, torch_call, _written(out, lse)(ref_out, ref_lse)
 
 
 def _prefill_case(torch, tvm, fns, point, layout, rnd, dev):
@@ -235,7 +283,96 @@ def _prefill_case(torch, tvm, fns, point, layout, rnd, dev):
     args = [q, indptr, k, v, indptr, positions, offsets, out, lse]
     calls = {impl: _bind(tvm, f, args, (int(point.causal), 0, 1.0, 1e4, scale)) for impl, f in fns.items()}
     torch_call = _sdpa(torch, q, k, v, scale, point.causal) if len(point.lengths) == 1 else None
-    return calls, torch_call, (out, lse), (ref_out, ref_lse)
+    return calls, torch_call, _written(out, lse)(ref_out, ref_lse)
+
+
+def _rope64(torch: Any, x: Any, positions: Any, theta: float) -> Any:
+    """float64 rotate-half RoPE of x [n, H, D] at positions [n] (TVM's default frequencies)."""
+    d = x.shape[-1]
+    half = d // 2
+    i = torch.arange(d, device=x.device, dtype=torch.float64) % half
+    angle = positions.double()[:, None] / theta ** (2 * i / d)[None, :]  # [n, D]
+    xd = x.double()
+    rotated = torch.cat([-xd[..., half:], xd[..., :half]], -1)
+    return xd * angle.cos()[:, None, :] + rotated * angle.sin()[:, None, :]
+
+
+def _rope_decode_case(torch, tvm, fns, point, layout, rnd, dev):
+    h, kvh, d, ps = layout.q_heads, layout.kv_heads, layout.head_dim, layout.page_size
+    b = len(point.lengths)
+    dt = getattr(torch, layout.dtype)
+    cache = _pages_for(torch, point.lengths, layout, rnd, dev)
+    qkv = torch.randn((b, h + 2 * kvh, d), generator=rnd, device=dev, dtype=torch.float32).to(dt)
+    positions = torch.tensor([n - 1 for n in point.lengths], dtype=torch.int32, device=dev)
+    # the new token's slot: its sequence's last row, in whichever page holds it
+    slots = [int(cache["values"][int(cache["indptr"][i]) + (n - 1) // ps]) * ps + (n - 1) % ps for i, n in enumerate(point.lengths)]
+    append_positions = torch.tensor(slots, dtype=torch.int32, device=dev)
+    scale = d**-0.5
+    q_ref = _rope64(torch, qkv[:, :h], positions, layout.rope_theta)
+    k_new = _rope64(torch, qkv[:, h : h + kvh], positions, layout.rope_theta)
+    v_new = qkv[:, h + kvh :].double()
+    refs = []
+    for i in range(b):
+        k, v = _gather_kv(torch, cache, point.lengths, i)
+        k, v = k.double().clone(), v.double().clone()
+        k[-1], v[-1] = k_new[i], v_new[i]
+        refs.append(_reference(torch, q_ref[i : i + 1], k, v, scale, False))
+    q, k_out, v_out = (torch.empty((b, n, d), dtype=dt, device=dev) for n in (h, kvh, kvh))
+    out = torch.empty((b, h, d), dtype=dt, device=dev)
+    lse = torch.empty((b, h), dtype=torch.float32, device=dev)
+    zeros = torch.zeros(b, dtype=torch.int32, device=dev)
+    page_no, slot = (append_positions // ps).long(), (append_positions % ps).long()
+
+    def new_rows() -> tuple[Any, Any]:
+        return cache["pages"][page_no, 0, :, slot], cache["pages"][page_no, 1, :, slot]  # [b, H_kv, D]
+
+    def poison() -> None:
+        for x in (out, lse, q, k_out, v_out):
+            x.fill_(float("nan"))
+        cache["pages"][page_no, :, :, slot] = float("nan")
+
+    split = [qkv, positions, q, k_out, v_out]
+    attention = [cache["indptr"], cache["values"], cache["last"], zeros, zeros, out, lse]
+    scalars = (0, 1.0, layout.rope_theta, scale)
+    tensors = {name: [tvm.runtime.from_dlpack(t) for t in group] for name, group in (
+        ("split", split), ("append", [cache["pages"], k_out, v_out, append_positions]),
+        ("decode", [q, cache["pages"], *attention]), ("fused_rest", [cache["pages"], append_positions, *attention]))}
+
+    def baseline() -> None:
+        fns["split_rotary"](*tensors["split"], 1)  # apply_rope = 1
+        fns["append"](*tensors["append"])
+        fns["baseline"](*tensors["decode"], *scalars)
+
+    def fused() -> None:  # split-rotary's arguments, then the append's, then the decode kernel's
+        fns["fuselight"](*tensors["split"], 1, *tensors["fused_rest"], *scalars)
+
+    ref_out = torch.cat([r[0] for r in refs])
+    ref_lse = torch.cat([r[1] for r in refs])
+    checked = Checked(lambda: (out, lse, q, k_out, v_out, *new_rows()), (ref_out, ref_lse, q_ref, k_new, v_new, k_new, v_new), poison)
+    return {"baseline": baseline, "fuselight": fused}, None, checked
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """A case's float64 references, what its call writes (``read()``, in the references' order)
+    and ``poison()``, which NaN-fills all of that before a checked call."""
+
+    read: Callable[[], tuple]
+    refs: tuple
+    poison: Callable[[], None]
+
+    def error(self, torch: Any) -> float:
+        return max(_max_error(torch, got, ref) for got, ref in zip(self.read(), self.refs, strict=True))
+
+
+def _written(*tensors: Any) -> Checked:
+    """``Checked`` for a call that writes ``tensors`` (the references follow with ``refs``)."""
+
+    def poison() -> None:
+        for x in tensors:
+            x.fill_(float("nan"))
+
+    return lambda *refs: Checked(lambda: tensors, refs, poison)
 
 
 def _bind(tvm: Any, func: Any, tensors: list, scalars: tuple) -> Any:
@@ -296,29 +433,26 @@ def run_suite(manifest: Path, out_json: Path) -> list[dict[str, Any]]:
     records, failures = [], []
     copy_gbps = _copy_gbps(torch, dev)
     print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
-    make_case = {"decode": _decode_case, "prefill": _prefill_case}
+    make_case = {"decode": _decode_case, "prefill": _prefill_case, "rope_decode": _rope_decode_case}
     with torch.no_grad():
         for point in points:
-            calls, torch_call, (out, lse), (ref_out, ref_lse) = make_case[point.kind](
-                torch, tvm, kernels[point.kind], point, layout, rnd, dev
-            )
+            calls, torch_call, checked = make_case[point.kind](torch, tvm, kernels[point.kind], point, layout, rnd, dev)
             nbytes, flops = point.cost(layout)
             line = []
             for impl, call in [*calls.items(), ("torch", torch_call)]:
                 if call is None:
                     continue
                 if impl == "torch":
-                    err = _max_error(torch, call().transpose(1, 2)[0], ref_out)
+                    err = _max_error(torch, call().transpose(1, 2)[0], checked.refs[0])
                 else:
-                    out.fill_(float("nan"))
-                    lse.fill_(float("nan"))
+                    checked.poison()
                     call()
                     torch.cuda.synchronize()
-                    err = max(_max_error(torch, out, ref_out), _max_error(torch, lse, ref_lse))
+                    err = checked.error(torch)
                 if not err <= tolerance:
                     failures.append(f"{point.name} {impl}: max error {err:.2e} > {tolerance:g}")
                 stats = time_fn(call, device="cuda")
-                metric = "gbps" if point.kind == "decode" else "tflops"
+                metric = "tflops" if point.kind == "prefill" else "gbps"
                 records.append(make_record(**common, case=point.name, shape=point.shape(), impl=impl, metric=metric,
                                            stats=stats, nbytes=nbytes, flops=flops, relerr=err,
                                            baseline_source=_BASELINE_SOURCE if impl != "torch" else None))
@@ -326,7 +460,7 @@ def run_suite(manifest: Path, out_json: Path) -> list[dict[str, Any]]:
                         else f"{flops / stats.median_us / 1e6:.1f} TFLOP/s")
                 line.append(f"{impl} {stats.median_us:.1f} us {rate} (err {err:.1e})")
             print(f"{point.name}: " + ", ".join(line), flush=True)
-            del calls, torch_call, out, lse, ref_out, ref_lse
+            del calls, torch_call, checked
             torch.cuda.empty_cache()
     del kernels
     release_memory()
