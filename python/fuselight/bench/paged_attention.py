@@ -258,7 +258,7 @@ def _decode_case(torch, tvm, fns, point, layout, rnd, dev):
     if b == 1:
         k, v = _gather_kv(torch, cache, point.lengths, 0)
         torch_call = _sdpa(torch, q, k.contiguous(), v.contiguous(), scale, False)
-    return calls, torch_call, _written(out, lse)(ref_out, ref_lse)
+    return calls, torch_call, _written((out, lse), (ref_out, ref_lse))
 
 
 def _prefill_case(torch, tvm, fns, point, layout, rnd, dev):
@@ -283,7 +283,7 @@ def _prefill_case(torch, tvm, fns, point, layout, rnd, dev):
     args = [q, indptr, k, v, indptr, positions, offsets, out, lse]
     calls = {impl: _bind(tvm, f, args, (int(point.causal), 0, 1.0, 1e4, scale)) for impl, f in fns.items()}
     torch_call = _sdpa(torch, q, k, v, scale, point.causal) if len(point.lengths) == 1 else None
-    return calls, torch_call, _written(out, lse)(ref_out, ref_lse)
+    return calls, torch_call, _written((out, lse), (ref_out, ref_lse))
 
 
 def _rope64(torch: Any, x: Any, positions: Any, theta: float) -> Any:
@@ -365,14 +365,14 @@ class Checked:
         return max(_max_error(torch, got, ref) for got, ref in zip(self.read(), self.refs, strict=True))
 
 
-def _written(*tensors: Any) -> Checked:
-    """``Checked`` for a call that writes ``tensors`` (the references follow with ``refs``)."""
+def _written(outputs: tuple, refs: tuple) -> Checked:
+    """``Checked`` for a call that writes ``outputs``, against ``refs``."""
 
     def poison() -> None:
-        for x in tensors:
+        for x in outputs:
             x.fill_(float("nan"))
 
-    return lambda *refs: Checked(lambda: tensors, refs, poison)
+    return Checked(lambda: outputs, refs, poison)
 
 
 def _bind(tvm: Any, func: Any, tensors: list, scalars: tuple) -> Any:
