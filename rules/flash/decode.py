@@ -214,6 +214,8 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
                                 # The merge kernel may launch now (it waits for this grid to finish
                                 # before it reads the partials): its launch overlaps this kernel.
                                 T.ptx.griddepcontrol.launch_dependents()
+                                if rotary is not None:
+                                    rotate(io, bz, by, bx, ty, tx, o_smem)
                                 base: T.let[T.int32] = seq.base(io, bz)
                                 kv_len: T.let[T.int32] = seq.length(io, bz)
                                 # in registers, not lets: TVM would inline the divisions into every use
@@ -222,8 +224,6 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
                                 bounds[0] = bx * bounds[0]
                                 row_begin: T.let[T.int32] = bounds[0]
                                 row_end: T.let[T.int32] = bounds[1]
-                                if rotary is not None:
-                                    rotate(io, bz, by, bx, ty, tx, o_smem)
                                 if T.tvm_thread_invariant(row_begin < row_end):
                                     for g, e in T.grid(G, VEC):
                                         if rotary is not None:
