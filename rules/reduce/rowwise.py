@@ -152,8 +152,6 @@ def _macros(desc: RowReductionDesc, vec: int):
     and the outputs at one vector of columns."""
     from tvm.script import tirx as T
 
-    n_out = len(desc.outputs)
-
     def load(at, col0, regs, cregs, base):
         # regs[k][base + e] = row input k at (row, col0 + e); cregs likewise for column inputs
         for inputs, dest, index in ((desc.row_inputs, regs, at.index), (desc.col_inputs, cregs, at.col)):
