@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 
 import tvm
+from fuselight.kv_hooks import DECODE_GLOBAL_NAME, GLOBAL_NAME
 from fuselight.rules.flash.decode import GLOBAL_SYMBOL as DECODE_SYMBOL
 from fuselight.rules.flash.decode import ROTARY_GLOBAL_SYMBOL as ROTARY_SYMBOL
 from fuselight.rules.flash.decode import flash_decode_paged_rotary, load_decode_config
@@ -48,8 +49,8 @@ from tvm.relax.expr_functor import mutator
 from ..relax_rewrite import FunctionRewriter
 from .paged_attention import create_calls, global_vars
 
-HOOKS_FUNC = "fuselight.kv_cache.fuse_rope_append"
-HOOKS_DECODE_FUNC = "fuselight.kv_cache.fuse_rope_append_decode"
+# the wrapper factories the runtime half registers
+HOOKS_FUNC, HOOKS_DECODE_FUNC = GLOBAL_NAME, DECODE_GLOBAL_NAME
 FUSED_NAME = "fused_rope_append"
 # launch counting (fuselight.compile.kv_cache_kernels) reads these
 FUSED_ATTR = "fuselight.fused_rope_append"
