@@ -250,8 +250,29 @@ def test_shipped_config_covers_every_gemv_m():
     assert gemv.load_gemv_configs("sm_75") == []  # no entry: the rule leaves the function
 
 
+@pytest.mark.parametrize("warps,unroll,lane_run,steps", [(1, 4, 1, 12), (4, 4, 2, 112), (16, 4, 4, 8), (2, 6, 4, 9), (8, 8, 8, 3)])
+def test_piece_words_cover_every_word_of_a_row_once(warps, unroll, lane_run, steps):
+    # The k permutation the weights and tokens share: the pieces all lanes of all warps read over
+    # all steps are the row's words, each exactly once, whatever the run.
+    cfg = gemv.GemvConfig(max_m=16, warps=warps, unroll=unroll, min_blocks_per_sm=1, lane_run=lane_run)
+    run = gemv.lane_run(cfg, steps)
+    words = [gemv.piece_word(step, warp, quad, warps, run) + e
+             for warp in range(warps) for step in range(steps) for quad in range(4) for e in range(gemv.PIECE_WORDS)]
+    assert sorted(words) == list(range(warps * steps * gemv.STEP_K // 2))
+    # A lane's pieces within a run are adjacent: 16 run contiguous bytes.
+    assert gemv.piece_word(1, 0, 0, warps, run) - gemv.piece_word(0, 0, 0, warps, run) == (gemv.PIECE_WORDS if run > 1 else warps * gemv.STEP_K // 2)
+
+
+def test_lane_run_is_halved_until_it_divides_the_round_and_the_steps():
+    cfg = gemv.GemvConfig(max_m=16, warps=4, unroll=4, min_blocks_per_sm=1, lane_run=4)
+    assert gemv.lane_run(cfg, 112) == 4
+    assert gemv.lane_run(cfg, 6) == 2  # a run may not straddle the end of K
+    assert gemv.lane_run(cfg, 7) == 1
+    assert gemv.lane_run(dataclasses.replace(cfg, unroll=6), 12) == 2  # nor a round
+
+
 @pytest.mark.parametrize("field,value", [("max_m", 17), ("max_m", 0), ("warps", 3), ("warps", 64), ("unroll", 0),
-                                         ("min_blocks_per_sm", 0), ("max_blocks", 0)])
+                                         ("min_blocks_per_sm", 0), ("max_blocks", 0), ("lane_run", 0)])
 def test_bad_config_names_the_field(field, value):
     cfg = gemv.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=1)
     with pytest.raises(FuselightError, match=field):

@@ -8,11 +8,15 @@ that 16 rows cost no more issue slots than one. The product is computed transpos
 mma's M), the tokens are the mma's N (one 8-wide tile up to M = 8, two up to 16; token rows past
 M repeat the last row and are never stored) and K is walked in steps of 32. Within a step, lane
 (g, q) = (lane / 4, lane % 4) loads 16 bytes of weight rows g and g + 8 and of token row g at
-``k0 + 8 q``; read as registers, these are exactly the A and B fragments of two mma k16 steps over
+``k0 + 8 q`` (runs, below, spread these); read as registers, these are exactly the A and B fragments of two mma k16 steps over
 a permutation of those 32 k (the same one for A and B, so the sum is unchanged); no shuffle or
 shared memory is needed to feed the tensor cores. The block's ``cfg.warps`` warps split the
 steps round-robin (split-K inside the block, which keeps more loads in flight for the same rows
-and needs no second launch); their fp32 partial tiles are summed
+and needs no second launch), in runs of ``cfg.lane_run`` steps over which each lane's pieces are
+adjacent (``piece_word``): with runs of 2 a warp's load instruction reads whole 128-byte lines of
+its 8 rows (each lane half a 32-byte sector, the next instruction the other half) instead of
+64 bytes of each, which streamed every shape of the kernel suite 2-10% faster (``configs/gemm/gemv.json``
+has the numbers); their fp32 partial tiles are summed
 through shared memory and the epilogue (``ops.out``) runs once per output. M may be symbolic (at
 most ``cfg.max_m``, at least 1: the caller branches on it); the grid does not depend on it.
 
@@ -77,6 +81,10 @@ class GemvConfig:
     # the block's warps (one column group each) and ``unroll`` the 512-byte steps of each row in
     # flight. None: the mma template above.
     rows_per_warp: int | None = None
+    # mma template: consecutive K steps of a warp whose pieces a lane reads as one contiguous span
+    # (halved until it divides ``unroll`` and the warp's steps). 1: the four lanes of a row read 64
+    # adjacent bytes a step; r: each lane reads 16 r contiguous bytes, a row 64 r bytes a run.
+    lane_run: int = 1
 
     @property
     def token_tiles(self) -> int:
@@ -89,7 +97,7 @@ def check_gemv_config(cfg: GemvConfig, where: str = "GEMV config") -> None:
         raise FuselightError(f"{where}: field 'max_m' must be 1..{MMA_N * MAX_TOKEN_TILES}, got {cfg.max_m}")
     if cfg.warps & (cfg.warps - 1) or not 1 <= cfg.warps * WARP <= MAX_THREADS:
         raise FuselightError(f"{where}: field 'warps' must be a power of two up to {MAX_THREADS // WARP}, got {cfg.warps}")
-    for field in ("unroll", "min_blocks_per_sm"):
+    for field in ("unroll", "min_blocks_per_sm", "lane_run"):
         if getattr(cfg, field) < 1:
             raise FuselightError(f"{where}: field {field!r} must be a positive integer, got {getattr(cfg, field)}")
     for field in ("max_blocks", "rows_per_warp"):
@@ -181,6 +189,24 @@ def block_warps(ops: GemmOperands, cfg: GemvConfig) -> int:
     return warps
 
 
+def lane_run(cfg: GemvConfig, steps: int) -> int:
+    """Steps of a lane-contiguous run for a warp of ``steps`` K steps: ``cfg.lane_run``, halved until
+    it divides ``cfg.unroll`` and ``steps`` (so a run never straddles a round or the end of K)."""
+    run = cfg.lane_run
+    while cfg.unroll % run or steps % run:
+        run //= 2
+    return run
+
+
+def piece_word(step: Any, warp: Any, quad: Any, warps: int, run: int) -> Any:
+    """First 32-bit word, within a row, of the 16-byte piece that lane ``quad`` (lane % 4) of
+    ``warp`` (of ``warps``) reads at its K step ``step`` (ints or TIR expressions). Steps go
+    round-robin over the warps in runs of ``run`` (see ``lane_run``); within a run the lane's
+    pieces are adjacent, so each lane reads ``16 run`` contiguous bytes and the four lanes of a row
+    ``64 run``. Weights and tokens are read at the same words, so every k meets its token."""
+    return ((step // run) * warps + warp) * run * (STEP_K // 2) + (quad * run + step % run) * PIECE_WORDS
+
+
 def index_dtype(ops: GemmOperands) -> str:
     """The dtype of the output's row and column indices: M's, or int64 for a static M."""
     return "int64" if isinstance(ops.m, int) else str(ops.m.ty.dtype)
@@ -249,10 +275,15 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     rows_p = 0 if norm is None else _static_m(ops)
     norm_rows = None if norm is None else norm_prologue(ops, threads, blocks, x_stride)
 
+    run = lane_run(cfg, steps)
+
+    def step_word(rr, u, warp):
+        return piece_word(rr * unroll + u, warp, 0, warps, run)
+
     @T.macro
     def load_weights(w, W, w_lo, w_hi, warp, rr, u):
         # 16 bytes of weight rows g and g + 8 at step (rr, u) of this warp.
-        kw: T.let[T.int32] = ((rr * unroll + u) * warps + warp) * (STEP_K // 2)
+        kw: T.let[T.int32] = step_word(rr, u, warp)
         for e in T.vectorized(PIECE_WORDS):
             w[(u * 2) * PIECE_WORDS + e] = W[w_lo + kw + e]
         for e in T.vectorized(PIECE_WORDS):
@@ -282,8 +313,8 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                     warp: T.let[T.int32] = T.Cast("int32", tid) // WARP
                     lane: T.let[T.int32] = T.Cast("int32", tid) % WARP
                     # Offsets are 64-bit until TVM proves they fit in 32 (2^31 words: the largest weights).
-                    w_lo: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[0]) * words + lane % 4 * PIECE_WORDS
-                    w_hi: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[1]) * words + lane % 4 * PIECE_WORDS
+                    w_lo: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[0]) * words + piece_word(0, 0, lane % 4, warps, run)
+                    w_hi: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[1]) * words + piece_word(0, 0, lane % 4, warps, run)
                     for i in T.unroll(tiles * 4):
                         acc[i] = T.float32(0)
                     if norm is not None:
@@ -299,13 +330,13 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                         # Every load of ``unroll`` steps first, so they are in flight together.
                         for u in T.unroll(unroll):
                             if not ragged or r * unroll + u < steps:
-                                k0: T.let[T.int32] = ((r * unroll + u) * warps + warp) * (STEP_K // 2)
+                                k0: T.let[T.int32] = step_word(r, u, warp)
                                 if norm is None or r > 0:  # with a prologue, round 0's are loaded
                                     load_weights(w, W, w_lo, w_hi, warp, r, u)
                                 for t in T.unroll(tiles):
                                     for e in T.vectorized(PIECE_WORDS):
                                         x[(u * tiles + t) * PIECE_WORDS + e] = X[
-                                            T.min(t * MMA_N + lane // 4, m - 1) * x_stride + lane % 4 * PIECE_WORDS + k0 + e]
+                                            T.min(t * MMA_N + lane // 4, m - 1) * x_stride + piece_word(0, 0, lane % 4, warps, run) + k0 + e]
                         for u in T.unroll(unroll):
                             if not ragged or r * unroll + u < steps:
                                 for s in T.unroll(2):
