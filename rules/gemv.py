@@ -40,7 +40,7 @@ def gemv_config(ops: GemmOperands, m: int, target: Target) -> GemvConfig | None:
     does not take (NN weights, K not a multiple of 32, too much shared memory)."""
     try:
         arch = arch_of(target)
-        cfg = config_for(load_gemv_configs(arch), m, grid_blocks(ops))
+        cfg = config_for(load_gemv_configs(arch), m, grid_blocks(ops), ops.k)
         if cfg is None:
             return None
         # The kernel's shared memory is static: CUDA's static limit, or the target's if lower.

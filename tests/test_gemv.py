@@ -139,6 +139,11 @@ def test_config_for_takes_the_smallest_grid_bucket_that_fits():
     assert gemv.config_for(configs, 1) == large  # grid unknown: only buckets for any grid
     assert gemv.config_for(configs, 2, 256) == m2
     assert gemv.config_for(configs, 3, 256) is None
+    short = dataclasses.replace(small, max_k=4096)
+    configs.append(short)
+    assert gemv.config_for(configs, 1, 256, 4096) == short  # the smallest max_k that fits
+    assert gemv.config_for(configs, 1, 256, 4097) == small
+    assert gemv.config_for(configs, 1, 256) == small  # K unknown: only buckets for any K
 
 
 def test_rule_gives_each_grid_its_bucket(cuda):
@@ -272,7 +277,8 @@ def test_lane_run_is_halved_until_it_divides_the_round_and_the_steps():
 
 
 @pytest.mark.parametrize("field,value", [("max_m", 17), ("max_m", 0), ("warps", 3), ("warps", 64), ("unroll", 0),
-                                         ("min_blocks_per_sm", 0), ("max_blocks", 0), ("lane_run", 0)])
+                                         ("min_blocks_per_sm", 0), ("max_blocks", 0), ("lane_run", 0), ("max_k", 0),
+                                         ("prefetch_l2_percent", 0), ("prefetch_l2_percent", 25)])
 def test_bad_config_names_the_field(field, value):
     cfg = gemv.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=1)
     with pytest.raises(FuselightError, match=field):

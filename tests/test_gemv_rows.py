@@ -108,6 +108,29 @@ def test_symbolic_m_of_one_row_builds(cuda):
     assert len(_kernels(source)) == 1 and compile_cuda(source, "sm_90")
 
 
+@needs_nvcc
+def test_o_proj_asks_l2_for_its_rows_then_waits_once_before_any_load(cuda):
+    # The shipped bucket for o_proj's shape (the GEMV after the decode attention) prefetches; down's
+    # (K 14336) does not. In the every-kernel PDL pipeline the kernel keeps its own single wait.
+    from fuselight import tir_pipeline
+    from fuselight.cuda_compile import compile_cuda
+    from fuselight.rules.gemv import gemv_config
+
+    configs = {}
+    for name, (n, k) in {"o_proj": (4096, 4096), "down": (4096, 14336)}.items():
+        ops = analyze_matmul(_linear_residual(n, k, 1)).operands
+        configs[name] = gemv_config(ops, 1, cuda)
+    assert configs["o_proj"].prefetch_l2_percent and configs["down"].prefetch_l2_percent is None
+    kernel = _kernel(_linear_residual(4096, 4096, 1), configs["o_proj"])[0]
+    mod = tvm.IRModule({"o_proj": kernel.with_attr("global_symbol", "o_proj")})
+    source = tvm.compile(mod, target=cuda, tir_pipeline=tir_pipeline.register(every_kernel=True)).mod.imports[0].inspect_source("cuda")
+    body = source[re.search(r"o_proj_kernel\([^)]*\) \{", source).end():]
+    prefetch, wait, load = body.index("fuselight_prefetch_l2("), body.index("griddepcontrol_wait();"), body.index("= *(uint4*)(W_ptr")
+    assert prefetch < wait < load and body.count("griddepcontrol_wait();") == 1
+    assert f"(uint){4096 * 2 * configs['o_proj'].prefetch_l2_percent // 100}" in body  # bytes of each row
+    assert compile_cuda(source, "sm_90")
+
+
 @pytest.mark.parametrize("field,value", [("rows_per_warp", 0), ("max_m", 2)])
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(FuselightError, match="rows_per_warp" if field == "max_m" else field):

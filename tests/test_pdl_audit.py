@@ -62,3 +62,41 @@ def test_a_library_without_compiled_cuda_is_a_clear_error(tmp_path: Path, capsys
     assert main(["audit-pdl", str(lib)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and ("no compiled CUDA" in err or "cuobjdump not found" in err)
+
+
+def test_an_allowance_grants_a_kernel_that_many_loads_before_its_wait_and_nothing_else():
+    from fuselight.pdl_audit import Allowance
+
+    lengths = ["LDG.E.CONSTANT R0, desc[UR8][R2.64]", "LDG.E.CONSTANT R7, desc[UR8][R2.64+0x4]"]
+    listing = "".join([
+        _function("attn_kernel_1", [*lengths, "ACQBULK", "LDG.E.128.CONSTANT R4, desc[UR4][R6.64]", "EXIT"]),
+        _function("attn_kernel_2", [*lengths, "LDG.E.CONSTANT R9, desc[UR8][R4.64]", "ACQBULK", "EXIT"]),  # one too many
+        _function("attn_kernel_3", [lengths[0], "STG.E desc[UR4][R2.64], R5", "ACQBULK", "EXIT"]),  # a store
+        _function("other_kernel", [*lengths, "ACQBULK", "EXIT"]),  # not granted
+    ])
+    granted = [Allowance("attn_kernel_?", 2, "lengths the host uploads")]
+    found = summary(parse_sass(listing), granted)
+    assert [k["kernel"] for k in found["out_of_order"]] == ["attn_kernel_2", "attn_kernel_3", "other_kernel"]
+    assert len(summary(parse_sass(listing), [])["out_of_order"]) == 4
+
+
+def test_shipped_allowances_cover_only_the_decode_merge_kernels():
+    from fuselight.pdl_audit import load_allowances
+
+    (merge,) = load_allowances()
+    assert merge.loads == 3 and merge.why
+    kernels = parse_sass("".join(_function(name, ["LDG.E.CONSTANT R0, desc[UR8][R2.64]", "ACQBULK", "EXIT"]) for name in
+                                 ["fuselight_decode_paged_kv_kernel_1", "fuselight_rope_append_decode_paged_kv_kernel_1",
+                                  "fuselight_decode_paged_kv_kernel", "fused_NT_matmul1_astype_kernel"]))
+    assert [k.allowed([merge]) for k in kernels] == [True, True, False, False]
+
+
+def test_a_malformed_allowance_is_a_clear_error(tmp_path: Path, monkeypatch):
+    import json
+
+    from fuselight import pdl_audit
+
+    (tmp_path / "pdl_audit.json").write_text(json.dumps({"loads_before_wait": [{"kernel": "x", "loads": 0, "why": "w"}]}))
+    monkeypatch.setattr(pdl_audit, "config_dir", lambda: tmp_path)
+    with pytest.raises(Exception, match=r"loads_before_wait\[0\] needs 'kernel'"):
+        pdl_audit.load_allowances()

@@ -116,6 +116,9 @@ def test_decode_merge_kernel_is_launched_early_and_compiles(d, h_kv):
     exe = tvm.compile(tvm.IRModule({"main": func}), target=CUDA, tir_pipeline=tir_pipeline.register())
     src = exe.mod.imports[0].inspect_source("cuda")
     assert "griddepcontrol.wait" in src and "griddepcontrol.launch_dependents" in src
+    # The merge lets the next kernel (o_proj) launch once it has waited for the split kernel.
+    merge = src[re.search(r"void __launch_bounds__\([^)]*\) \w+_kernel_1\([^)]*\) \{", src).start():]
+    assert merge.index("griddepcontrol_wait();") < merge.index("griddepcontrol_launch_dependents();")
     if shutil.which("nvcc"):
         compile_cuda(src, arch="sm_90")
 

@@ -11,15 +11,19 @@ read that kernel's outputs, nor write what that kernel still reads, before ``gri
   after the wait can come out before it: a race (an LLaMA-3-8B decode with such kernels generated
   wrong tokens).
 
-fuselight's kernels therefore do nothing before their wait, and this audit checks what ptxas made of
-them: in each kernel that waits, no global memory instruction before the first ``ACQBULK``. It reads
-the SASS with ``cuobjdump`` (CUDA toolkit; on the GPU host when the build host has none) from the
-fatbins ``fuselight compile`` writes beside a library.
+fuselight's kernels therefore read nothing before their wait, and this audit checks what ptxas made
+of them: in each kernel that waits, no global memory instruction before the first ``ACQBULK``. The
+exceptions are in ``configs/pdl_audit.json``: kernels whose source loads, before the wait, inputs that
+no kernel of the step writes (the decode attention's merge kernel reads the sequence lengths from the
+page table there), each with the number of such global loads; more, or any other memory instruction,
+is still out of order. It reads the SASS with ``cuobjdump`` (CUDA toolkit; on the GPU host when the
+build host has none) from the fatbins ``fuselight compile`` writes beside a library.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import re
 import shutil
 import subprocess
@@ -27,6 +31,8 @@ from pathlib import Path
 
 from .compile import aot_dir
 from .errors import FuselightError
+from .jsonfile import read_json_object
+from .paths import config_dir
 
 WAIT_OPCODE = "ACQBULK"  # griddepcontrol.wait
 # Opcodes that read or write global memory (generic LD/ST may too); local (LDL/STL) and shared
@@ -47,6 +53,38 @@ class KernelOrder:
     @property
     def ordered(self) -> bool:
         return self.wait_at is None or not self.memory_before_wait
+
+    def allowed(self, allowances: list[Allowance]) -> bool:
+        """Ordered, or what comes before its wait is at most the global loads an allowance grants it."""
+        if self.ordered:
+            return True
+        loads = [t for t in self.memory_before_wait if t.split(" ", 1)[0].split(".", 1)[0] == "LDG"]
+        return len(loads) == len(self.memory_before_wait) and any(
+            fnmatch.fnmatchcase(self.kernel, a.kernel) and len(loads) <= a.loads for a in allowances)
+
+
+@dataclasses.dataclass(frozen=True)
+class Allowance:
+    """Kernels (an fnmatch pattern) that may load this many values before their wait, and why."""
+
+    kernel: str
+    loads: int
+    why: str
+
+
+def load_allowances() -> list[Allowance]:
+    """The allowances of ``configs/pdl_audit.json``; FuselightError naming a malformed entry."""
+    path = config_dir() / "pdl_audit.json"
+    entries = read_json_object(path, missing=f"PDL audit config not found: {path}").get("loads_before_wait")
+    if not isinstance(entries, list):
+        raise FuselightError(f"{path}: 'loads_before_wait' must be a list")
+    found = []
+    for i, e in enumerate(entries):
+        if not (isinstance(e, dict) and isinstance(e.get("kernel"), str) and isinstance(e.get("loads"), int)
+                and e["loads"] > 0 and isinstance(e.get("why"), str) and e["why"]):
+            raise FuselightError(f"{path}: loads_before_wait[{i}] needs 'kernel' (a pattern), 'loads' (> 0) and 'why'")
+        found.append(Allowance(e["kernel"], e["loads"], e["why"]))
+    return found
 
 
 def parse_sass(text: str) -> list[KernelOrder]:
@@ -83,9 +121,11 @@ def audit_library(library: Path) -> list[KernelOrder]:
     return kernels
 
 
-def summary(kernels: list[KernelOrder]) -> dict:
-    """Counts and the out-of-order kernels, for results files and the CLI."""
-    bad = [k for k in kernels if not k.ordered]
+def summary(kernels: list[KernelOrder], allowances: list[Allowance] | None = None) -> dict:
+    """Counts and the out-of-order kernels (past ``allowances``, default ``load_allowances()``), for
+    results files and the CLI."""
+    allowances = load_allowances() if allowances is None else allowances
+    bad = [k for k in kernels if not k.allowed(allowances)]
     return {
         "kernels": len(kernels),
         "waiting": sum(k.wait_at is not None for k in kernels),

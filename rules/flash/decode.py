@@ -10,7 +10,8 @@ the scores of all rows and heads of a step are reduced together by shuffles, and
 splits in several thread rows at once, so no step waits on one memory or shuffle latency at a time.
 The merge kernel may launch while the split kernel runs (it waits for it with
 ``griddepcontrol.wait``; ``fuselight.tir_pipeline`` gives it the launch attribute that allows this),
-so its launch latency is hidden, and the split grid has only as many splits as the longest possible
+so its launch latency is hidden; once it has waited it lets the next kernel launch (o_proj's GEMV,
+which then prefetches weights while the merge runs: ``rules/gemm/gemv_rows.py``), and the split grid has only as many splits as the longest possible
 sequence can use.
 
 ``flash_decode_paged`` has the signature, buffers and output conventions (base-2 lse) of TVM's
@@ -324,11 +325,14 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
                             kv_len: T.let[T.int32] = seq.length(io, bz)
                             used: T.let[T.int32] = T.ceildiv(kv_len, _split_rows(kv_len, num_splits(batch), MIN_ROWS, BDY * U))
                             # Launched early where the TIR pipeline allows (fuselight.tir_pipeline):
-                            # the split kernel's partials are complete and visible after this. ptxas
-                            # schedules the wait first (SASS, H100, nvcc 13.0), so the lengths above
-                            # load after it; a branch would keep them before it, but then ptxas may
-                            # move the partials' read-only loads above the wait too (fuselight.pdl_audit).
+                            # the split kernel's partials are complete and visible after this. The
+                            # next kernel (o_proj) may launch then: it streams weights while this one
+                            # merges. With that trigger ptxas keeps the lengths' loads above the wait,
+                            # as written (SASS, H100, nvcc 13.0): they read the page table the host
+                            # uploads before the step, which the split kernel does not write, and
+                            # fuselight.pdl_audit allows them (configs/pdl_audit.json).
                             T.ptx.griddepcontrol.wait()
+                            T.ptx.griddepcontrol.launch_dependents()
                             # Each of the MG thread rows folds splits ty, ty + MG, ..., all loaded
                             # first (one memory latency, not one a split), then row 0 merges the MG
                             # partial results.

@@ -76,6 +76,9 @@ class GemvConfig:
     # Serves only grids of at most this many blocks (None: any). Small grids fit on the GPU at
     # once with fewer warps a block and more blocks an SM; large ones stream best with many warps.
     max_blocks: int | None = None
+    # Serves only K of at most this many elements (None: any); of buckets alike in M and grid, the
+    # smallest max_k that fits wins.
+    max_k: int | None = None
     # Set: the row-streaming template (``gemv_rows``, M = 1 only), where a warp owns this many output
     # columns and streams their weight rows along K, 512 contiguous bytes a load; ``warps`` are then
     # the block's warps (one column group each) and ``unroll`` the 512-byte steps of each row in
@@ -85,6 +88,11 @@ class GemvConfig:
     # (halved until it divides ``unroll`` and the warp's steps). 1: the four lanes of a row read 64
     # adjacent bytes a step; r: each lane reads 16 r contiguous bytes, a row 64 r bytes a run.
     lane_run: int = 1
+    # Row template: the percentage of each weight row its warp asks L2 for (one bulk prefetch a row,
+    # sm_90) before the kernel waits for the grid before it. Pays only where that grid lets this one
+    # launch early and leaves memory idle meanwhile (the decode attention's merge, before o_proj);
+    # elsewhere it duplicates the first loads. None: no prefetch, and the wait is the pipeline's.
+    prefetch_l2_percent: int | None = None
 
     @property
     def token_tiles(self) -> int:
@@ -100,11 +108,14 @@ def check_gemv_config(cfg: GemvConfig, where: str = "GEMV config") -> None:
     for field in ("unroll", "min_blocks_per_sm", "lane_run"):
         if getattr(cfg, field) < 1:
             raise FuselightError(f"{where}: field {field!r} must be a positive integer, got {getattr(cfg, field)}")
-    for field in ("max_blocks", "rows_per_warp"):
+    for field in ("max_blocks", "max_k", "rows_per_warp", "prefetch_l2_percent"):
         if getattr(cfg, field) is not None and getattr(cfg, field) < 1:
             raise FuselightError(f"{where}: field {field!r} must be a positive integer or absent, got {getattr(cfg, field)}")
     if cfg.rows_per_warp is not None and cfg.max_m != 1:
         raise FuselightError(f"{where}: field 'rows_per_warp' (the row-streaming template) needs max_m 1, got {cfg.max_m}")
+    if cfg.prefetch_l2_percent is not None and (cfg.rows_per_warp is None or cfg.prefetch_l2_percent > 100):
+        raise FuselightError(f"{where}: field 'prefetch_l2_percent' must be 1..100 and needs rows_per_warp, "
+                             f"got {cfg.prefetch_l2_percent}")
 
 
 def load_gemv_configs(arch: str) -> list[GemvConfig]:
@@ -122,22 +133,29 @@ def load_gemv_configs(arch: str) -> list[GemvConfig]:
         check_gemv_config(cfg, f"{path}[{arch!r}][{bucket!r}]")
         configs.append(cfg)
     configs.sort(key=_bucket_order)
-    if len({(c.max_m, c.max_blocks) for c in configs}) != len(configs):
-        raise FuselightError(f"{path}[{arch!r}]: two buckets with the same 'max_m' and 'max_blocks'")
+    if len({(c.max_m, c.max_blocks, c.max_k) for c in configs}) != len(configs):
+        raise FuselightError(f"{path}[{arch!r}]: two buckets with the same 'max_m', 'max_blocks' and 'max_k'")
     return configs
 
 
-def _bucket_order(cfg: GemvConfig) -> tuple[int, float]:
-    return cfg.max_m, math.inf if cfg.max_blocks is None else cfg.max_blocks
+def _bucket_order(cfg: GemvConfig) -> tuple[int, float, float]:
+    def bound(v: int | None) -> float:
+        return math.inf if v is None else v
+
+    return cfg.max_m, bound(cfg.max_blocks), bound(cfg.max_k)
 
 
-def config_for(configs: list[GemvConfig], m: int, blocks: int | None = None) -> GemvConfig | None:
-    """The bucket serving ``m`` rows on a grid of ``blocks`` (see ``grid_blocks``; None: unknown, so
-    only buckets for any grid): the smallest ``max_m`` at least ``m``, then the smallest
-    ``max_blocks`` at least ``blocks`` (None: no bucket serves it)."""
+def config_for(configs: list[GemvConfig], m: int, blocks: int | None = None, k: int | None = None) -> GemvConfig | None:
+    """The bucket serving ``m`` rows on a grid of ``blocks`` (see ``grid_blocks``) with ``k``-long rows
+    (None: unknown, so only buckets for any): the smallest ``max_m`` at least ``m``, then the
+    smallest ``max_blocks`` at least ``blocks``, then the smallest ``max_k`` at least ``k`` (None: no
+    bucket serves it)."""
+
+    def fits(bound: int | None, v: int | None) -> bool:
+        return bound is None or (v is not None and v <= bound)
+
     return next(
-        (c for c in sorted(configs, key=_bucket_order)
-         if m <= c.max_m and (c.max_blocks is None or (blocks is not None and blocks <= c.max_blocks))),
+        (c for c in sorted(configs, key=_bucket_order) if m <= c.max_m and fits(c.max_blocks, blocks) and fits(c.max_k, k)),
         None,
     )
 

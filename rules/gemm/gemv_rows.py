@@ -9,6 +9,14 @@ row sits in shared memory (copied once a block, or normed into it by the norm pr
 ``gemv.norm_prologue``); products are summed in float32, then over the warp's lanes by butterfly
 shuffles, and the column's lane runs the epilogue.
 
+A bucket with ``prefetch_l2_percent`` also has each warp ask L2 for that share of its weight rows
+(``cp.async.bulk.prefetch.L2``) and only then wait for the grid before it (``griddepcontrol.wait``;
+the TIR pipeline adds no second wait). Launched early behind the decode attention's merge kernel, whose
+blocks let it launch once they have their inputs, o_proj's blocks so stream weights while the merge
+runs. The prefetches take warp-uniform addresses and sit in no branch: so placed, ptxas keeps every
+load after the wait (``fuselight.pdl_audit`` checks the SASS; with a branch on the lane it moved the
+norm prologue's loads above it).
+
 Why beside the mma template: at M = 1 the tensor cores buy nothing, and there its rows-of-16 layout
 (64 bytes of each of 16 rows a load) streamed the decode step's smaller projections slower than
 whole-row streaming (``configs/gemm/gemv.json`` has the numbers).
@@ -23,6 +31,12 @@ from .operands import GemmOperands
 from .plan import WARP
 
 LOG_WARP = WARP.bit_length() - 1  # butterfly rounds over a warp's lanes
+PREFETCH_L2 = "fuselight_prefetch_l2"
+PREFETCH_L2_SOURCE = f"""
+__forceinline__ __device__ void {PREFETCH_L2}(const void* p, unsigned int bytes) {{
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+}}
+"""
 
 
 def rows_grid_blocks(ops: GemmOperands, cfg: GemvConfig) -> int:
@@ -33,6 +47,7 @@ def rows_grid_blocks(ops: GemmOperands, cfg: GemvConfig) -> int:
 def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     """The kernel body (a ``tvm.tirx.Stmt``) computing ``ops`` (M = 1) over ``ops``' buffers; call
     it through ``gemv.gemv_body``, which checks first that the template serves ``ops``."""
+    from tvm.backend.cuda import op as cuda_op
     from tvm.script import tirx as T
 
     n, k, dtype = ops.n, ops.k, ops.dtype
@@ -56,6 +71,8 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
         if pair is None:
             return T.min(col0 + j, n - 1)
         return T.min(col0 + j % cols_w, pair - 1) + j // cols_w * pair
+
+    prefetch_bytes = pieces * (cfg.prefetch_l2_percent or 0) // 100 * PIECE * 2  # whole pieces of a row
 
     @T.macro
     def load_round(w, W, col0, lane, r):
@@ -84,6 +101,12 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                     warp: T.let[T.int32] = T.Cast("int32", tid) // WARP
                     lane: T.let[T.int32] = T.Cast("int32", tid) % WARP
                     col0: T.let[T.int32] = (T.Cast("int32", bx) * warps + warp) * cols_w
+                    if prefetch_bytes > 0:
+                        for j in T.unroll(rows_w):
+                            T.evaluate(cuda_op.cuda_func_call(
+                                PREFETCH_L2, W.access_ptr("r", offset=T.Cast("int64", weight_row(col0, j)) * k),
+                                T.uint32(prefetch_bytes), source_code=PREFETCH_L2_SOURCE))
+                        T.ptx.griddepcontrol.wait()
                     # The first round's weights are in flight while the token row is staged.
                     load_round(w, W, col0, lane, 0)
                     if norm is None:
