@@ -3,14 +3,16 @@
 A kernel that waits for the grids before it with ``griddepcontrol.wait`` (PTX; ``T.ptx.griddepcontrol``)
 can be launched before they finish (CUDA's programmatic stream serialization): once they have all
 called ``griddepcontrol.launch_dependents``, or once their blocks have exited where they do not call
-it. Its launch latency then overlaps their tail (work placed before the wait does not: ptxas
+it. Its launch latency then overlaps their tail (loads placed before the wait do not: ptxas
 schedules the wait first, and where it does not, it may move loads of their outputs above the wait;
+L2 prefetches with warp-uniform addresses do run before it, ``rules/gemm/gemv_rows.py``;
 ``fuselight.pdl_audit`` checks the SASS, ``fuselight audit-pdl`` on the GPU host). TVM's CUDA
 runtime launches a kernel that way when its launch parameters carry the
 ``tirx.use_programtic_dependent_launch`` flag (TVM's spelling), which its default pipeline never
 sets for scheduled (``s_tir``) functions.
 
-- ``NAME``: the flag on exactly the device kernels that wait (the decode attention's merge kernel);
+- ``NAME``: the flag on exactly the device kernels that wait (the decode attention's merge kernel, and
+  a one-row GEMV whose config prefetches weights before its wait: o_proj's);
   kernels that do not wait launch as TVM launches them. Every build uses at least this one.
 - ``NAME_EVERY_KERNEL``: first every other kernel waits at its entry, before any memory access, so
   it stays ordered after the kernel before it as without the flag, and then all get the flag: the

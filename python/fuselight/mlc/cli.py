@@ -5,7 +5,8 @@ Every argument but ours goes to MLC's compile command unchanged. Ours:
 - ``--fuselight-passes a,b`` graph passes (``none``: no passes; default ``fuselight.passes.default()``);
 - ``--fuselight-rules fam,...`` rule families (``none``: DLight's rules alone; default all);
 - ``--fuselight-dump DIR`` the module after each of our steps and ``schedule.json``;
-- ``--fuselight-no-programmatic-launch`` each kernel of a ``.so`` launched only after the one before it has finished;
+- ``--fuselight-no-programmatic-launch`` each kernel of a ``.so`` launched only after the one before it has finished
+  (but those that wait for it by design: the decode attention's merge kernel, o_proj's prefetching GEMV);
 - ``--no-fuselight`` MLC's own pipeline (the baseline), with the same target handling and output.
 
 Two platform adjustments to MLC's command: the "thrust" library MLC adds to CUDA targets is left out
