@@ -1,18 +1,18 @@
 """Split-KV (flash-decoding) attention of one query token per sequence: over TVM's paged KV cache and dense.
 
-TVM's built-in decode kernel gives each (sequence, KV head) one block and walks the whole context
-in it: 8 blocks for LLaMA-3-8B at batch 1 on a 132-SM GPU. This one splits the context of each
-sequence across blocks so that batch x KV heads x splits fills the GPU, then merges the partial
-results by their log-sum-exp in a second kernel. A block serves every query head of its KV head
-(GQA), so each K/V byte is read once; a thread's next rows are loading while it uses the current ones
-(and the pages of the rows after those are being looked up; a split's rows start on a step boundary),
-the scores of all rows and heads of a step are reduced together by shuffles, and the merge folds the
+TVM's built-in decode kernel gives each (sequence, KV head) one block and walks the whole context in
+it: 8 blocks for LLaMA-3-8B at batch 1 on a 132-SM GPU. This one splits the context of each sequence
+across blocks so that batch x KV heads x splits fills the GPU, then merges the partial results by
+their log-sum-exp in a second kernel. A block serves every query head of its KV head (GQA), so each
+K/V byte is read once; a thread's next rows are loading while it uses the current ones (and the
+pages of the rows after those are being looked up; a split's rows start on a step boundary), the
+scores of all rows and heads of a step are reduced together by shuffles, and the merge folds the
 splits in several thread rows at once, so no step waits on one memory or shuffle latency at a time.
 The merge kernel may launch while the split kernel runs (it waits for it with
 ``griddepcontrol.wait``; ``fuselight.tir_pipeline`` gives it the launch attribute that allows this),
 so its launch latency is hidden; once it has waited it lets the next kernel launch (o_proj's GEMV,
-which then prefetches weights while the merge runs: ``rules/gemm/gemv_rows.py``), and the split grid has only as many splits as the longest possible
-sequence can use.
+which then prefetches weights while the merge runs: ``rules/gemm/gemv_rows.py``), and the split grid
+has only as many splits as the longest possible sequence can use.
 
 ``flash_decode_paged`` has the signature, buffers and output conventions (base-2 lse) of TVM's
 ``batch_decode_paged_kv``, so the KV cache runtime calls it in its place.

@@ -1,24 +1,24 @@
 """The GEMV template: a matmul of 1 to 16 rows (decode and low-batch) at weight-streaming bandwidth.
 
-``gemv_body(ops, cfg)`` computes ``ops`` (see ``operands``; NT weights) for M up to
-``cfg.max_m``. It is memory bound: every weight byte is read exactly once, by 16-byte loads
-issued ``cfg.unroll`` steps ahead of their use, and the arithmetic runs on the tensor cores, so
-that 16 rows cost no more issue slots than one. The product is computed transposed,
-``out^T = W x^T``, on ``mma.sync.m16n8k16``: a block owns 16 weight rows (16 output columns, the
-mma's M), the tokens are the mma's N (one 8-wide tile up to M = 8, two up to 16; token rows past
-M repeat the last row and are never stored) and K is walked in steps of 32. Within a step, lane
-(g, q) = (lane / 4, lane % 4) loads 16 bytes of weight rows g and g + 8 and of token row g at
-``k0 + 8 q`` (runs, below, spread these); read as registers, these are exactly the A and B fragments of two mma k16 steps over
-a permutation of those 32 k (the same one for A and B, so the sum is unchanged); no shuffle or
-shared memory is needed to feed the tensor cores. The block's ``cfg.warps`` warps split the
-steps round-robin (split-K inside the block, which keeps more loads in flight for the same rows
-and needs no second launch), in runs of ``cfg.lane_run`` steps over which each lane's pieces are
-adjacent (``piece_word``): with runs of 2 a warp's load instruction reads whole 128-byte lines of
-its 8 rows (each lane half a 32-byte sector, the next instruction the other half) instead of
-64 bytes of each, which streamed every shape of the kernel suite 2-10% faster (``configs/gemm/gemv.json``
-has the numbers); their fp32 partial tiles are summed
-through shared memory and the epilogue (``ops.out``) runs once per output. M may be symbolic (at
-most ``cfg.max_m``, at least 1: the caller branches on it); the grid does not depend on it.
+``gemv_body(ops, cfg)`` computes ``ops`` (see ``operands``; NT weights) for M up to ``cfg.max_m``.
+It is memory bound: every weight byte is read exactly once, by 16-byte loads issued ``cfg.unroll``
+steps ahead of their use, and the arithmetic runs on the tensor cores, so that 16 rows cost no more
+issue slots than one. The product is computed transposed, ``out^T = W x^T``, on
+``mma.sync.m16n8k16``: a block owns 16 weight rows (16 output columns, the mma's M), the tokens are
+the mma's N (one 8-wide tile up to M = 8, two up to 16; token rows past M repeat the last row and
+are never stored) and K is walked in steps of 32. Within a step, lane (g, q) = (lane / 4, lane % 4)
+loads 16 bytes of weight rows g and g + 8 and of token row g at ``k0 + 8 q`` (runs, below, spread
+these); read as registers, these are exactly the A and B fragments of two mma k16 steps over a
+permutation of those 32 k (the same one for A and B, so the sum is unchanged); no shuffle or shared
+memory is needed to feed the tensor cores. The block's ``cfg.warps`` warps split the steps
+round-robin (split-K inside the block, which keeps more loads in flight for the same rows and needs
+no second launch), in runs of ``cfg.lane_run`` steps over which each lane's pieces are adjacent
+(``piece_word``): with runs of 2 a warp's load instruction reads whole 128-byte lines of its 8 rows
+(each lane half a 32-byte sector, the next instruction the other half) instead of 64 bytes of each,
+which streamed every shape of the kernel suite 2-10% faster (``configs/gemm/gemv.json`` has the
+numbers); their fp32 partial tiles are summed through shared memory and the epilogue (``ops.out``)
+runs once per output. M may be symbolic (at most ``cfg.max_m``, at least 1: the caller branches on
+it); the grid does not depend on it.
 
 With a paired epilogue (``silu(gate) * up``: output column c pairs weight rows c and c + n / 2) a
 block's 16 rows are 8 gate rows and the 8 matching up rows (rows g and g + 8 of the mma): every
