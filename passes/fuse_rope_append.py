@@ -38,10 +38,10 @@ from fuselight.kv_hooks import DECODE_GLOBAL_NAME, GLOBAL_NAME
 from fuselight.rules.flash.decode import GLOBAL_SYMBOL as DECODE_SYMBOL
 from fuselight.rules.flash.decode import ROTARY_GLOBAL_SYMBOL as ROTARY_SYMBOL
 from fuselight.rules.flash.decode import flash_decode_paged_rotary, load_decode_config
+from fuselight.rules.flash.paging import static_dim
 from fuselight.rules.flash.rotary import SplitRotary
 from fuselight.rules.flash.rotary import analyze as analyze_split_rotary
 from fuselight.rules.paged_attention import analyze as analyze_attention
-from fuselight.rules.paged_attention import static_dim
 from fuselight.target import arch_of
 from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator

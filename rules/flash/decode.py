@@ -19,10 +19,10 @@ has only as many splits as the longest possible sequence can use.
 ``flash_decode_paged_rotary`` is the same kernel doing the cache's RoPE and KV append first, from
 the fused qkv (``passes.fuse_rope_append`` hands it to the cache): each split block computes its q
 heads and the new key and value rows by TVM's split-rotary expressions (``rotary.py``), writes the
-rows into the pages and attends after a barrier, so a decode layer launches nothing else for them. ``dense_decode`` is
-plain attention of one query row over dense K/V: the body ``prefill.flash_attention_dense`` runs
-where the query length is 1 at run time. Both are the same two kernels (``_kernels``), differing
-only in how a sequence's length and a K/V row are found.
+rows into the pages and attends after a barrier, so a decode layer launches nothing else for them.
+``dense_decode`` is plain attention of one query row over dense K/V: the body
+``prefill.flash_attention_dense`` runs where the query length is 1 at run time. Both are the same
+two kernels (``_kernels``), differing only in how a sequence's length and a K/V row are found.
 """
 
 from __future__ import annotations
