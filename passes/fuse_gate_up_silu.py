@@ -18,7 +18,8 @@ function must never reach it; elsewhere (other targets, shapes the templates do 
 graph stays as it is. ``FuseGateUpSiLU(schedule=False)`` fuses without scheduling (any target:
 the plain TE function, e.g. to check the numbers on the CPU). Runs before ``FuseTransposeMatmul``
 (which lowers linear layers to TIR). Only exact matches change: two equal halves of a static even
-width, SiLU on the first half, every intermediate used by the chain alone.
+width, SiLU on the first half, every intermediate used by the chain alone, a weight the function
+loads (``weight_source``: a dequantized weight stays with its matmul, which MLC fuses with it).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tvm import relax, te, tirx
 from tvm.relax.expr_functor import mutator
 
 from ..relax_rewrite import FunctionRewriter, rewrite_for_target
+from .weight_source import loaded_weight
 
 PRIMFUNC_NAME = "gate_up_matmul_swiglu"
 
@@ -126,6 +128,8 @@ def _match(mul: relax.Call, var2val: Any, uses: dict[relax.Var, int]) -> _Match 
             continue
         if _static_int(w_shape[0]) != width or _static_int(w_shape[1]) is None:
             continue
+        if not loaded_weight(w, var2val):
+            continue  # a computed weight (a dequantize) stays fused with its matmul
         return _Match(x=x, w=w, acc_dtype=str(matmul.ty.dtype), out_dtype=out_dtype)
     return None
 

@@ -11,7 +11,8 @@ GEMV whose kernel reads the normed row anyway. This pass finds::
                                         # of its function)
     z = astype(astype(y ...))           # casts of y, each the only use of the one before (optional)
 
-where ``normed`` has no other use and the token rows are static, and replaces them with one
+where ``normed`` has no other use, the token rows are static and ``W`` is a weight the function loads
+(``weight_source``: a dequantized one stays fused with its matmul), and replaces them with one
 ``call_tir`` of a PrimFunc ``(x[, r], w, W) -> (z[, x + r])`` written plainly (TOPI's add and
 rms_norm, ``F``'s own stages reading the norm, the casts; spliced by FuseTIR), scheduled right away
 by the GEMV rule, whose template computes the norm in every block (``rules.gemm.gemv``). Only where
@@ -39,6 +40,7 @@ from tvm.relax.expr_functor import mutator
 from ..relax_rewrite import FunctionRewriter, rewrite_for_target
 from .add_rms_norm_kernels import add_rms_norm_eps
 from .fuse_gate_up_silu import gate_up_silu_te
+from .weight_source import loaded_weight
 
 PRIMFUNC_NAME = "fused_rms_norm_gemv"
 _HALF = ("float16", "bfloat16")
@@ -205,6 +207,8 @@ class _Finder:
         if len(args) != 2 or not isinstance(args[0], relax.Var) or self._only_user(args[0]) is None:
             return None
         normed, matrix = args
+        if not loaded_weight(matrix, self.var2val):
+            return None  # a computed weight (a dequantize) stays fused with its matmul
         consumer = self.consumer_of(value.args[0])
         shape = _static_shape(normed)
         if consumer is None or shape is None:

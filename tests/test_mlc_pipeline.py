@@ -279,3 +279,27 @@ def test_mlc_own_pipeline_has_the_anchors() -> None:
     with mp.enabled():
         assert relax.pipeline.PIPELINE_MAP[mp.PIPELINE_NAME] is not original
     assert relax.pipeline.PIPELINE_MAP[mp.PIPELINE_NAME] is original
+
+
+@pytest.mark.mlc
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["q4f16_1", "q4bf16_1"])
+def test_mlc_quantized_build_writes_no_dequantized_weight(tmp_path, quantization) -> None:
+    """MLC's own 4-bit LLaMA with fuselight for sm_90: no kernel writes a dequantized weight."""
+    if mlc.import_mlc_llm() is None:
+        pytest.skip(f"MLC-LLM not available (install mlc_llm or set {mlc.SOURCE_ENV})")
+    config = json.loads((Path(__file__).parents[1] / "configs" / "models" / "llama-3-8b.json").read_text())
+    config.update(num_hidden_layers=1, hidden_size=512, intermediate_size=1024, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1000)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    device = {"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024,
+              "max_shared_memory_per_block": 49152, "thread_warp_size": 32}
+    dump = tmp_path / "dump"
+    rc = cli_main(["mlc", "compile", str(tmp_path / "config.json"), "--quantization", quantization,
+                   "--opt", "flashinfer=0;cublas_gemm=0;cudagraph=0;cutlass=0", "--host", "x86_64-unknown-linux-gnu",
+                   "--overrides", "prefill_chunk_size=128;context_window_size=256", "--device", json.dumps(device),
+                   "-o", str(tmp_path / "model.so"), "--fuselight-dump", str(dump)])
+    assert rc == 0
+    log = json.loads((dump / mp.SCHEDULE_LOG_FILE).read_text())
+    assert log["materialized_weights"] == []
+    assert any(name.startswith("fused_dequantize") for name in log["kernels"])  # MLC's fusions ran

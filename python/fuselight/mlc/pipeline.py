@@ -196,7 +196,7 @@ def _anchors_replaced(module: types.ModuleType, options: Options, log: ScheduleL
         )
 
     def schedule_phase(*args: Any, **kwargs: Any) -> tvm.transform.Pass:
-        sequence = [log.mark(ScheduleLog.BEFORE)]
+        sequence = [log.check_weights(), log.mark(ScheduleLog.BEFORE)]
         for family in options.rule_families:
             sequence += steps.each([(f"rules-{family}", dl.ApplyDefaultSchedule(RULE_FAMILIES[family]()))])
             sequence.append(log.mark(family))

@@ -6,6 +6,10 @@ already scheduled: MLC's KV cache, sampler and norm kernels) and each fuselight 
 runs; ``finish`` attributes the rest when the pipeline is done: scheduled since then is ``MLC``
 (LowBatchGemvSpecialize or DLight's rules), host-side functions (and every function of a CPU build,
 which needs no schedule) are ``HOST``, and anything else is ``UNSCHEDULED`` (a kernel no rule took).
+
+``check_weights()`` is a pass (run as the schedule phase starts, after MLC's dequantize fusions)
+recording every kernel that writes a dequantized weight to memory (``passes.weight_source``): with
+fuselight in MLC's pipeline the list must stay empty.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import tvm
+
+from ..passes.weight_source import materialized_weights
 
 SCHEDULED_ATTR = "tirx.is_scheduled"
 # Functions that run on the host (VMShapeLower's shape functions) carry this attribute.
@@ -29,6 +35,17 @@ class ScheduleLog:
 
     def __init__(self) -> None:
         self.by: dict[str, str] = {}  # PrimFunc name -> step that scheduled it
+        self.materialized: list[str] = []  # "function/binding: callee" of kernels writing dequantized weights
+
+    def check_weights(self) -> tvm.transform.Pass:
+        """A pass recording the kernels that write a dequantized weight; the module is unchanged."""
+
+        @tvm.transform.module_pass(opt_level=0, name="ScheduleLog[materialized_weights]")
+        def record(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+            self.materialized = [f"{m.function}/{m.binding}: {m.callee}" for m in materialized_weights(mod)]
+            return mod
+
+        return record
 
     def mark(self, step: str) -> tvm.transform.Pass:
         """A pass attributing the PrimFuncs newly scheduled by now to ``step``; the module is unchanged."""
@@ -70,7 +87,8 @@ class ScheduleLog:
 
     def write(self, path: Path, options: dict[str, Any]) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
-        record = {"options": options, "counts": self.counts(), "kernels": dict(sorted(self.by.items()))}
+        record = {"options": options, "counts": self.counts(), "kernels": dict(sorted(self.by.items())),
+                  "materialized_weights": self.materialized}
         path.write_text(json.dumps(record, indent=1) + "\n")
         return path
 

@@ -1,0 +1,165 @@
+"""A dequantized weight stays with its matmul: ``weight_source``'s analysis, and the fusions that
+must leave a quantized matmul alone (FuseGateUpSiLU, FuseNormIntoGemv), with their fp16 twins fused
+as the positive control. Graphs as MLC-LLM's q4f16_1 writes them: ``call_tir(dequantize, (q, s))``
+(int4 packed eight to a uint32, a float16 scale per 32 along K), ``permute_dims``, ``matmul``."""
+
+from __future__ import annotations
+
+import pytest
+
+tvm = pytest.importorskip("tvm")
+import tvm_ffi
+from fuselight.baseline.fuse_transpose_matmul import nt_matmul
+from fuselight.passes import FuseGateUpSiLU, FuseNormIntoGemv
+from fuselight.passes.fuse_gate_up_silu import PRIMFUNC_NAME as GATE_UP
+from fuselight.passes.fuse_norm_gemv import PRIMFUNC_NAME as NORM_GEMV
+from fuselight.passes.weight_source import loaded_weight, materialized_weights
+from fuselight.target import resolve, to_tvm
+from tvm import relax, te, tirx
+
+K, HALF, GROUP = 128, 64, 32
+
+
+def _dequantize(q: te.Tensor, s: te.Tensor) -> te.Tensor:
+    """q4f16_1: ``(float16((q[n, k // 8] >> 4 (k % 8)) & 15) - 7) * s[n, k // 32]``."""
+    n, words = q.shape
+
+    def value(i, k):
+        nibble = (q[i, k // 8] >> (k % 8 * 4).astype("uint32")) & tirx.const(15, "uint32")
+        return (nibble.astype("float16") - tirx.const(7, "float16")) * s[i, k // GROUP]
+
+    return te.compute((n, words * 8), value, name="dequantize")
+
+
+def _weight(bb: relax.BlockBuilder, quantized: bool, params: list, rows: int, name: str, cols: int = K) -> relax.Expr:
+    """A ``[rows, cols]`` float16 weight: a parameter, or the dequantize of two parameters."""
+    if not quantized:
+        w = relax.Var(name, relax.TensorType([rows, cols], "float16"))
+        params.append(w)
+        return w
+    q = relax.Var(f"{name}_q", relax.TensorType([rows, cols // 8], "uint32"))
+    s = relax.Var(f"{name}_s", relax.TensorType([rows, cols // GROUP], "float16"))
+    params += [q, s]
+    return bb.emit_te(_dequantize, q, s, primfunc_name_hint="dequantize")
+
+
+def _mlp(quantized: bool) -> tvm.IRModule:
+    """``silu(gate) * up`` of a gate+up projection (x: [1, 1, K]), then the down projection."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([1, 1, K], "float16"))
+    params: list = [x]
+    with bb.function("main"):
+        with bb.dataflow():
+            w = _weight(bb, quantized, params, 2 * HALF, "gate_up")
+            y = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w))))
+            halves = bb.emit(relax.op.split(y, 2, axis=-1))
+            gate, up = bb.emit(relax.TupleGetItem(halves, 0)), bb.emit(relax.TupleGetItem(halves, 1))
+            h = bb.emit(relax.op.multiply(bb.emit(relax.op.nn.silu(gate)), up))
+            out = bb.emit_output(relax.op.matmul(h, bb.emit(relax.op.permute_dims(_weight(bb, quantized, params, K, "down", HALF)))))
+        bb.emit_func_output(out, params)
+    return bb.get()
+
+
+def _norm_matmul(quantized: bool) -> tvm.IRModule:
+    """``NT_matmul(rms_norm(x, g), W)`` as FuseTransposeMatmul leaves a decode projection."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([1, 1, K], "float16"))
+    g = relax.Var("g", relax.TensorType([K], "float16"))
+    params: list = [x, g]
+    with bb.function("main"):
+        with bb.dataflow():
+            w = _weight(bb, quantized, params, HALF, "w")
+            normed = bb.emit(relax.op.nn.rms_norm(x, g, axes=[-1]))
+            out = bb.emit_output(bb.emit_te(lambda a, b: nt_matmul(a, b, "float32"), normed, w, primfunc_name_hint="NT_matmul"))
+        bb.emit_func_output(out, params)
+    return bb.get()
+
+
+def _callees(mod: tvm.IRModule) -> list[str]:
+    return [gv.name_hint for gv in mod.functions]
+
+
+def test_loaded_weight_follows_parameters_and_tuple_fields_not_computations():
+    bb = relax.BlockBuilder()
+    packed = relax.Var("packed", relax.TupleType([relax.TensorType([8, K], "float16")]))
+    q = relax.Var("q", relax.TensorType([8, K // 8], "uint32"))
+    s = relax.Var("s", relax.TensorType([8, K // GROUP], "float16"))
+    with bb.function("main", [packed, q, s]):
+        with bb.dataflow():
+            field = bb.emit(relax.TupleGetItem(packed, 0))
+            alias = bb.emit(field)
+            computed = bb.emit_te(_dequantize, q, s)
+            out = bb.emit_output(relax.op.add(alias, computed))
+        bb.emit_func_output(out)
+    var2val = relax.analysis.get_var2val(bb.get()["main"])
+    assert loaded_weight(packed, var2val) and loaded_weight(field, var2val) and loaded_weight(alias, var2val)
+    assert not loaded_weight(computed, var2val)
+
+
+def test_materialized_weights_finds_a_lone_dequantize_and_nothing_else():
+    mod = _mlp(quantized=True)
+    found = materialized_weights(mod)
+    assert sorted(m.callee for m in found) == ["dequantize", "dequantize1"]
+    assert {m.function for m in found} == {"main"}
+    # fp16: nothing is dequantized; the matmuls' outputs are not 2, 4 or 8 elements per input word.
+    assert materialized_weights(_mlp(quantized=False)) == []
+    assert materialized_weights(relax.transform.LegalizeOps()(_mlp(quantized=False))) == []
+
+
+def test_materialized_weights_ignores_a_dequantize_fused_with_its_matmul_and_a_gather():
+    seq = tirx.Var("seq", "int64")
+    vocab = tirx.Var("vocab", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([1, 1, K], "float16"))
+    q = relax.Var("q", relax.TensorType([HALF, K // 8], "uint32"))
+    s = relax.Var("s", relax.TensorType([HALF, K // GROUP], "float16"))
+    eq = relax.Var("eq", relax.TensorType([vocab, K // 8], "uint32"))
+    es = relax.Var("es", relax.TensorType([vocab, K // GROUP], "float16"))
+    ids = relax.Var("ids", relax.TensorType([seq], "int32"))
+
+    def dq_matmul(x, q, s):
+        w = _dequantize(q, s)
+        r = te.reduce_axis((0, K), "k")
+        return te.compute((1, 1, HALF), lambda i, j, n: te.sum(x[i, j, r].astype("float32") * w[n, r].astype("float32"), axis=r))
+
+    def take(eq, es, ids):
+        w = _dequantize(eq, es)
+        return te.compute((seq, K), lambda i, k: w[ids[i], k])
+
+    with bb.function("main", [x, q, s, eq, es, ids]):
+        with bb.dataflow():
+            a = bb.emit_te(dq_matmul, x, q, s)
+            b = bb.emit_te(take, eq, es, ids)
+            out = bb.emit_output(relax.Tuple([a, b]))
+        bb.emit_func_output(out)
+    assert materialized_weights(bb.get()) == []
+    # The symbolic vocabulary is compared symbolically: a lone dequantize of it is found.
+    bb = relax.BlockBuilder()
+    with bb.function("main", [eq, es]):
+        with bb.dataflow():
+            lone = bb.emit_te(_dequantize, eq, es)
+            out = bb.emit_output(lone)
+        bb.emit_func_output(out)
+    assert [m.binding for m in materialized_weights(bb.get())] == [lone.name]
+
+
+@pytest.mark.parametrize("schedule", [False, True], ids=["unscheduled", "sm_90"])
+def test_gate_up_silu_leaves_a_dequantized_weight_with_its_matmul(schedule):
+    target = to_tvm(resolve("cuda", "sm_90"))
+    with target:
+        fused = FuseGateUpSiLU(schedule=schedule)(_mlp(quantized=False))
+        quantized = _mlp(quantized=True)
+        after = FuseGateUpSiLU(schedule=schedule)(quantized)
+    assert any(name.startswith(GATE_UP) for name in _callees(fused))  # the fp16 twin is fused
+    assert tvm_ffi.structural_equal(after, quantized)
+
+
+@pytest.mark.parametrize("schedule", [False, True], ids=["unscheduled", "sm_90"])
+def test_norm_gemv_leaves_a_dequantized_weight_with_its_matmul(schedule):
+    target = to_tvm(resolve("cuda", "sm_90"))
+    with target:
+        fused = FuseNormIntoGemv(schedule=schedule)(_norm_matmul(quantized=False))
+        quantized = _norm_matmul(quantized=True)
+        after = FuseNormIntoGemv(schedule=schedule)(quantized)
+    assert any(name.startswith(NORM_GEMV) for name in _callees(fused))  # the fp16 twin is fused
+    assert tvm_ffi.structural_equal(after, quantized)
