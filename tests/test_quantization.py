@@ -32,7 +32,7 @@ def test_quantize_round_trip_within_half_a_step(name):
     i = np.abs(w).reshape(9, 3, s.group_size).argmax(-1)
     rows, groups = np.indices(i.shape)
     top = (groups * s.group_size + i)
-    np.testing.assert_allclose(np.abs(back[rows, top]), np.abs(w[rows, top]), rtol=1e-12)
+    np.testing.assert_allclose(np.abs(back[rows, top]), np.abs(w[rows, top]), rtol=1e-6)  # scales in float32
 
 
 def test_unknown_scheme_and_bad_shapes_are_errors():
