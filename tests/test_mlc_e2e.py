@@ -33,8 +33,9 @@ SIZES = {"vocab_size": VOCAB, "hidden_size": HIDDEN}
 def test_model_info_from_mlc_metadata() -> None:
     info = model_info("qwen2", _metadata(), Path("lib.so"), SIZES)
     assert (info.hidden_size, info.vocab_size, info.dtype, info.num_layers) == (HIDDEN, VOCAB, "float16", 2)
-    assert info.params[0] == ("model.embed_tokens.weight", (VOCAB, HIDDEN))
-    assert info.params[-1] == ("lm_head.weight", (VOCAB, HIDDEN))
+    assert info.params[0] == ("model.embed_tokens.weight", (VOCAB, HIDDEN), "float16")
+    assert info.params[-1] == ("lm_head.weight", (VOCAB, HIDDEN), "float16")
+    assert info.quantization is None
     with pytest.raises(FuselightError, match="'lm_head.weight' has dimension 'vocab_size' and the library's metadata"):
         model_info("qwen2", _metadata(), Path("lib.so"))
 
@@ -64,7 +65,8 @@ def test_phi3_names() -> None:
     "change, message",
     [
         (lambda m: m.update(params=[]), "lists no parameters"),
-        (lambda m: m["params"][1].update(dtype="float32"), "several dtypes"),
+        (lambda m: m["params"][1].update(dtype="float32"), "several float dtypes"),
+        (lambda m: m["params"][1].update(dtype="uint32"), "packed parameters without a quantization scheme"),
         (lambda m: m.update(params=m["params"][1:]), "no single 2-D token embedding"),
     ],
 )
@@ -79,14 +81,58 @@ def test_random_weights_follow_the_model_weights_distributions() -> None:
     torch = pytest.importorskip("torch")
     info = model_info("qwen2", _metadata("float32"), Path("lib.so"), SIZES)
     weights = random_weights(info, torch.device("cpu"), seed=3)
-    assert list(weights) == [name for name, _ in info.params]
-    assert all(tuple(weights[n].shape) == s for n, s in info.params)
+    assert list(weights) == [name for name, _, _ in info.params]
+    assert all(tuple(weights[n].shape) == s for n, s, _ in info.params)
     norm = weights["model.layers.0.input_layernorm.weight"]
     assert abs(float(norm.mean()) - 1.0) < 0.05 and 0.05 < float(norm.std()) < 0.2
     down = weights["model.layers.1.mlp.down_proj.weight"]
     assert float(down.std()) == pytest.approx(INTER**-0.5 / 2, rel=0.1)  # 1/sqrt(fan-in), over sqrt(2 * layers)
     again = random_weights(info, torch.device("cpu"), seed=3)
     assert all(torch.equal(weights[n], again[n]) for n in weights)
+
+
+def _quantized_metadata(layout: str = "NK") -> dict:
+    """MLC's q4f16_1 (NK) or q4f16_0 (KN) parameter list: packed words and scales for every matrix."""
+    meta = _metadata()
+    params = []
+    for p in meta["params"]:
+        name, (n, k) = p["name"], p["shape"] if len(p["shape"]) == 2 else (None, None)
+        if n is None or "bias" in name:
+            params.append(p)
+            continue
+        base = name.removesuffix(".weight")
+        packed, scale = [n, k // 8], [n, k // 32]
+        if layout == "KN" and "embed_tokens" not in name:
+            packed, scale = packed[::-1], scale[::-1]
+        params += [{"name": base + ".q_weight", "shape": packed, "dtype": "uint32"},
+                   {"name": base + ".q_scale", "shape": scale, "dtype": "float16"}]
+    return {**meta, "params": params, "quantization": "q4f16_1" if layout == "NK" else "q4f16_0"}
+
+
+@pytest.mark.parametrize("layout", ["NK", "KN"])
+def test_quantized_model_info_and_float_params(layout) -> None:
+    from fuselight.bench.mlc_e2e import float_params
+
+    info = model_info("qwen2", _quantized_metadata(layout), Path("lib.so"), SIZES)
+    assert (info.hidden_size, info.vocab_size, info.dtype) == (HIDDEN, VOCAB, "float16")
+    assert info.quantization == ("q4f16_1" if layout == "NK" else "q4f16_0")
+    assert info.params[0] == ("model.embed_tokens.q_weight", (VOCAB, HIDDEN // 8), "uint32")
+    # The float weights the packed pairs store: the fp16 model's parameter list.
+    assert float_params(info) == [(n, tuple(s)) for n, s, _ in model_info("qwen2", _metadata(), Path("l"), SIZES).params]
+
+
+def test_quantized_random_weights_store_the_drawn_distribution() -> None:
+    torch = pytest.importorskip("torch")
+    from fuselight.bench.mlc_e2e import quantized
+
+    info = model_info("qwen2", _quantized_metadata(), Path("lib.so"), SIZES)
+    weights = random_weights(info, torch.device("cpu"), seed=5)
+    assert [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in weights.items()] == list(info.params)
+    down = weights["model.layers.1.mlp.down_proj.q_weight"]
+    assert int((down.view(torch.int32) != 0).sum()) > down.numel() // 2  # words, not zeros
+    floats = model_info("qwen2", _metadata(), Path("l"), SIZES)
+    library, stored = quantized(info, random_weights(floats, torch.device("cpu"), seed=5))
+    assert float(stored["model.layers.1.mlp.down_proj.weight"].float().std()) == pytest.approx(INTER**-0.5 / 2, rel=0.15)
 
 
 def test_each_case_needs_both_libraries(tmp_path) -> None:

@@ -54,11 +54,12 @@ class Engine:
         max_total_seq_len: int | None = None,
         prefill_chunk_size: int | None = None,
         page_size: int | None = None,
-        param_specs: Sequence[tuple[str, tuple[int, ...]]] | None = None,
+        param_specs: Sequence[tuple] | None = None,
     ) -> None:
         """``vm``: a ``tvm.runtime.vm.VirtualMachine``; ``params``: tensors on ``device`` in
-        ``param_specs`` order (``(name, shape)``; None: ``param_names_and_shapes(config)``, our
-        model's). Of ``config`` only ``name``, ``hidden_size``, ``vocab_size`` and ``dtype`` are read,
+        ``param_specs`` order (``(name, shape)`` or ``(name, shape, dtype)`` where a parameter's dtype
+        is not ``config.dtype``, as quantized weights' packed words; None:
+        ``param_names_and_shapes(config)``, our model's). Of ``config`` only ``name``, ``hidden_size``, ``vocab_size`` and ``dtype`` are read,
         so another model with the same functions (MLC-LLM's) runs with its own parameter list.
         Unset sizes come from ``runtime_config()``; ``prefill_chunk_size`` must not exceed the one
         the library was built with."""
@@ -70,11 +71,12 @@ class Engine:
         expected = list(param_specs) if param_specs is not None else param_names_and_shapes(config)
         if len(params) != len(expected):
             raise FuselightError(f"model {config.name!r} takes {len(expected)} parameters, got {len(params)}")
-        for (name, shape), p in zip(expected, params, strict=True):
+        for spec, p in zip(expected, params, strict=True):
+            name, shape, dtype = (*spec, config.dtype)[:3]
             if tuple(p.shape) != tuple(shape):
                 raise FuselightError(f"parameter {name!r} has shape {tuple(p.shape)}, expected {shape}")
-            if str(p.dtype) != config.dtype:
-                raise FuselightError(f"parameter {name!r} has dtype {p.dtype}, expected {config.dtype}")
+            if str(p.dtype) != dtype:
+                raise FuselightError(f"parameter {name!r} has dtype {p.dtype}, expected {dtype}")
         sizes = {
             "max_total_seq_len": max_total_seq_len,
             "prefill_chunk_size": prefill_chunk_size,

@@ -6,7 +6,7 @@ group of ``group_size`` consecutive K. Dequantized, ``W[n, k] = (q[n, k] - 7) * 
 computed in the model dtype as MLC writes it: ``(dtype(q) - dtype(7)) * scale``. The ``NK`` layout
 stores ``q[N, K / 8]`` and ``scale[N, K / g]``; ``KN`` (q4f16_0) stores both transposed,
 ``q[K / 8, N]`` and ``scale[K / g, N]`` (packed along K, then transposed, as MLC does). Quantizing takes the group's largest magnitude over 7 as its scale, and rounds
-``w / scale + 7`` into 0..15.
+``w / scale + 7`` into 0..14, as MLC does.
 
 The names and the formats are MLC-LLM's (``mlc_llm.quantization``), so libraries of either agree
 on the parameters.
@@ -15,7 +15,7 @@ on the parameters.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -77,7 +77,7 @@ def quantize(w: np.ndarray, s: QuantScheme) -> tuple[np.ndarray, np.ndarray]:
     groups = w.astype(np.float32).reshape(n, k // s.group_size, s.group_size)
     scale = np.abs(groups).max(axis=-1) / MAX_INT
     safe = np.where(scale == 0, 1, scale)
-    values = np.clip(np.rint(groups / safe[..., None] + MAX_INT), 0, 2 * MAX_INT + 1).astype(np.uint32)
+    values = np.clip(np.rint(groups / safe[..., None] + MAX_INT), 0, 2 * MAX_INT).astype(np.uint32)
     q = pack(values.reshape(n, k))
     return (q, scale) if s.layout == "NK" else (q.T.copy(), scale.T.copy())
 
@@ -103,3 +103,33 @@ def dequantize(q: np.ndarray, scale: np.ndarray, s: QuantScheme) -> np.ndarray:
         q, scale = q.T, scale.T
     values = unpack(q).astype(np.float64) - MAX_INT
     return values * np.repeat(np.asarray(scale, dtype=np.float64), s.group_size, axis=1)
+
+
+def quantize_torch(w: Any, s: QuantScheme) -> tuple[Any, Any]:
+    """``quantize`` on the GPU: ``(q uint32, scale)`` of a torch ``[N, K]`` weight, scales in the
+    weight's dtype; the benchmarks quantize random weights of 8B-parameter models with it."""
+    import torch
+
+    n, k = w.shape
+    check_weight_shape(s, n, k)
+    groups = w.float().reshape(n, k // s.group_size, s.group_size)
+    scale = (groups.abs().amax(dim=-1) / MAX_INT).to(w.dtype)
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()
+    values = torch.clamp(torch.round(groups / safe[..., None] + MAX_INT), 0, 2 * MAX_INT).to(torch.int64)
+    shifts = torch.arange(PER_WORD, device=w.device, dtype=torch.int64) * BITS
+    words = (values.reshape(n, k // PER_WORD, PER_WORD) << shifts).sum(dim=-1)
+    q = (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32).view(torch.uint32)
+    return (q, scale) if s.layout == "NK" else (q.T.contiguous(), scale.T.contiguous())
+
+
+def dequantize_torch(q: Any, scale: Any, s: QuantScheme) -> Any:
+    """``dequantize`` on the GPU, in ``scale``'s dtype as the kernels compute it: ``(q - 7) * scale``."""
+    import torch
+
+    if s.layout == "KN":
+        q, scale = q.T, scale.T
+    n, words = q.shape
+    shifts = torch.arange(PER_WORD, device=q.device, dtype=torch.int64) * BITS
+    values = (q.view(torch.int32).to(torch.int64)[..., None] >> shifts) & 0xF
+    values = values.reshape(n, words * PER_WORD).to(scale.dtype) - MAX_INT
+    return values * scale.repeat_interleave(s.group_size, dim=1)

@@ -298,9 +298,12 @@ class _Measure:
     """Prefill and decode measurements of one implementation, as records."""
 
     def __init__(
-        self, config: ModelConfig, runner: _Runner, ids: np.ndarray, sync: Callable[[], None], common: dict
+        self, config: ModelConfig, runner: _Runner, ids: np.ndarray, sync: Callable[[], None], common: dict,
+        shape: dict | None = None,
     ) -> None:
+        """``shape``: what every record's shape also says (a quantized library's ``quantization``)."""
         self.config, self.runner, self.ids, self.sync, self.common = config, runner, ids, sync, common
+        self.shape = shape or {}
         self.cfg = bench_config()["e2e"]
 
     def prefill(self, n: int, ref: Any) -> dict[str, Any]:
@@ -325,7 +328,7 @@ class _Measure:
         return make_record(
             **self.common,
             case=f"{self.config.name}-prefill",
-            shape={"tokens": n},
+            shape={"tokens": n, **self.shape},
             metric="tokens_per_s",
             stats=stats,
             nbytes=nbytes,
@@ -376,7 +379,7 @@ class _Measure:
                 make_record(
                     **self.common,
                     case=f"{self.config.name}-decode",
-                    shape={"context": context, "steps": stats.n},
+                    shape={"context": context, "steps": stats.n, **self.shape},
                     metric="ms_per_token",
                     stats=stats,
                     nbytes=nbytes,
@@ -417,7 +420,7 @@ class _Measure:
                 make_record(
                     **self.common,
                     case=f"{self.config.name}-generate",
-                    shape={"context": context, "steps": steps},
+                    shape={"context": context, "steps": steps, **self.shape},
                     metric="ms_per_token",
                     stats=stats,
                     nbytes=nbytes,

@@ -5,6 +5,9 @@ case (a model). Each library says what parameters it takes (MLC's ``_metadata`` 
 shapes, dtypes, in order); both of a case must agree. Weights are drawn once per case on the device
 and the same tensors go to both libraries, which ``fuselight.engine.Engine`` drives (MLC's models
 export the same ``embed``/``prefill``/``decode``/``create_tir_paged_kv_cache`` functions as ours).
+A 4-bit library (MLC's ``quantization`` in its metadata, ``fuselight.quantization``'s schemes) gets
+float weights drawn as for fp16 and quantized on the device; the float64 reference then runs on the
+dequantized weights, and every record names the scheme in its ``shape``.
 
 Every case: the logits of a prefill, a few decode steps and a long prefill, ``mlc+fuselight``
 against ``mlc`` (relative L2 error, tolerance ``agreement_relerr`` in ``configs/mlc.json``). The
@@ -28,6 +31,8 @@ from ..config import ModelConfig, load
 from ..errors import FuselightError
 from ..jsonfile import read_json_object
 from ..paths import config_dir
+from ..quantization import PER_WORD, STORAGE_DTYPE, dequantize_torch, quantize_torch
+from ..quantization import scheme as quantization_scheme
 from ..runtime import init_tvm, load_library, release_memory
 from . import bench_config
 from .e2e import _relerr
@@ -39,7 +44,8 @@ IMPLS = MLC_IMPLS
 # Parameter names across MLC's models: Llama/Mistral/Qwen2 "model.layers.N.", "model.embed_tokens",
 # "*norm.weight"; Phi-3 "transformer.h.N.", "transformer.embd", "ln.weight", "mixer.out_proj".
 _LAYER_INDEX = re.compile(r"\.(?:layers|h)\.(\d+)\.")
-_EMBED = re.compile(r"(?:^|\.)(?:embed_tokens|embd)\.weight$")
+_EMBED = re.compile(r"(?:^|\.)(?:embed_tokens|embd)\.(?:q_)?weight$")
+_PACKED, _SCALE = ".q_weight", ".q_scale"
 _NORM = re.compile(r"(?:norm|(?:^|\.)ln)\.weight$")
 _OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
 
@@ -51,12 +57,13 @@ class ModelInfo:
     name: str
     hidden_size: int
     vocab_size: int
-    dtype: str
-    params: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape), in the library's order
+    dtype: str  # of the float parameters
+    params: tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype), in the library's order
+    quantization: str | None = None  # MLC's scheme name (a ``fuselight.quantization`` scheme)
 
     @property
     def num_layers(self) -> int:
-        return len({m.group(1) for name, _ in self.params if (m := _LAYER_INDEX.search(name))})
+        return len({m.group(1) for name, _, _ in self.params if (m := _LAYER_INDEX.search(name))})
 
 
 def mlc_settings() -> dict[str, Any]:
@@ -81,15 +88,22 @@ def model_info(case: str, metadata: dict[str, Any], path: Path, sizes: dict[str,
         raise FuselightError(f"{path}: parameter {name!r} has dimension {d!r} and the library's metadata gives no value "
                              "(build it with 'fuselight mlc compile')")
 
-    specs = tuple((p["name"], tuple(dim(p["name"], d) for d in p["shape"])) for p in params)
-    dtypes = {p["dtype"] for p in params}
-    if len(dtypes) != 1:
-        raise FuselightError(f"{path}: parameters of several dtypes {sorted(dtypes)} (expected an unquantized model)")
-    embed = [shape for name, shape in specs if _EMBED.search(name)]
-    if len(embed) != 1 or len(embed[0]) != 2:
+    specs = tuple((p["name"], tuple(dim(p["name"], d) for d in p["shape"]), p["dtype"]) for p in params)
+    floats = {p["dtype"] for p in params} - {STORAGE_DTYPE}
+    if len(floats) != 1:
+        raise FuselightError(f"{path}: parameters of several float dtypes {sorted(floats)}")
+    quantization = None
+    if any(dtype == STORAGE_DTYPE for _, _, dtype in specs):
+        quantization = metadata.get("quantization")
+        if quantization_scheme(quantization) is None:
+            raise FuselightError(f"{path}: packed parameters without a quantization scheme in MLC's metadata")
+    embed = [(name, shape) for name, shape, _ in specs if _EMBED.search(name)]
+    if len(embed) != 1 or len(embed[0][1]) != 2:
         raise FuselightError(f"{path}: no single 2-D token embedding (embed_tokens or embd) among the parameters")
-    vocab, hidden = embed[0]
-    return ModelInfo(case, hidden, vocab, dtypes.pop(), specs)
+    name, (vocab, hidden) = embed[0]
+    if name.endswith(_PACKED):
+        hidden *= PER_WORD  # MLC packs the embedding along the hidden dim in every scheme
+    return ModelInfo(case, hidden, vocab, floats.pop(), specs, quantization)
 
 
 def read_mlc_metadata(vm: Any) -> dict[str, Any]:
@@ -107,7 +121,7 @@ def random_weights(info: ModelInfo, device: Any, seed: int) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(seed)
     dtype = getattr(torch, info.dtype)
     weights = {}
-    for name, shape in info.params:
+    for name, shape in float_params(info):
         norm = len(shape) == 1 and bool(_NORM.search(name))
         if norm:
             std = NORM_NOISE_STD
@@ -124,7 +138,48 @@ def random_weights(info: ModelInfo, device: Any, seed: int) -> dict[str, Any]:
         if norm:
             t += 1.0
         weights[name] = t
-    return weights
+    return quantized(info, weights)[0]
+
+
+def float_params(info: ModelInfo) -> list[tuple[str, tuple[int, ...]]]:
+    """The float parameters ``info``'s packed ones quantize, in order: ``(name, shape)``, a packed
+    pair ``X.q_weight``, ``X.q_scale`` standing for ``X.weight`` of ``[N, K]``."""
+    scheme = quantization_scheme(info.quantization)
+    shapes = {name: shape for name, shape, _ in info.params}
+    out = []
+    for name, shape, _ in info.params:
+        if name.endswith(_SCALE):
+            continue
+        if name.endswith(_PACKED):
+            base = name.removesuffix(_PACKED)
+            words, groups = (shape, shapes[base + _SCALE]) if scheme.layout == "NK" or _EMBED.search(name) else \
+                (shape[::-1], shapes[base + _SCALE][::-1])
+            out.append((base + ".weight", (words[0], words[1] * PER_WORD)))
+        else:
+            out.append((name, shape))
+    return out
+
+
+def quantized(info: ModelInfo, weights: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(the library's tensors by its names, the float weights they store)``: each packed pair
+    quantized from ``weights`` (on the device), whose entry is replaced by the dequantized weight."""
+    scheme = quantization_scheme(info.quantization)
+    if scheme is None:
+        return weights, weights
+    library = {}
+    for name, _, _ in info.params:
+        if name.endswith(_SCALE):
+            continue
+        if not name.endswith(_PACKED):
+            library[name] = weights[name]
+            continue
+        base = name.removesuffix(_PACKED)
+        # MLC's embedding is NK in every scheme.
+        layout = scheme if not _EMBED.search(name) else dataclasses.replace(scheme, layout="NK")
+        q, s = quantize_torch(weights[base + ".weight"], layout)
+        library[name], library[base + _SCALE] = q, s
+        weights[base + ".weight"] = dequantize_torch(q, s, layout)
+    return library, weights
 
 
 def _llama_weights(config: ModelConfig, info: ModelInfo, device: Any, seed: int) -> dict[str, Any]:
@@ -133,7 +188,7 @@ def _llama_weights(config: ModelConfig, info: ModelInfo, device: Any, seed: int)
 
     weights = e2e_weights(config, device, seed)
     ours = {name: tuple(t.shape) for name, t in weights.items()}
-    theirs = dict(info.params)
+    theirs = dict(float_params(info))
     if ours != theirs:
         diff = sorted(set(ours.items()) ^ set(theirs.items()))[:3]
         raise FuselightError(f"case {info.name!r}: MLC's parameters differ from model {config.name!r}'s: {diff}")
@@ -164,7 +219,7 @@ def _open(
     sizes = {**meta.get("mlc_model_config", {}), **(dataclasses.asdict(config) if config is not None else {})}
     info = model_info(case, mlc_meta, path, sizes)
     weights = weights_for(info)
-    params = [tvm.runtime.from_dlpack(weights[name]) for name, _ in info.params]
+    params = [tvm.runtime.from_dlpack(weights[name]) for name, _, _ in info.params]
     engine = Engine(vm, params, info, dev, max_total_seq_len=max_len,
                     prefill_chunk_size=mlc_meta.get("prefill_chunk_size"), param_specs=info.params)
     return _TvmRunner(engine, th), meta, mlc_meta
@@ -266,8 +321,10 @@ def _run_case(
             raise FuselightError(f"case {case!r}: the {', '.join(IMPLS)} libraries take different parameters")
         if "weights" not in shared:
             shared["info"] = info
-            shared["weights"] = (_llama_weights(config, info, run.tdev, run.seed) if config is not None
-                                 else random_weights(info, run.tdev, run.seed))
+            if config is not None:  # the reference runs on the float weights the library's store
+                shared["weights"], shared["reference"] = quantized(info, _llama_weights(config, info, run.tdev, run.seed))
+            else:
+                shared["weights"] = random_weights(info, run.tdev, run.seed)
         return shared["weights"]
 
     records: list[dict[str, Any]] = []
@@ -278,11 +335,12 @@ def _run_case(
     for impl in IMPLS:
         print(f"{case} {impl}: loading {pair[impl]}", flush=True)
         runner, meta, mlc_meta = _open(run.tvm, run.th, pair[impl], run.device, case, config, weights_for, run.max_len)
-        info, weights = shared["info"], shared["weights"]
+        info = shared["info"]
         if ids is None:
             ids = np.random.default_rng(run.seed).integers(0, info.vocab_size, size=run.max_len, dtype=np.int32)
             if config is not None:
                 print(f"{case}: float64 reference", flush=True)
+                weights = shared["reference"]
                 refs = {n: reference_logits(config, weights, ids[:n]) for n in run.prefill_tokens}
                 refs_acc = [reference_logits(config, weights, ids[: run.prompt + i]) for i in range(run.steps + 1)]
                 refs_acc.append(refs[long])
@@ -292,7 +350,8 @@ def _run_case(
             common = {"suite": SUITE, "device": device_name(run.device), "tvm_version": run.tvm.__version__,
                       "git_commit": meta.get("git_commit") or git_commit(), "impl": impl,
                       "baseline_source": sources[impl]}
-            measure = _Measure(config, runner, ids, run.sync, common)
+            measure = _Measure(config, runner, ids, run.sync, common,
+                               {"quantization": info.quantization} if info.quantization else None)
             records += [measure.prefill(n, refs[n]) for n in run.prefill_tokens]
             records += measure.decode(run.decode_contexts, run.decode_steps)
             del measure

@@ -48,15 +48,21 @@ def _text(v: Any) -> bool:
     return isinstance(v, str) and bool(v)
 
 
+# Shape fields that name, rather than count: a quantized record's scheme.
+TEXT_SHAPE_FIELDS = ("quantization",)
+
+
 def _shape(v: Any) -> bool:
-    return isinstance(v, dict) and bool(v) and all(isinstance(k, str) and _count(x) for k, x in v.items())
+    return isinstance(v, dict) and bool(v) and all(
+        isinstance(k, str) and (_text(x) if k in TEXT_SHAPE_FIELDS else _count(x)) for k, x in v.items()
+    )
 
 
 # field -> (check, what it must be)
 _FIELDS: dict[str, tuple[Any, str]] = {
     "suite": (_text, "a non-empty string"),
     "case": (_text, "a non-empty string"),
-    "shape": (_shape, "an object of non-negative integers"),
+    "shape": (_shape, f"an object of non-negative integers (and {', '.join(TEXT_SHAPE_FIELDS)}: a name)"),
     "impl": (lambda v: v in IMPLS, f"one of {', '.join(IMPLS)}"),
     "metric": (lambda v: v in METRICS, f"one of {', '.join(METRICS)}"),
     "median_us": (_positive, "a positive number"),
