@@ -54,7 +54,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench_build(args: argparse.Namespace) -> int:
     from .bench.kernels import build_suite
 
-    manifest = build_suite(Path(args.out), target_arch=args.arch, cases=args.cases)
+    manifest = build_suite(Path(args.out), target_arch=args.arch, cases=args.cases, suite=args.suite)
     print(f"kernel suite built: {manifest}")
     return 0
 
@@ -220,6 +220,7 @@ def _parser() -> argparse.ArgumentParser:
     bb = bsub.add_parser("build", help="compile the kernel suite for the GPU")
     bb.add_argument("out", help="output directory")
     bb.add_argument("--arch", default="sm_90")
+    bb.add_argument("--suite", default="full", help="a kernel suite of configs/bench.json (gpu: the GPU test tier's cases)")
     bb.add_argument("--cases", nargs="*", default=None)
     bb.set_defaults(func=cmd_bench_build)
     br = bsub.add_parser("run", help="run the kernel suite (GPU host)")

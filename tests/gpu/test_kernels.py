@@ -1,0 +1,67 @@
+"""The GPU tier: every kernel family run on the GPU against float64, outputs poisoned first.
+
+Runs on the GPU host with the runtime-only TVM, over libraries built on the build host by one
+command (``fuselight bench build DIR --suite gpu``: the ``gpu`` suite of ``configs/bench.json``, both
+pipelines); point ``FUSELIGHT_GPU_BUILD`` at DIR. Each case is one test: every point of its sweep
+(prime and tile-edge sizes), for each pipeline, within the dtype's tolerance of the float64
+reference, with a NaN-poisoned output buffer first (``bench.kernels_run``). ``FUSELIGHT_GPU_RESULTS``
+names a file for the results (pass/fail and error per point), committed beside the benchmarks.
+Skipped where there is no CUDA device or no build.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+BUILD = os.environ.get("FUSELIGHT_GPU_BUILD")
+MANIFEST = Path(BUILD) / "manifest.json" if BUILD else None
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+pytestmark = pytest.mark.skipif(
+    MANIFEST is None or not MANIFEST.is_file() or not _cuda(),
+    reason="GPU tier: needs a CUDA device and FUSELIGHT_GPU_BUILD (built by 'fuselight bench build DIR --suite gpu')",
+)
+
+
+def _cases() -> list[str]:
+    if MANIFEST is None or not MANIFEST.is_file():
+        return ["(no build)"]
+    from fuselight.bench.kernels import read_manifest
+
+    return [c.name for c in read_manifest(MANIFEST)[1]]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> tuple[list[dict], list[str]]:
+    """Every case run once: ``(records, failures)``."""
+    import json
+
+    from fuselight.bench.kernels import run_suite
+
+    out = Path(os.environ.get("FUSELIGHT_GPU_RESULTS") or tmp_path_factory.mktemp("gpu") / "gpu-tests.json")
+    records = run_suite(MANIFEST, out)
+    return records, json.loads(out.read_text())["meta"]["failures"]
+
+
+@pytest.mark.parametrize("case", _cases())
+def test_case_matches_float64(case: str, results: tuple[list[dict], list[str]]) -> None:
+    records, failures = results
+    from fuselight.bench.kernels import read_manifest
+
+    built = next(c for c in read_manifest(MANIFEST)[1] if c.name == case)
+    ours = [r for r in records if r["case"] == case]
+    # Every point ran for both pipelines (and PyTorch): nothing skipped silently.
+    for impl in ("baseline", "fuselight"):
+        assert sorted(r["shape"][built.spec.sweep_var] for r in ours if r["impl"] == impl) == sorted(built.sweep)
+    assert [f for f in failures if f.startswith(f"{case} ")] == []
