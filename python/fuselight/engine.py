@@ -58,7 +58,8 @@ class Engine:
     ) -> None:
         """``vm``: a ``tvm.runtime.vm.VirtualMachine``; ``params``: tensors on ``device`` in
         ``param_specs`` order (``(name, shape)``; None: ``param_names_and_shapes(config)``, our
-        model's). Of ``config`` only ``name``, ``hidden_size``, ``vocab_size`` and ``dtype`` are read,
+        model's). Of ``config`` only ``name``, ``hidden_size``, ``vocab_size`` and ``dtype`` are read
+        (``*.q_weight`` parameters are ``uint32``, as every 4-bit scheme stores them),
         so another model with the same functions (MLC-LLM's) runs with its own parameter list.
         Unset sizes come from ``runtime_config()``; ``prefill_chunk_size`` must not exceed the one
         the library was built with."""
@@ -73,8 +74,9 @@ class Engine:
         for (name, shape), p in zip(expected, params, strict=True):
             if tuple(p.shape) != tuple(shape):
                 raise FuselightError(f"parameter {name!r} has shape {tuple(p.shape)}, expected {shape}")
-            if str(p.dtype) != config.dtype:
-                raise FuselightError(f"parameter {name!r} has dtype {p.dtype}, expected {config.dtype}")
+            want = config.weight_dtype(name)  # packed words for *.q_weight, else the model dtype
+            if str(p.dtype) != want:
+                raise FuselightError(f"parameter {name!r} has dtype {p.dtype}, expected {want}")
         sizes = {
             "max_total_seq_len": max_total_seq_len,
             "prefill_chunk_size": prefill_chunk_size,
