@@ -161,3 +161,25 @@ def test_our_passes_merge_what_mlc_merges(scheme):
 
     name = next(gv.name_hint for gv in ours.functions if "take" in gv.name_hint)
     assert tvm_ffi.structural_equal(ours[name], theirs[name])
+
+
+def test_loading_a_float_checkpoint_quantizes_it(tmp_path):
+    from fuselight.model.weights import load_hf_checkpoint, save_hf_checkpoint
+
+    cfg = tiny("q4f16_0")
+    dense_cfg = cfg.with_quantization(None)
+    dense = {n: w.astype(np.float32) for n, w in random_weights(dense_cfg, seed=9, dtype="float32").items()}
+    save_hf_checkpoint(tmp_path, dense_cfg, dense)
+    params = load_hf_checkpoint(tmp_path, cfg)
+    assert list(params) == list(cfg.weight_shapes())
+    assert params["lm_head.q_weight"].dtype == np.uint32 and params["lm_head.q_scale"].dtype == np.float16
+    back = dequantize_weights(cfg, params)
+    for name, w in dense.items():
+        if name.endswith("norm.weight"):
+            np.testing.assert_array_equal(back[name], w.astype(np.float16))
+            continue
+        # Within half a quantization step of the group (its largest magnitude / 7), and the scales
+        # rounded to float16.
+        groups = np.abs(w).reshape(w.shape[0], -1, 32).max(-1) / 7
+        step = np.repeat(groups, 32, axis=1)
+        assert np.all(np.abs(back[name] - w) <= step * (0.5 + 8 * 2**-11) + 1e-7), name
