@@ -69,14 +69,14 @@ def quantized_weights(config: ModelConfig, tvm: Any, device: Any, tvm_device: An
     dtype (what the dequantize computes), for the float64 reference and transformers."""
     import torch
 
-    from ..model.weights import dequantize_weights, random_weights as numpy_weights
+    from ..model.weights import iter_dequantized, random_weights as numpy_weights
 
     params = numpy_weights(config, seed=seed)
     tensors = [tvm.runtime.tensor(params[name], device=tvm_device) for name in config.weight_shapes()]
     dtype = getattr(torch, config.dtype)
     dense = {
         name: torch.from_numpy(np.asarray(w, dtype=np.float64)).to(device=device, dtype=dtype)
-        for name, w in dequantize_weights(config, params).items()
+        for name, w in iter_dequantized(config, params)
     }
     return tensors, dense
 

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,15 +136,18 @@ def quantize_weights(config: ModelConfig, dense: dict[str, np.ndarray]) -> dict[
 def dequantize_weights(config: ModelConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The float weights ``params`` store, by ``dense_weight_shapes()`` name: each quantized weight
     dequantized in float64 from its stored scales, the others as they are."""
+    return dict(iter_dequantized(config, params))
+
+
+def iter_dequantized(config: ModelConfig, params: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+    """``dequantize_weights`` one tensor at a time (a float64 LLaMA-3-8B would take 64 GB at once)."""
     quantized = config.quantized_weights()
-    dense = {}
     for name in config.dense_weight_shapes():
         if name in quantized:
             q_name, s_name = quantization.quantized_names(name)
-            dense[name] = quantization.dequantize(params[q_name], params[s_name], quantized[name])
+            yield name, quantization.dequantize(params[q_name], params[s_name], quantized[name])
         else:
-            dense[name] = params[name]
-    return dense
+            yield name, params[name]
 
 
 # --- safetensors ------------------------------------------------------------------------------
