@@ -46,24 +46,33 @@ class MaterializedWeight:
 def materialized_weights(mod: tvm.IRModule) -> list[MaterializedWeight]:
     """Every ``call_tir`` of ``mod``'s Relax functions that writes a floating tensor of 2, 4 or 8
     elements for each element of an integer tensor it reads (see the module docstring)."""
-    analyzer = arith.Analyzer()
     found = []
     for gv, func in mod.functions_items():
         if not isinstance(func, relax.Function):
             continue
         for binding in (b for block in _blocks(func) for b in block.bindings):
-            call = binding.value
-            if not isinstance(call, relax.Call) or call.op != tvm.ir.Op.get("relax.call_tir"):
-                continue
-            packed = [_numel(a.ty) for a in call.args[1].fields if _is_tensor(a.ty, "int")]
-            outs = call.ty.fields if isinstance(call.ty, relax.TupleType) else [call.ty]
-            written = [_numel(t) for t in outs if _is_tensor(t, "float")]
-            if any(
-                p is not None and w is not None and analyzer.can_prove_equal(w, p * r)
-                for p in packed for w in written for r in _UNPACK_RATIOS
-            ):
+            if computes_dequantize(binding.value):
+                call = binding.value
                 found.append(MaterializedWeight(gv.name_hint, binding.var.name, call.args[0].name_hint))
     return found
+
+
+def computes_dequantize(call: relax.Expr) -> bool:
+    """Whether ``call`` is a ``call_tir`` that writes a floating tensor of 2, 4 or 8 elements for
+    each element of an integer tensor it reads: a dequantize of packed weights, by what it
+    computes rather than by its callee's name."""
+    if not isinstance(call, relax.Call) or call.op != tvm.ir.Op.get("relax.call_tir"):
+        return False
+    if not isinstance(call.args[1], relax.Tuple):
+        return False
+    analyzer = arith.Analyzer()
+    packed = [_numel(a.ty) for a in call.args[1].fields if _is_tensor(a.ty, "int")]
+    outs = call.ty.fields if isinstance(call.ty, relax.TupleType) else [call.ty]
+    written = [_numel(t) for t in outs if _is_tensor(t, "float")]
+    return any(
+        p is not None and w is not None and analyzer.can_prove_equal(w, p * r)
+        for p in packed for w in written for r in _UNPACK_RATIOS
+    )
 
 
 def _blocks(func: relax.Function) -> list[relax.BindingBlock]:

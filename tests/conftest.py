@@ -47,16 +47,17 @@ def relative_error(out: Any, ref: Any) -> float:
 def compare_with_reference(
     vm: Any, device: Any, config: ModelConfig, weights: dict, prompt: Any, decode_ids: list[int], **engine_args: Any
 ) -> list[float]:
-    """Prefill ``prompt`` then decode ``decode_ids`` on our compiled model and on the float64
-    reference; the relative error of each step's last-position logits."""
+    """Prefill ``prompt`` then decode ``decode_ids`` on our compiled model (``weights``: its
+    parameters) and on the float64 reference; the relative error of each step's last-position logits."""
     import tvm
     from fuselight.engine import Engine
-    from fuselight.model.weights import hf_config, to_hf_state
+    from fuselight.model.weights import dequantize_weights, hf_config, to_hf_state
     from reference_llama import ReferenceLlama
 
     params = [tvm.runtime.tensor(w, device=device) for w in weights.values()]
     engine = Engine(vm, params, config, device, **engine_args)
-    reference = ReferenceLlama(hf_config(config), to_hf_state(config, weights))
+    # Quantized parameters: the reference runs on the float64 weights they store.
+    reference = ReferenceLlama(hf_config(config), to_hf_state(config, dequantize_weights(config, weights)))
     errors = [relative_error(engine.prefill(prompt).numpy(), reference.prefill(prompt))]
     for token in decode_ids:
         errors.append(relative_error(engine.decode(token).numpy(), reference.decode(token)))

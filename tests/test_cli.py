@@ -71,6 +71,21 @@ def test_unsupported_dtype(capsys):
     _fails(capsys, ["compile", "--model", "tiny-llama", "--target", "llvm", "--dtype", "int4", "-o", "x.so"], "int4")
 
 
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--quantization", "q3f16_1"], "unsupported quantization 'q3f16_1'"),
+        # tiny-llama's intermediate size (344) is not a whole number of 32-element groups
+        (["--quantization", "q4f16_1"], "mlp.down_proj.weight: q4f16_1: a weight of shape [128, 344]"),
+        (["--quantization", "q4bf16_1", "--dtype", "float16"], "q4bf16_1 computes in bfloat16"),
+    ],
+)
+def test_bad_quantization(capsys, tmp_path, extra, needle):
+    argv = ["compile", "--model", "tiny-llama", "--target", "llvm", *extra, "-o", str(tmp_path / "x.so")]
+    _fails(capsys, argv, needle)
+    assert not (tmp_path / "x.so").exists()
+
+
 def test_bad_pipeline(capsys, tmp_path):
     _fails(capsys, ["compile", "--model", "tiny-llama", "--target", "llvm", "--pipeline", "fast", "-o", str(tmp_path / "x.so")], "fast")
 

@@ -1,7 +1,7 @@
 """The ``fuselight`` command line: compile, demo, bench, explain, report, audit-pdl.
 
-Bad input (unknown preset, bad config field, unsupported target, arch or dtype, a library built for
-another GPU) prints ``error: ...`` in one line and exits with code 2. Compiler-side modules are
+Bad input (unknown preset, bad config field, unsupported target, arch, dtype or quantization, a
+library built for another GPU) prints ``error: ...`` in one line and exits with code 2. Compiler-side modules are
 imported inside the commands that need them: ``bench run`` and ``bench e2e`` run on a GPU host that
 has only the TVM runtime.
 """
@@ -17,18 +17,23 @@ from pathlib import Path
 from .errors import FuselightError
 
 
-def _model_config(spec: str, dtype: str | None):
+def _model_config(spec: str, dtype: str | None, quantization: str | None = None):
     from . import config
+    from .quantization import scheme
 
     cfg = config.load(spec)
-    return cfg.with_dtype(dtype) if dtype else cfg
+    cfg = cfg.with_dtype(dtype) if dtype else cfg
+    s = scheme(quantization)
+    if s is not None and dtype and dtype != s.model_dtype:
+        raise FuselightError(f"--quantization {s.name} computes in {s.model_dtype}, not --dtype {dtype}")
+    return cfg.with_quantization(quantization)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from . import compile as fc
     from .target import resolve
 
-    cfg = _model_config(args.model, args.dtype)
+    cfg = _model_config(args.model, args.dtype, args.quantization)
     spec = resolve(args.target, args.arch)
     options = None
     if args.passes is not None or args.no_rules or args.no_programmatic_launch:
@@ -38,7 +43,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     out = fc.export(built, Path(args.output), aot_cuda=not args.no_aot)
     s = built.stats
     print(
-        f"{out}: {cfg.name} {cfg.dtype} {spec.name} pipeline={args.pipeline} kernels={s.kernels} "
+        f"{out}: {cfg.name} {cfg.quantization or cfg.dtype} {spec.name} pipeline={args.pipeline} kernels={s.kernels} "
         f"launches/decode-step={s.launches_per_decode_step} ({built.compile_seconds:.1f} s)"
     )
     return 0
@@ -121,7 +126,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.graph is not None:
         report = explain_graph(args.graph, prompt_len=args.prompt_len)
     else:
-        report = explain(_model_config(args.model, args.dtype), prompt_len=args.prompt_len)
+        report = explain(_model_config(args.model, args.dtype, args.quantization), prompt_len=args.prompt_len)
     print(json.dumps(report, indent=1) if args.json else format_text(report))
     return 0
 
@@ -194,6 +199,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--arch", default=None, help="CUDA arch, e.g. sm_90 (cuda only; default sm_90)")
     c.add_argument("--pipeline", default="fuselight", help="baseline or fuselight")
     c.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: the config's)")
+    c.add_argument("--quantization", default=None,
+                   help="4-bit weights in an MLC-LLM scheme: q4f16_1, q4bf16_1 or q4f16_0 (default: none)")
     c.add_argument("-o", "--output", required=True, help="library path, e.g. llama.so")
     c.add_argument("--no-aot", action="store_true", help="keep CUDA as source (compiled when loaded)")
     c.add_argument("--passes", default=None,
@@ -270,6 +277,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--model", default=None, help="preset name (configs/models) or a config.json path")
     e.add_argument("--graph", default=None, help="a transformer layer instead (configs/graphs: bert-encoder, vit-block)")
     e.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: the config's)")
+    e.add_argument("--quantization", default=None, help="q4f16_1, q4bf16_1 or q4f16_0 (default: none)")
     e.add_argument("--prompt-len", type=int, default=128, help="length the symbolic dims are evaluated at")
     e.add_argument("--json", action="store_true", help="print JSON instead of tables")
     e.set_defaults(func=cmd_explain)

@@ -276,6 +276,7 @@ def metadata(built: Built) -> dict[str, Any]:
         built.pipeline,
         built.baseline_source,
         model=dataclasses.asdict(built.config),
+        quantization=built.config.quantization,  # the weight scheme (None: float weights)
         param_names=built.param_names,
         prefill_chunk_size=built.prefill_chunk_size,
         stats=dataclasses.asdict(built.stats),

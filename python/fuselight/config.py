@@ -12,6 +12,7 @@ from typing import Any
 from .errors import FuselightError
 from .jsonfile import read_json_object
 from .paths import config_dir
+from .quantization import QuantScheme, STORAGE_DTYPE, check_weight_shape, quantized_names, scheme
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
 _ROPE_TYPES = ("llama3", "default")
@@ -45,6 +46,8 @@ class ModelConfig:
     head_dim: int
     rope_scaling: RopeScaling | None = None
     dtype: str = "float16"
+    # A 4-bit scheme of ``fuselight.quantization`` (None: weights in ``dtype``); set with ``with_quantization``.
+    quantization: str | None = None
 
     @property
     def q_size(self) -> int:
@@ -59,8 +62,59 @@ class ModelConfig:
         check_dtype(dtype)
         return dataclasses.replace(self, dtype=dtype)
 
+    def with_quantization(self, name: str | None) -> "ModelConfig":
+        """The same model with its weights in scheme ``name`` (None: unquantized), computing in the
+        scheme's dtype; FuselightError for an unknown scheme or a weight it cannot store."""
+        s = scheme(name)
+        if s is None:
+            return dataclasses.replace(self, quantization=None)
+        for weight, (n, k) in self._quantizable_shapes(s).items():
+            try:
+                check_weight_shape(s, n, k)
+            except FuselightError as err:
+                raise FuselightError(f"model {self.name!r}: {weight}: {err}") from None
+        return dataclasses.replace(self, quantization=s.name, dtype=s.model_dtype)
+
+    def _quantizable_shapes(self, s: QuantScheme) -> dict[str, tuple[int, ...]]:
+        dense = self.dense_weight_shapes()
+        return {
+            name: shape for name, shape in dense.items()
+            if len(shape) == 2 and (s.quantize_embedding if name == "model.embed_tokens.weight" else True)
+            and (s.quantize_lm_head or name != "lm_head.weight")
+        }
+
+    def quantized_weights(self) -> dict[str, QuantScheme]:
+        """Each quantized dense weight's name -> its scheme as stored: the linears in the scheme's
+        layout, the embedding always NK (MLC-LLM quantizes it along the hidden dim, untransposed,
+        since its rows are gathered). Empty without quantization."""
+        s = scheme(self.quantization)
+        if s is None:
+            return {}
+        return {
+            name: dataclasses.replace(s, layout="NK") if name == "model.embed_tokens.weight" else s
+            for name in self._quantizable_shapes(s)
+        }
+
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Parameter name (our model's, fused QKV and gate/up as MLC-LLM lays them out) to shape."""
+        """Parameter name to shape, in the compiled functions' order: ``dense_weight_shapes()``, or
+        with quantization each quantized ``X.weight`` as ``X.q_weight`` and ``X.q_scale``."""
+        quantized = self.quantized_weights()
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, shape in self.dense_weight_shapes().items():
+            if name in quantized:
+                q, s = quantized[name].packed_shapes(*shape)
+                q_name, s_name = quantized_names(name)
+                shapes[q_name], shapes[s_name] = q, s
+            else:
+                shapes[name] = shape
+        return shapes
+
+    def weight_dtype(self, name: str) -> str:
+        """The dtype of parameter ``name``: packed words for ``*.q_weight``, else the model dtype."""
+        return STORAGE_DTYPE if name.endswith(".q_weight") else self.dtype
+
+    def dense_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Weight name (our model's, fused QKV and gate/up as MLC-LLM lays them out) to its float shape."""
         h, i = self.hidden_size, self.intermediate_size
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
         for layer in range(self.num_hidden_layers):
@@ -77,15 +131,14 @@ class ModelConfig:
         return shapes
 
     def num_weight_bytes(self) -> int:
-        """Bytes of all parameters at this config's dtype."""
-        itemsize = 4 if self.dtype == "float32" else 2
+        """Bytes of all parameters as stored (packed words and scales when quantized)."""
         total = 0
-        for shape in self.weight_shapes().values():
-            n = 1
+        for name, shape in self.weight_shapes().items():
+            n = 4 if self.weight_dtype(name) in ("float32", STORAGE_DTYPE) else 2
             for d in shape:
                 n *= d
             total += n
-        return total * itemsize
+        return total
 
 
 def check_dtype(dtype: str) -> str:

@@ -57,9 +57,10 @@ class Engine:
         param_specs: Sequence[tuple] | None = None,
     ) -> None:
         """``vm``: a ``tvm.runtime.vm.VirtualMachine``; ``params``: tensors on ``device`` in
-        ``param_specs`` order (``(name, shape)`` or ``(name, shape, dtype)`` where a parameter's dtype
-        is not ``config.dtype``, as quantized weights' packed words; None:
-        ``param_names_and_shapes(config)``, our model's). Of ``config`` only ``name``, ``hidden_size``, ``vocab_size`` and ``dtype`` are read,
+        ``param_specs`` order (``(name, shape)``, or ``(name, shape, dtype)`` for a list whose dtypes
+        the config does not give; None: ``param_names_and_shapes(config)``, our model's). Of ``config``
+        only ``name``, ``hidden_size``, ``vocab_size`` and ``dtype`` (and ``weight_dtype`` for 2-tuples:
+        ``*.q_weight`` parameters are ``uint32``, as every 4-bit scheme stores them) are read,
         so another model with the same functions (MLC-LLM's) runs with its own parameter list.
         Unset sizes come from ``runtime_config()``; ``prefill_chunk_size`` must not exceed the one
         the library was built with."""
@@ -72,11 +73,12 @@ class Engine:
         if len(params) != len(expected):
             raise FuselightError(f"model {config.name!r} takes {len(expected)} parameters, got {len(params)}")
         for spec, p in zip(expected, params, strict=True):
-            name, shape, dtype = (*spec, config.dtype)[:3]
+            name, shape, dtype = (*spec, None)[:3]
             if tuple(p.shape) != tuple(shape):
                 raise FuselightError(f"parameter {name!r} has shape {tuple(p.shape)}, expected {shape}")
-            if str(p.dtype) != dtype:
-                raise FuselightError(f"parameter {name!r} has dtype {p.dtype}, expected {dtype}")
+            want = dtype or config.weight_dtype(name)  # packed words for *.q_weight, else the model dtype
+            if str(p.dtype) != want:
+                raise FuselightError(f"parameter {name!r} has dtype {p.dtype}, expected {want}")
         sizes = {
             "max_total_seq_len": max_total_seq_len,
             "prefill_chunk_size": prefill_chunk_size,

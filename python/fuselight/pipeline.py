@@ -1,12 +1,13 @@
 """The Relax pipelines: MLC-LLM's compilation ("fuselight_baseline") and fuselight's ("fuselight").
 
-The baseline is MLC-LLM's "mlc_llm" pipeline for a model with no quantization, no sampling
-functions and no pipeline parallelism, in MLC's order and phases:
+The baseline is MLC-LLM's "mlc_llm" pipeline for a model with no sampling functions and no pipeline
+parallelism (weights in float or in MLC's 4-bit group schemes), in MLC's order and phases:
 
 0. attach information (target, variable bounds, memory-planning and CUDA-graph hints);
 1. graph passes (FuseAddRMSNorm on GPUs, FuseTransposeMatmul);
 2. TVM's lowering to TIR (LegalizeOps ... FuseTIR);
-3. TIR clean-up (DeadCodeElimination, CleanUpTIRAttrs);
+3. TIR passes (each dequantize fused into the matmul or take reading it, DeadCodeElimination,
+   CleanUpTIRAttrs);
 4. scheduling (LowBatchGemvSpecialize, then DLight's default rules; none on llvm, see
    ``fuselight.rules.dlight_defaults``);
 5. lowering to VM code (LiftTIRGlobalBufferAlloc ... AttachGlobalSymbol).
@@ -76,8 +77,9 @@ BASELINE_PASSES: list[PassInfo] = [
     PassInfo("AttachSequenceLengthPaddingFactor", 0, "absent", "only for CUTLASS FP8 GEMMs on sm_100a"),
     PassInfo("BindTarget", 0, "tvm"),
     PassInfo("DispatchTritonKernel", 1, "absent", "no Triton kernels"),
-    PassInfo("FuseFTDequantizeEpilogue", 1, "absent", "no quantization"),
-    PassInfo("FuseDequantizeTranspose", 1, "absent", "no quantization"),
+    PassInfo("FuseFTDequantizeEpilogue", 1, "absent", "no FasterTransformer quantization (q4f16_ft)"),
+    PassInfo("FuseDequantizeTranspose", 1, "absent",
+             "never fires on our graphs: no dequantize PrimFunc with a transpose stage"),
     PassInfo("BLASDispatch", 1, "absent", "cuBLAS is not in the TVM wheel", "cublas_gemm"),
     PassInfo("FuseAddRMSNorm", 1, "equivalent", "one kernel per row for hidden % 1024 == 0", "non-llvm targets"),
     PassInfo("FuseTransposeMatmul", 1, "equivalent", "matmul(x, permute_dims(w)) -> NT_matmul"),
@@ -88,8 +90,9 @@ BASELINE_PASSES: list[PassInfo] = [
     PassInfo("FoldConstant", 2, "tvm"),
     PassInfo("FuseOps", 2, "tvm"),
     PassInfo("FuseTIR", 2, "tvm"),
-    PassInfo("FuseDequantizeMatmulEwise", 3, "absent", "no quantization"),
-    PassInfo("FuseDequantizeTake", 3, "absent", "no quantization"),
+    PassInfo("FuseDequantizeMatmulEwise", 3, "equivalent",
+             "a dequantize into the matmul reading it (by name, as MLC, or by what each computes)"),
+    PassInfo("FuseDequantizeTake", 3, "equivalent", "the embedding's dequantize into its take, gathered rows only"),
     PassInfo("DeadCodeElimination", 3, "tvm"),
     PassInfo("CleanUpTIRAttrs", 3, "equivalent", "drops op_pattern"),
     PassInfo("LowBatchGemvSpecialize", 4, "equivalent", "m <= 2, m <= 8 LowBatchGEMV, else Matmul"),
@@ -125,6 +128,8 @@ _EQUIVALENT_MODULES: dict[str, tuple[str, str]] = {
     "AttachMemoryPlanAttr": ("attach_support_info", "attach_memory_plan_attr"),
     "FuseAddRMSNorm": ("fuse_add_norm", "fuse_add_rms_norm"),
     "FuseTransposeMatmul": ("fuse_transpose_matmul", "fuse_transpose_matmul"),
+    "FuseDequantizeMatmulEwise": ("fuse_dequantize_matmul_ewise", "fuse_dequantize_matmul_ewise"),
+    "FuseDequantizeTake": ("fuse_dequantize_take", "fuse_dequantize_take"),
     "CleanUpTIRAttrs": ("clean_up_tir_attrs", "clean_up_tir_attrs"),
     "LowBatchGemvSpecialize": ("low_batch_specialization", "low_batch_gemv_specialize"),
     "LiftTIRGlobalBufferAlloc": ("lift_global_buffer_alloc", "lift_global_buffer_alloc"),
@@ -208,6 +213,8 @@ def stages(
         (2, "FoldConstant", rt.FoldConstant()),
         (2, "FuseOps", rt.FuseOps()),
         (2, "FuseTIR", rt.FuseTIR()),
+        (3, "FuseDequantizeMatmulEwise", equivalent("FuseDequantizeMatmulEwise")),
+        (3, "FuseDequantizeTake", equivalent("FuseDequantizeTake")),
         (3, "DeadCodeElimination", rt.DeadCodeElimination()),
         (3, "CleanUpTIRAttrs", equivalent("CleanUpTIRAttrs", ["op_pattern"])),
         (4, "ApplyFuselightRules", dl.ApplyDefaultSchedule(*rules)) if rules else None,

@@ -15,11 +15,14 @@ on the parameters.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from .errors import FuselightError
+
+if TYPE_CHECKING:
+    from tvm import te
 
 BITS = 4
 PER_WORD = 32 // BITS  # values per uint32
@@ -65,6 +68,7 @@ def scheme(name: str | None) -> QuantScheme | None:
 
 
 def check_weight_shape(s: QuantScheme, n: int, k: int) -> None:
+    """FuselightError unless ``s`` can store an ``[n, k]`` weight (K whole groups)."""
     if k % s.group_size or k % PER_WORD or n < 1:
         raise FuselightError(f"{s.name}: a weight of shape [{n}, {k}] needs K a multiple of {s.group_size}")
 
@@ -103,6 +107,61 @@ def dequantize(q: np.ndarray, scale: np.ndarray, s: QuantScheme) -> np.ndarray:
         q, scale = q.T, scale.T
     values = unpack(q).astype(np.float64) - MAX_INT
     return values * np.repeat(np.asarray(scale, dtype=np.float64), s.group_size, axis=1)
+
+
+def te_dequantize(q: te.Tensor, scale: te.Tensor, s: QuantScheme) -> te.Tensor:
+    """The dequantized weight as one TE stage named ``dequantize``, in the stored orientation:
+    ``[N, K]`` for NK, ``[K, N]`` for KN. The one definition the model's graph and the tests use.
+
+    Written as MLC-LLM writes its own, ``(dtype(nibble) - dtype(7)) * scale``, in the model dtype,
+    and named as MLC names it, so MLC's phase-3 fusions (and ours) treat both graphs alike."""
+    from tvm import te, tirx
+
+    axis = 1 if s.layout == "NK" else 0  # the packed (K) axis of q and scale
+    shape = list(q.shape)
+    shape[axis] = shape[axis] * PER_WORD
+    mask = tirx.const((1 << BITS) - 1, STORAGE_DTYPE)
+    zero = tirx.const(MAX_INT, s.model_dtype)
+
+    def compute(*idx: tirx.PrimExpr) -> tirx.PrimExpr:
+        k = idx[axis]
+
+        def at(packed_k: tirx.PrimExpr) -> list[tirx.PrimExpr]:
+            return [packed_k if a == axis else i for a, i in enumerate(idx)]
+
+        shift = ((k % PER_WORD) * BITS).astype(STORAGE_DTYPE)
+        nibble = tirx.bitwise_and(tirx.shift_right(q(*at(k // PER_WORD)), shift), mask)
+        return (nibble.astype(s.model_dtype) - zero) * scale(*at(k // s.group_size))
+
+    return te.compute(shape, compute, name="dequantize")
+
+
+# Random stored nibbles are drawn from 0..14, what ``quantize`` produces (a group's largest magnitude
+# maps to 0 or 14, never 15): values -7..7, mean 0, mean square (15**2 - 1) / 12.
+_VALUE_MEAN_SQUARE = ((2 * MAX_INT + 1) ** 2 - 1) / 12
+# Scales vary by a factor uniform in [0.5, 1.5] from group to group (mean square 13 / 12), so a
+# mistake in which scale a weight takes changes the result.
+_SCALE_SPREAD = 0.5
+_SCALE_MEAN_SQUARE = 1 + _SCALE_SPREAD**2 / 3
+
+
+def random_quantized(
+    rng: np.random.Generator, n: int, k: int, std: float, s: QuantScheme
+) -> tuple[np.ndarray, np.ndarray]:
+    """Random ``(q, scale)`` in ``s``'s layout for an ``[n, k]`` weight whose dequantized values
+    have RMS ``std`` (packed words of random nibbles; scales float32, for the caller to convert)."""
+    check_weight_shape(s, n, k)
+    values = rng.integers(0, 2 * MAX_INT + 1, size=(n, k), dtype=np.uint32)
+    base = std / np.sqrt(_VALUE_MEAN_SQUARE * _SCALE_MEAN_SQUARE)
+    spread = rng.uniform(1 - _SCALE_SPREAD, 1 + _SCALE_SPREAD, size=(n, k // s.group_size))
+    q, scale = pack(values), (base * spread).astype(np.float32)
+    return (q, scale) if s.layout == "NK" else (q.T.copy(), scale.T.copy())
+
+
+def quantized_names(name: str) -> tuple[str, str]:
+    """``X.weight`` -> ``(X.q_weight, X.q_scale)``, MLC-LLM's parameter names."""
+    stem = name.removesuffix(".weight")
+    return f"{stem}.q_weight", f"{stem}.q_scale"
 
 
 def quantize_torch(w: Any, s: QuantScheme) -> tuple[Any, Any]:

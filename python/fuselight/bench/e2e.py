@@ -4,7 +4,9 @@ Implementations: libraries compiled by ``fuselight compile`` with the baseline a
 pipeline (driven by ``fuselight.engine.Engine``), and Hugging Face transformers' eager
 ``LlamaForCausalLM`` (SDPA limited to the flash and memory-efficient backends, as configured).
 All run the same seeded random weights, drawn once on the device: the TVM engines get the fused
-tensors and transformers gets views of them under its own names, so the weights exist once.
+tensors and transformers gets views of them under its own names, so the weights exist once. Quantized
+libraries (their sidecar's ``quantization``) get random packed weights; transformers and the float64
+reference run on the weights those store, and every record of such a library says its scheme in ``shape``.
 Prefill is timed as one whole call; decode as the median of single steps after a prompt of the
 given context. Prefill logits are checked against a float64 forward pass of the same weights.
 Runtime-only TVM; PyTorch and transformers are imported when the suite runs.
@@ -26,6 +28,7 @@ import numpy as np
 from ..config import ModelConfig, load
 from ..errors import FuselightError
 from ..pdl_audit import audit_if_possible
+from ..quantization import QuantScheme, dequantize_torch, quantize_torch, quantized_names
 from ..runtime import init_tvm, load_library, read_metadata, release_memory
 from . import bench_config
 from .kernels_run import sdpa_backends
@@ -39,25 +42,42 @@ _IGNORED_MODEL_FIELDS = frozenset({"name"})
 
 
 def random_weights(config: ModelConfig, device: Any, seed: int) -> dict[str, Any]:
-    """Seeded random weights as torch tensors on ``device``, one allocation each, in parameter order.
+    """Seeded random float weights as torch tensors on ``device``, one allocation each, by
+    ``dense_weight_shapes()`` name (a quantized model's too: ``quantize_on_device`` stores them).
 
     Same distributions as ``fuselight.model.weights.random_weights`` (drawn by PyTorch, so not the
     same numbers): norms 1 + noise, projections at std ``init_std``.
     """
     import torch
 
-    from ..model.weights import init_std, is_norm_weight, param_names_and_shapes
+    from ..model.weights import init_std, is_norm_weight
 
     gen = torch.Generator(device=device).manual_seed(seed)
     dtype = getattr(torch, config.dtype)
     weights = {}
-    for name, shape in param_names_and_shapes(config):
+    for name, shape in config.dense_weight_shapes().items():
         t = torch.empty(shape, dtype=dtype, device=device)
         t.normal_(0.0, init_std(name, config), generator=gen)
         if is_norm_weight(name):
             t += 1.0
         weights[name] = t
     return weights
+
+
+def quantize_on_device(weights: dict[str, Any], schemes: dict[str, QuantScheme]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(the library's tensors by parameter name, the float weights they store)``: each weight named
+    in ``schemes`` quantized on its device (``X.weight`` -> ``X.q_weight``, ``X.q_scale``: random packed
+    words with the group scales of the float draw, so the dequantized matrix keeps its std) and its
+    entry in ``weights`` replaced by the dequantized weight the kernels compute; the rest as they are."""
+    library = {}
+    for name, w in weights.items():
+        if name not in schemes:
+            library[name] = w
+            continue
+        q_name, s_name = quantized_names(name)
+        library[q_name], library[s_name] = quantize_torch(w, schemes[name])
+        weights[name] = dequantize_torch(library[q_name], library[s_name], schemes[name])
+    return library, weights
 
 
 def hf_model(config: ModelConfig, weights: dict[str, Any], device: Any) -> Any:
@@ -163,27 +183,32 @@ def _accuracy(logits: dict[str, list[Any]], refs: list[Any], prompt: int) -> dic
     return result
 
 
-def _costs(config: ModelConfig) -> tuple[int, int, int]:
-    """(weight elements in the layers, lm_head elements, bytes per element)."""
-    shapes = config.weight_shapes()
-    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-    layers = sum(math.prod(s) for name, s in shapes.items() if name.startswith("model.layers."))
-    return layers, math.prod(shapes[head]), (4 if config.dtype == "float32" else 2)
+def _costs(config: ModelConfig) -> tuple[int, int, int, int]:
+    """(weight elements in the layers, lm_head elements, bytes of those weights as stored (packed
+    words and scales when quantized), bytes per activation element)."""
+    head = "model.embed_tokens." if config.tie_word_embeddings else "lm_head."
+    dense = config.dense_weight_shapes()
+    layers = sum(math.prod(s) for name, s in dense.items() if name.startswith("model.layers."))
+    stored = sum(
+        math.prod(s) * (2 if config.weight_dtype(name) in ("float16", "bfloat16") else 4)
+        for name, s in config.weight_shapes().items() if name.startswith(("model.layers.", head))
+    )
+    return layers, math.prod(dense[head + "weight"]), stored, (4 if config.dtype == "float32" else 2)
 
 
 def prefill_cost(config: ModelConfig, tokens: int) -> tuple[int, int]:
     """(bytes, flops) of a prefill: weights read once, logits of the last token only."""
-    layers, head, item = _costs(config)
+    layers, head, weight_bytes, _ = _costs(config)
     attention = 2 * tokens * tokens * config.head_dim * config.num_attention_heads * config.num_hidden_layers
-    return (layers + head) * item, 2 * tokens * layers + 2 * head + attention
+    return weight_bytes, 2 * tokens * layers + 2 * head + attention
 
 
 def decode_cost(config: ModelConfig, context: int) -> tuple[int, int]:
     """(bytes, flops) of one decode step at ``context``: all weights and the KV cache read."""
-    layers, head, item = _costs(config)
+    layers, head, weight_bytes, item = _costs(config)
     kv = 2 * context * config.kv_size * config.num_hidden_layers
     attention = 4 * context * config.head_dim * config.num_attention_heads * config.num_hidden_layers
-    return (layers + head + kv) * item, 2 * (layers + head) + attention
+    return weight_bytes + kv * item, 2 * (layers + head) + attention
 
 
 class _Runner(Protocol):
@@ -274,14 +299,12 @@ def _check_library(meta: dict[str, Any], config: ModelConfig, path: Path) -> Non
 
 
 def _open_tvm(
-    tvm: Any, th: Any, path: Path, device: str, config: ModelConfig, weights: dict, max_len: int
+    th: Any, path: Path, device: str, config: ModelConfig, params: list, max_len: int
 ) -> tuple[_Runner, str]:
-    """An engine over ``path`` sharing ``weights``, and the library's baseline source."""
+    """An engine over ``path`` on the shared ``params`` (TVM tensors), and the library's baseline source."""
     from ..engine import Engine
-    from ..model.weights import param_names_and_shapes
 
     vm, dev, meta = load_library(path, device)
-    params = [tvm.runtime.from_dlpack(weights[name]) for name, _ in param_names_and_shapes(config)]
     engine = Engine(
         vm,
         params,
@@ -299,7 +322,7 @@ class _Measure:
 
     def __init__(
         self, config: ModelConfig, runner: _Runner, ids: np.ndarray, sync: Callable[[], None], common: dict,
-        shape: dict | None = None,
+        shape: dict[str, Any] | None = None,
     ) -> None:
         """``shape``: what every record's shape also says (a quantized library's ``quantization``)."""
         self.config, self.runner, self.ids, self.sync, self.common = config, runner, ids, sync, common
@@ -488,6 +511,12 @@ def run_e2e(
             f"e2e needs {max_len} positions, model {config.name!r} has {config.max_position_embeddings}"
         )
     metas = [read_metadata(Path(path)) for path in libs.values()]
+    # The weight scheme is the libraries' (the preset has float weights); all must agree.
+    schemes = {(m.get("model") or {}).get("quantization") for m in metas}
+    if len(schemes) > 1:
+        raise FuselightError(f"the libraries differ in quantization: {sorted(map(str, schemes))}")
+    if schemes:
+        config = config.with_quantization(schemes.pop())
     for meta, path in zip(metas, libs.values()):
         _check_library(meta, config, Path(path))
     # The GPU host's copy of the tree may have no git history: prefer the commit each build recorded
@@ -515,7 +544,8 @@ def run_e2e(
         print(
             f"e2e {config.name} ({config.dtype}) on {common['device']}: drawing weights, float64 reference", flush=True
         )
-        weights = random_weights(config, tdev, seed)
+        library, weights = quantize_on_device(random_weights(config, tdev, seed), config.quantized_weights())
+        params = [tvm.runtime.from_dlpack(library[name]) for name in config.weight_shapes()]
         refs = {n: reference_logits(config, weights, ids[:n]) for n in prefill_tokens}
         # Decoding token t after a prefix computes what a prefill of prefix + t does: one float64
         # forward per step is the reference for the accuracy check.
@@ -531,10 +561,11 @@ def run_e2e(
                 runner: _Runner = _HfRunner(hf_model(config, weights, tdev), th, tdev, sdpa_backends(device))
                 source = None
             else:
-                runner, source = _open_tvm(tvm, th, Path(libs[impl]), device, config, weights, max_len)
+                runner, source = _open_tvm(th, Path(libs[impl]), device, config, params, max_len)
             measure = _Measure(
                 config, runner, ids, sync,
                 {**common, "git_commit": commits.get(impl, commit), "impl": impl, "baseline_source": source},
+                {"quantization": config.quantization} if config.quantization and impl != "torch" else None,
             )
             acc_logits[impl] = measure.accuracy_logits(acc_prompt, acc_steps)
             records += [measure.prefill(n, refs[n]) for n in prefill_tokens]
@@ -553,6 +584,7 @@ def run_e2e(
     meta = {
         "suite": SUITE,
         "model": config.name,
+        "quantization": config.quantization,
         "libraries": {k: str(v) for k, v in libs.items()},
         "torch": torch,
         "accuracy": accuracy,

@@ -31,11 +31,11 @@ from ..config import ModelConfig, load
 from ..errors import FuselightError
 from ..jsonfile import read_json_object
 from ..paths import config_dir
-from ..quantization import PER_WORD, STORAGE_DTYPE, dequantize_torch, quantize_torch
+from ..quantization import PER_WORD, STORAGE_DTYPE
 from ..quantization import scheme as quantization_scheme
 from ..runtime import init_tvm, load_library, release_memory
 from . import bench_config
-from .e2e import _relerr
+from .e2e import _relerr, quantize_on_device
 from .results import MLC_IMPLS, git_commit, write_results
 from .timing import device_name, synchronizer
 
@@ -161,25 +161,16 @@ def float_params(info: ModelInfo) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def quantized(info: ModelInfo, weights: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(the library's tensors by its names, the float weights they store)``: each packed pair
-    quantized from ``weights`` (on the device), whose entry is replaced by the dequantized weight."""
+    """``(the library's tensors by its names, the float weights they store)``: ``weights`` (float, by
+    ``float_params`` name) quantized as ``info``'s packed parameters say (``e2e.quantize_on_device``)."""
     scheme = quantization_scheme(info.quantization)
-    if scheme is None:
-        return weights, weights
-    library = {}
+    schemes = {}
     for name, _, _ in info.params:
-        if name.endswith(_SCALE):
-            continue
-        if not name.endswith(_PACKED):
-            library[name] = weights[name]
-            continue
-        base = name.removesuffix(_PACKED)
-        # MLC's embedding is NK in every scheme.
-        layout = scheme if not _EMBED.search(name) else dataclasses.replace(scheme, layout="NK")
-        q, s = quantize_torch(weights[base + ".weight"], layout)
-        library[name], library[base + _SCALE] = q, s
-        weights[base + ".weight"] = dequantize_torch(q, s, layout)
-    return library, weights
+        if name.endswith(_PACKED):
+            # MLC's embedding is NK in every scheme.
+            schemes[name.removesuffix(_PACKED) + ".weight"] = (
+                dataclasses.replace(scheme, layout="NK") if _EMBED.search(name) else scheme)
+    return quantize_on_device(weights, schemes)
 
 
 def _llama_weights(config: ModelConfig, info: ModelInfo, device: Any, seed: int) -> dict[str, Any]:

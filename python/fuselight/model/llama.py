@@ -15,8 +15,54 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
+from .. import quantization
 from ..config import ModelConfig
+from ..quantization import QuantScheme
 from .weights import hf_rope_scaling
+
+
+class QuantLinear(nn.Module):
+    """A bias-free linear layer over 4-bit weights, in MLC-LLM's graph form: a ``call_tir`` of the
+    TE ``dequantize`` (``quantization.te_dequantize``), for the NK layout ``permute_dims``, then
+    ``matmul``; the compilers' phase 3 fuses the dequantize into the matmul's kernel."""
+
+    def __init__(self, in_features: int, out_features: int, s: QuantScheme) -> None:
+        q_shape, s_shape = s.packed_shapes(out_features, in_features)
+        self.q_weight = nn.Parameter(q_shape, quantization.STORAGE_DTYPE)
+        self.q_scale = nn.Parameter(s_shape, s.model_dtype)
+        self.scheme = s
+
+    def to(self, dtype: str | None = None) -> None:
+        # The packed words keep their integer dtype; only the scales follow the model.
+        self.q_scale.to(dtype)
+
+    def weight(self) -> Tensor:
+        """The dequantized weight as stored: ``[N, K]`` (NK) or ``[K, N]`` (KN)."""
+        s = self.scheme
+        return op.tensor_expr_op(
+            lambda q, scale: quantization.te_dequantize(q, scale, s), name_hint="dequantize",
+            args=[self.q_weight, self.q_scale],
+        )
+
+    def forward(self, x: Tensor, out_dtype: str | None = None) -> Tensor:
+        w = self.weight()
+        return op.matmul(x, op.permute_dims(w) if self.scheme.layout == "NK" else w, out_dtype=out_dtype)
+
+
+class QuantEmbedding(QuantLinear):
+    """An embedding table over 4-bit rows (NK: grouped along the hidden dim): a ``take`` of its
+    dequantize; as a tied LM head, a ``QuantLinear`` over the same parameters."""
+
+    def __init__(self, num: int, dim: int, s: QuantScheme) -> None:
+        super().__init__(dim, num, s)
+
+    def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
+        return op.take(self.weight(), x, axis=0)
+
+
+def _linear(config: ModelConfig, name: str, in_features: int, out_features: int) -> nn.Module:
+    s = config.quantized_weights().get(f"{name}.weight")
+    return nn.Linear(in_features, out_features, bias=False) if s is None else QuantLinear(in_features, out_features, s)
 
 
 class LlamaAttention(nn.Module):
@@ -24,8 +70,9 @@ class LlamaAttention(nn.Module):
         self.num_q_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=False)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        p = "model.layers.0.self_attn."  # every layer is quantized alike
+        self.qkv_proj = _linear(config, p + "qkv_proj", config.hidden_size, config.q_size + 2 * config.kv_size)
+        self.o_proj = _linear(config, p + "o_proj", config.q_size, config.hidden_size)
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache, layer_id: int) -> Tensor:
         b, s, _ = x.shape
@@ -36,8 +83,9 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        p = "model.layers.0.mlp."  # every layer is quantized alike
+        self.gate_up_proj = _linear(config, p + "gate_up_proj", config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = _linear(config, p + "down_proj", config.intermediate_size, config.hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
@@ -66,7 +114,11 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        s = config.quantized_weights().get("model.embed_tokens.weight")
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, config.hidden_size) if s is None
+            else QuantEmbedding(config.vocab_size, config.hidden_size, s)
+        )
         self.layers = nn.ModuleList([LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)])
         self.norm = nn.RMSNorm(config.hidden_size, -1, config.rms_norm_eps, bias=False)
 
@@ -147,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, target: tvm.target.Target) -> None:
         self.model = LlamaModel(config)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = _linear(config, "lm_head", config.hidden_size, config.vocab_size)
         self.config = config
         self.target = target
         self.to(config.dtype)
@@ -157,8 +209,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _logits(self, hidden: Tensor) -> Tensor:
         if self.config.tie_word_embeddings:
-            weight = op.permute_dims(self.model.embed_tokens.weight)
-            return op.matmul(hidden, weight, out_dtype="float32")
+            embed = self.model.embed_tokens
+            if isinstance(embed, QuantEmbedding):
+                return QuantLinear.forward(embed, hidden, out_dtype="float32")
+            return op.matmul(hidden, op.permute_dims(embed.weight), out_dtype="float32")
         logits = self.lm_head(hidden)
         return logits if logits.dtype == "float32" else logits.astype("float32")
 

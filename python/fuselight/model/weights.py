@@ -13,11 +13,13 @@ import json
 import math
 import os
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .. import quantization
 from ..config import ModelConfig, check_dtype
 from ..errors import FuselightError
 
@@ -72,8 +74,9 @@ def is_norm_weight(name: str) -> bool:
 
 
 def init_std(name: str, config: ModelConfig) -> float:
-    """Std of the seeded random init of parameter ``name`` (for norms: of the noise around 1)."""
-    shapes = config.weight_shapes()
+    """Std of the seeded random init of weight ``name`` (for norms: of the noise around 1; for a
+    quantized weight: of its dequantized values)."""
+    shapes = config.dense_weight_shapes()
     if name not in shapes:
         raise FuselightError(f"unknown parameter {name!r} for model {config.name!r}")
     if is_norm_weight(name):
@@ -87,20 +90,64 @@ def init_std(name: str, config: ModelConfig) -> float:
 
 
 def random_weights(config: ModelConfig, seed: int = 0, dtype: str | None = None) -> dict[str, np.ndarray]:
-    """Seeded random weights in ``dtype`` (default: the config's), in parameter order.
+    """Seeded random parameters in ``dtype`` (default: the config's), in parameter order.
 
     Each tensor draws from its own stream keyed by (seed, name), so a tensor does not change when
-    the layer count or tying of another config differs.
+    the layer count or tying of another config differs. With quantization, each quantized weight is
+    random packed words and scales (``quantization.random_quantized``) whose dequantized values have
+    the float init's std; the dtype is then the scheme's.
     """
+    if config.quantization is not None and dtype not in (None, config.dtype):
+        raise FuselightError(f"{config.quantization} weights are {config.dtype}, not {dtype}")
     out_dtype = numpy_dtype(dtype or config.dtype)
+    quantized = config.quantized_weights()
     weights = {}
-    for name, shape in param_names_and_shapes(config):
+    for name, shape in config.dense_weight_shapes().items():
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        if name in quantized:
+            q, scale = quantization.random_quantized(rng, *shape, init_std(name, config), quantized[name])
+            q_name, s_name = quantization.quantized_names(name)
+            weights[q_name], weights[s_name] = q, scale.astype(out_dtype)
+            continue
         w = rng.standard_normal(shape, dtype=np.float32) * np.float32(init_std(name, config))
         if is_norm_weight(name):
             w += np.float32(1.0)
         weights[name] = w.astype(out_dtype)
     return weights
+
+
+def quantize_weights(config: ModelConfig, dense: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Float weights (``dense_weight_shapes()`` names) as the parameters of ``config``: quantized
+    where its scheme quantizes, scales and the rest in the config's dtype."""
+    quantized = config.quantized_weights()
+    out_dtype = numpy_dtype(config.dtype)
+    params = {}
+    for name in config.dense_weight_shapes():
+        w = dense[name]
+        if name in quantized:
+            q, scale = quantization.quantize(np.asarray(w, dtype=np.float32), quantized[name])
+            q_name, s_name = quantization.quantized_names(name)
+            params[q_name], params[s_name] = q, scale.astype(out_dtype)
+        else:
+            params[name] = np.asarray(w).astype(out_dtype)
+    return params
+
+
+def dequantize_weights(config: ModelConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The float weights ``params`` store, by ``dense_weight_shapes()`` name: each quantized weight
+    dequantized in float64 from its stored scales, the others as they are."""
+    return dict(iter_dequantized(config, params))
+
+
+def iter_dequantized(config: ModelConfig, params: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+    """``dequantize_weights`` one tensor at a time (a float64 LLaMA-3-8B would take 64 GB at once)."""
+    quantized = config.quantized_weights()
+    for name in config.dense_weight_shapes():
+        if name in quantized:
+            q_name, s_name = quantization.quantized_names(name)
+            yield name, quantization.dequantize(params[q_name], params[s_name], quantized[name])
+        else:
+            yield name, params[name]
 
 
 # --- safetensors ------------------------------------------------------------------------------
@@ -282,7 +329,7 @@ def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> shape for ``config`` (no lm_head when tied)."""
     parts = _fused_parts(config)
     shapes = {}
-    for name, shape in config.weight_shapes().items():
+    for name, shape in config.dense_weight_shapes().items():
         prefix, suffix = _split_name(name)
         if suffix in parts:
             for hf_suffix, rows in parts[suffix]:
@@ -316,8 +363,9 @@ def _split_name(name: str) -> tuple[str, str]:
 
 
 def to_hf_state(config: ModelConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Our weights under Hugging Face names, fused tensors split back (views, no copies)."""
-    _check_tensors(weights, config.weight_shapes(), "weights")
+    """Our float weights (``dense_weight_shapes()``; see ``dequantize_weights``) under Hugging Face
+    names, fused tensors split back (views, no copies)."""
+    _check_tensors(weights, config.dense_weight_shapes(), "weights")
     parts = _fused_parts(config)
     state = {}
     for name, w in weights.items():
@@ -350,10 +398,11 @@ def _checkpoint_files(path: Path) -> list[Path]:
 
 
 def load_hf_checkpoint(path: str | Path, config: ModelConfig, dtype: str | None = None) -> dict[str, np.ndarray]:
-    """Our weights (parameter order, ``dtype`` or the config's) from a Hugging Face model directory.
+    """Our parameters (parameter order, ``dtype`` or the config's) from a Hugging Face model directory.
 
     Reads ``model.safetensors`` or the shards an index names; fuses q/k/v and gate/up. A tied model
-    may still carry ``lm_head.weight`` if it equals the embedding.
+    may still carry ``lm_head.weight`` if it equals the embedding. With quantization the float
+    weights are quantized as they load (``quantize_weights``).
     """
     path = Path(path)
     if not path.is_dir():
@@ -372,13 +421,17 @@ def load_hf_checkpoint(path: str | Path, config: ModelConfig, dtype: str | None 
     _check_tensors(state, hf_shapes(config), str(path))
     parts = _fused_parts(config)
     weights = {}
-    for name in config.weight_shapes():
+    for name in config.dense_weight_shapes():
         prefix, suffix = _split_name(name)
         if suffix in parts:
             w = np.concatenate([state[prefix + hf_suffix] for hf_suffix, _ in parts[suffix]], axis=0)
         else:
             w = state[name]
-        weights[name] = w.astype(out_dtype)
+        weights[name] = w if config.quantization else w.astype(out_dtype)
+    if config.quantization:
+        if dtype not in (None, config.dtype):
+            raise FuselightError(f"{config.quantization} weights are {config.dtype}, not {dtype}")
+        return quantize_weights(config, weights)
     return weights
 
 
