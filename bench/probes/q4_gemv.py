@@ -69,6 +69,7 @@ def build(out: Path, sweep: bool) -> None:
     from fuselight.rules.gemm import gemv
     from fuselight.rules.gemm.analysis import analyze_matmul
     from fuselight.rules.gemv import Gemv, gemv_config
+    from fuselight.runtime import cuda_sources
     from fuselight.target import resolve
     from tvm.s_tir import dlight as dl
 
@@ -109,6 +110,7 @@ def build(out: Path, sweep: bool) -> None:
         meta = library_metadata(spec, "fuselight" if fname == "ours.so" else "dlight", "dlight (MLC-LLM's GPU rules)",
                                 probe="q4_gemv")
         write_library(lib, out / fname, meta, spec)
+        (out / fname.replace(".so", ".cu")).write_text("\n".join(cuda_sources(lib)))  # to read, and ptxas -v
         print(f"{fname}: {len(mod.functions)} functions, {time.time() - t0:.0f} s", flush=True)
     manifest["libraries"] = {"ours": "ours.so", "dlight": "dlight.so"}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
