@@ -40,7 +40,7 @@ def gemv_config(ops: GemmOperands, m: int, target: Target) -> GemvConfig | None:
     does not take (NN weights, K not a multiple of 32, too much shared memory)."""
     try:
         arch = arch_of(target)
-        cfg = config_for(load_gemv_configs(arch), m, grid_blocks(ops), ops.k)
+        cfg = config_for(load_gemv_configs(arch, ops.dequant is not None), m, grid_blocks(ops), ops.k)
         if cfg is None:
             return None
         # The kernel's shared memory is static: CUDA's static limit, or the target's if lower.
@@ -56,7 +56,7 @@ def symbolic_m_buckets(ops: GemmOperands, target: Target) -> list[tuple[int, Gem
     arch's GEMV config that takes ``ops``, so the caller can branch on M into the template (which
     needs no static M) below the GEMM plans."""
     try:
-        tops = sorted({c.max_m for c in load_gemv_configs(arch_of(target))})
+        tops = sorted({c.max_m for c in load_gemv_configs(arch_of(target), ops.dequant is not None)})
     except FuselightError:
         return []
     buckets = []
@@ -74,7 +74,8 @@ class Gemv(AnalyzeScheduleRule):
     @staticmethod
     def analyze(func: tirx.PrimFunc) -> MatmulDesc | None:
         """The GEMV and fused epilogue ``func`` computes (a matmul with static M), or None."""
-        desc = analyze_matmul(func, prologue=True)  # the template computes a norm prologue
+        # The template computes a norm prologue, and dequantizes 4-bit weights as it loads them.
+        desc = analyze_matmul(func, prologue=True, dequant=True)
         return desc if desc is not None and desc.m_static is not None else None
 
     def schedule(self, func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:

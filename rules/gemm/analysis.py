@@ -31,6 +31,7 @@ import tvm
 from tvm import arith, tirx
 from tvm.tirx import stmt_functor
 
+from .dequant import analyze_dequant
 from .operands import DTYPES, Epilogue, GemmOperands, NormPrologue
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
@@ -287,33 +288,46 @@ def _norm_prologue(func: tirx.PrimFunc, count: int, allocs: list[tirx.Buffer], a
                         total=totals[0].buffer if totals else None)
 
 
-def analyze_matmul(func: tirx.PrimFunc, prologue: bool = False) -> MatmulDesc | None:
+def analyze_matmul(func: tirx.PrimFunc, prologue: bool = False, dequant: bool = False) -> MatmulDesc | None:
     """The GEMM and fused epilogue ``func`` computes, or None (see the module docstring).
 
     prologue: also recognise an RMSNorm computing A first (``GemmOperands.prologue``).
+    dequant: also recognise B computed by a group dequantize of packed words (``dequant.Dequant``,
+    ``GemmOperands.dequant``; ``b`` is then the packed buffer, and N may be symbolic).
     """
     found = _stages(func)
     if found is None or not found[0]:
         return None
     stages, allocs = found
     at = next((i for i, s in enumerate(stages) if _matmul(s) is not None), None)
-    if at is None or (at > 0 and not prologue):
+    if at is None or (at > 0 and not (prologue or dequant)):
         return None
     a, b, c, b_layout = _matmul(stages[at])
     dtype = str(a.dtype)
     if dtype not in DTYPES or str(b.dtype) != dtype or str(c.dtype) not in ("float32", dtype):
         return None
-    norm = _norm_prologue(func, at, allocs, a) if at > 0 else None
-    if at > 0 and norm is None:
+    n, k = c.shape[-1], a.shape[-1]
+    if not isinstance(k, tirx.IntImm):
         return None
-    inputs = (b,) if norm is not None else (a, b)  # with a prologue, A is the norm's intermediate
+    k = int(k)
+    deq = None
+    if dequant and at > 0 and any(b.same_as(x) for x in allocs):
+        deq = analyze_dequant(stages, at, allocs, b, b_layout, n, k)
+        if deq is None:
+            return None
+    norm = _norm_prologue(func, at, allocs, a) if at > 0 and deq is None and prologue else None
+    if at > 0 and norm is None and deq is None:
+        return None
+    # With a prologue, A is the norm's intermediate; with a dequantize, B is computed (its packed
+    # words and scales were checked by ``analyze_dequant``).
+    inputs = (b,) if norm is not None else (a,) if deq is not None else (a, b)
     if any(not _plain(buf) for buf in (a, b)) or any(buf.same_as(x) for buf in inputs for x in allocs):
         return None
-    n, k = c.shape[-1], a.shape[-1]
-    if not isinstance(n, tirx.IntImm) or not isinstance(k, tirx.IntImm):
-        return None
-    n, k = int(n), int(k)
-    if [int(x) for x in b.shape] != ([n, k] if b_layout == "NT" else [k, n]):
+    if isinstance(n, tirx.IntImm):
+        n = int(n)
+    elif deq is None:
+        return None  # a symbolic N only with a dequantized weight (the quantized LM head)
+    if deq is None and [int(x) for x in b.shape] != ([n, k] if b_layout == "NT" else [k, n]):
         return None
     extents = stages[at].extents[:-1]  # C's
     row_extents = extents[:-1]
@@ -330,7 +344,7 @@ def analyze_matmul(func: tirx.PrimFunc, prologue: bool = False) -> MatmulDesc | 
     prev = c
     chain: list[_Stage] = []
     paired_at: int | None = None
-    half = n // 2 if n % 2 == 0 else None
+    half = n // 2 if isinstance(n, int) and n % 2 == 0 else None
     for stage in stages[at + 1:]:
         older = [*before, *[c, *(s.store.buffer for s in chain)][:-1]]
         if not any(prev.same_as(x) for x in allocs):
@@ -376,8 +390,9 @@ def analyze_matmul(func: tirx.PrimFunc, prologue: bool = False) -> MatmulDesc | 
         return tuple(_indices(row, col, [tirx.Var("i", _dtype(x)) for x in extents]))
 
     operands = GemmOperands(
-        a=a if norm is None else norm.x, b=b, m=m, n=n, k=k, b_layout=b_layout, dtype=dtype,
-        out=Epilogue(out, index, value, half if paired_at is not None else None), prologue=norm,
+        a=a if norm is None else norm.x, b=b if deq is None else deq.packed, m=m, n=n, k=k,
+        b_layout=b_layout, dtype=dtype,
+        out=Epilogue(out, index, value, half if paired_at is not None else None), prologue=norm, dequant=deq,
     )
     return MatmulDesc(
         operands=operands,

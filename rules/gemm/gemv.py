@@ -61,6 +61,12 @@ MAX_THREADS = 1024
 STATIC_SHARED_BYTES = 48 * 1024  # CUDA's limit on a block's static shared memory
 DTYPE_ABBREV = {"float16": "fp16", "bfloat16": "bf16"}
 CONFIG_FAMILY, CONFIG_NAME = "gemm", "gemv"
+# The buckets for 4-bit dequantized weights (``GemmOperands.dequant``), keyed alike.
+CONFIG_NAME_Q4 = "gemv_q4"
+# What the templates dequantize: 4-bit values, 8 to a uint32 word along K (``NK``), a scale per
+# group of a multiple of 32 (a lane's 16-byte piece of words is 32 values, within one group), an
+# integer zero point the float dtype subtracts exactly.
+Q4_BITS, Q4_PIECE = 4, 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,10 +124,12 @@ def check_gemv_config(cfg: GemvConfig, where: str = "GEMV config") -> None:
                              f"got {cfg.prefetch_l2_percent}")
 
 
-def load_gemv_configs(arch: str) -> list[GemvConfig]:
-    """The M buckets of ``arch`` (``sm_90``) from ``configs/gemm/gemv.json``, by increasing ``max_m``;
-    empty where the file has no entry for ``arch``. FuselightError naming the field of a bad one."""
-    path = config_dir() / CONFIG_FAMILY / f"{CONFIG_NAME}.json"
+def load_gemv_configs(arch: str, quantized: bool = False) -> list[GemvConfig]:
+    """The M buckets of ``arch`` (``sm_90``) from ``configs/gemm/gemv.json`` (``quantized``: from
+    ``gemv_q4.json``, for dequantized weights), by increasing ``max_m``; empty where the file has no
+    entry for ``arch``. FuselightError naming the field of a bad one."""
+    name = CONFIG_NAME_Q4 if quantized else CONFIG_NAME
+    path = config_dir() / CONFIG_FAMILY / f"{name}.json"
     node: Any = read_json_object(path, missing=f"gemv config not found: {path}")
     if arch not in node:
         return []
@@ -129,7 +137,7 @@ def load_gemv_configs(arch: str) -> list[GemvConfig]:
         raise FuselightError(f"{path}[{arch!r}]: must be an object of M buckets")
     configs = []
     for bucket in node[arch]:
-        cfg = load_arch_config(CONFIG_FAMILY, CONFIG_NAME, arch, GemvConfig, bucket)
+        cfg = load_arch_config(CONFIG_FAMILY, name, arch, GemvConfig, bucket)
         check_gemv_config(cfg, f"{path}[{arch!r}][{bucket!r}]")
         configs.append(cfg)
     configs.sort(key=_bucket_order)
@@ -165,9 +173,12 @@ def _block_cols(ops: GemmOperands) -> int:
     return MMA_M if ops.out.pair_offset is None else MMA_M // 2
 
 
-def grid_blocks(ops: GemmOperands) -> int:
+def grid_blocks(ops: GemmOperands) -> int | None:
     """Blocks of the mma template's grid for ``ops`` (16 weight rows each; 8 output columns paired):
-    the size that buckets' ``max_blocks`` bound, whichever template the bucket uses."""
+    the size that buckets' ``max_blocks`` bound, whichever template the bucket uses; None where N is
+    symbolic (only buckets for any grid serve it)."""
+    if not isinstance(ops.out_n, int):
+        return None
     return -(-ops.out_n // _block_cols(ops))
 
 
@@ -177,6 +188,10 @@ def check_gemv(ops: GemmOperands, cfg: GemvConfig, max_shared_bytes: int | None 
     check_gemv_config(cfg)
     if ops.b_layout != "NT" or ops.dtype not in DTYPE_ABBREV:
         raise FuselightError(f"GEMV: needs NT fp16/bf16 weights, got {ops.b_layout} {ops.dtype}")
+    if ops.dequant is not None:
+        check_dequant(ops, cfg)
+    elif not isinstance(ops.n, int):
+        raise FuselightError(f"GEMV: N must be static, got {ops.n}")
     if ops.k % STEP_K:
         raise FuselightError(f"GEMV: K ({ops.k}) must be a multiple of {STEP_K}")
     m = _static_m(ops)
@@ -186,6 +201,25 @@ def check_gemv(ops: GemmOperands, cfg: GemvConfig, max_shared_bytes: int | None 
         raise FuselightError("GEMV: a norm prologue needs a static M")
     if max_shared_bytes is not None and shared_bytes(ops, cfg) > max_shared_bytes:
         raise FuselightError(f"GEMV: needs {shared_bytes(ops, cfg)} bytes of shared memory, the target has {max_shared_bytes}")
+
+
+def check_dequant(ops: GemmOperands, cfg: GemvConfig) -> None:
+    """FuselightError where the templates cannot dequantize ``ops``' weights (see ``Q4_BITS``)."""
+    d = ops.dequant
+    if cfg.rows_per_warp is None:
+        raise FuselightError("GEMV: dequantized weights need the row-streaming template (rows_per_warp)")
+    if ops.prologue is not None:
+        raise FuselightError("GEMV: dequantized weights with a norm prologue are not served")
+    if d.bits != Q4_BITS or d.storage_dtype != "uint32" or d.per_word != 32 // Q4_BITS:
+        raise FuselightError(f"GEMV: needs 4-bit values packed in uint32, got {d.bits}-bit in {d.storage_dtype}")
+    if d.layout != "NK":
+        raise FuselightError(f"GEMV: needs packed words along K (NK), got {d.layout}")
+    if d.group % Q4_PIECE or ops.k % Q4_PIECE:
+        raise FuselightError(f"GEMV: group ({d.group}) and K ({ops.k}) must be multiples of {Q4_PIECE}")
+    if d.zero != int(d.zero) or not 0 <= d.zero <= (1 << d.bits):
+        raise FuselightError(f"GEMV: the zero point must be an integer 0..{1 << d.bits}, got {d.zero}")
+    if d.dtype != ops.dtype:
+        raise FuselightError(f"GEMV: dequantized to {d.dtype}, tokens in {ops.dtype}")
 
 
 def shared_bytes(ops: GemmOperands, cfg: GemvConfig) -> int:

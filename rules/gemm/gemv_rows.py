@@ -17,6 +17,18 @@ runs. The prefetches take warp-uniform addresses and sit in no branch: so placed
 load after the wait (``fuselight.pdl_audit`` checks the SASS; with a branch on the lane it moved the
 norm prologue's loads above it).
 
+Dequantized weights (``GemmOperands.dequant``: 4-bit values packed eight to a uint32 along K, a
+scale per group of 32 or more) stream the same way, their packed words instead of the float
+weights: lane l's 16-byte piece ``32 s + l`` of a row is 4 words, 32 values, within one group, so
+the lane also loads that group's scale. The values are converted in registers by bit tricks, not by
+a shift and a cast each (``Q4_DOT``): ``((w >> 4 j) & 0x000F000F) | 0x64006400`` read as half2 is
+``(1024 + e_j, 1024 + e_{j+4})`` (values j and j + 4 of the word), minus ``1024 + zero`` (exact)
+is ``(e - zero)`` in fp16, times the scale in fp16: bit for bit the dequantize's
+``(fp16(e) - fp16(zero)) * scale`` (bf16: bias 0x4300, 128 + e). Products and sums are float32, as
+the matmul's. Since each word pairs values j and j + 4, the token row is staged in shared memory
+permuted the same way (within every 8 tokens: 0, 4, 1, 5, 2, 6, 3, 7), so no shuffle is needed.
+N may be symbolic there (the LM head's vocabulary): the grid is then computed at launch.
+
 Why beside the mma template: at M = 1 the tensor cores buy nothing, and there its rows-of-16 layout
 (64 bytes of each of 16 rows a load) streamed the decode step's smaller projections slower than
 whole-row streaming (``configs/gemm/gemv.json`` has the numbers).
@@ -26,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .gemv import PIECE, GemvConfig, index_dtype, norm_prologue
+from .gemv import PIECE, PIECE_WORDS, Q4_PIECE, GemvConfig, index_dtype, norm_prologue
 from .operands import GemmOperands
 from .plan import WARP
 
@@ -39,9 +51,63 @@ __forceinline__ __device__ void {PREFETCH_L2}(const void* p, unsigned int bytes)
 """
 
 
-def rows_grid_blocks(ops: GemmOperands, cfg: GemvConfig) -> int:
-    """Blocks of the row-streaming grid: ``cfg.warps`` x ``cfg.rows_per_warp`` output columns each."""
-    return -(-ops.out_n // (cfg.warps * cfg.rows_per_warp))
+# The dequantizing dot product of one lane's 16-byte piece of 4-bit words (32 values of one group)
+# with the 32 tokens it meets (staged permuted, see the module docstring), added to ``acc``. The
+# piece's 4 chunks of 8 tokens sit rotated by ``rot`` (``q4_chunk``) in shared memory.
+Q4_DOT = {"float16": "fuselight_q4_dot32_fp16", "bfloat16": "fuselight_q4_dot32_bf16"}
+_Q4_DOT_BODY = """
+  const uint4* x4 = reinterpret_cast<const uint4*>(xp);  // the piece's 4 chunks of 8 tokens, rotated
+  const unsigned int w[4] = {{w0, w1, w2, w3}};
+  const {v2} s2 = {{s, s}};
+  unsigned int zb = {bias}u | ({bias}u << 16);
+  const {v2} z2 = *reinterpret_cast<const {v2}*>(&zb);
+  float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {{
+    const uint4 xv = x4[(i + rot) & 3];
+    const unsigned int xw[4] = {{xv.x, xv.y, xv.z, xv.w}};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {{
+      unsigned int b = ((w[i] >> (4 * j)) & 0x000F000Fu) | {magic}u;
+      const {v2} v = __hmul2(__hsub2(*reinterpret_cast<const {v2}*>(&b), z2), s2);
+      const float2 vf = {to_f2}(v);
+      const float2 xf = {to_f2}(*reinterpret_cast<const {v2}*>(&xw[j]));
+      a0 = fmaf(vf.x, xf.x, a0);
+      a1 = fmaf(vf.y, xf.y, a1);
+    }}
+  }}
+  return acc + (a0 + a1);
+"""
+
+
+def q4_dot_source(dtype: str, zero: int) -> str:
+    """The CUDA device function ``Q4_DOT[dtype]`` for a zero point ``zero`` (see the module docstring)."""
+    if dtype == "float16":
+        scalar, v2, magic, base, to_f2 = "half", "half2", 0x64006400, 0x6400, "__half22float2"
+    else:
+        scalar, v2, magic, base, to_f2 = "nv_bfloat16", "nv_bfloat162", 0x43004300, 0x4300, "__bfloat1622float2"
+    body = _Q4_DOT_BODY.format(v2=v2, bias=hex(base + zero), magic=hex(magic), to_f2=to_f2)
+    return (f"\n__forceinline__ __device__ float {Q4_DOT[dtype]}(unsigned int w0, unsigned int w1, unsigned int w2, "
+            f"unsigned int w3, {scalar} s, const void* xp, int rot, float acc) {{{body}}}\n")
+
+
+def q4_chunk(piece: Any, c: Any) -> Any:
+    """Where, in 16-byte units from the piece's start, chunk ``c`` (tokens 8 c..8 c + 7) of the token
+    row's 64-byte piece ``piece`` is staged: rotated by ``(piece >> 1) & 3``, so that the 8 lanes of
+    a quarter warp (pieces 32 s + 0..7, each reading its chunk c) hit 8 different 16-byte bank groups
+    (unrotated, lanes 0, 2, 4, 6 would share the same 4 banks)."""
+    return (c + (piece >> 1)) & 3
+
+
+def rows_grid_blocks(ops: GemmOperands, cfg: GemvConfig) -> Any:
+    """Blocks of the row-streaming grid: ``cfg.warps`` x ``cfg.rows_per_warp`` output columns each (an
+    expression where N is symbolic)."""
+    cols = cfg.warps * cfg.rows_per_warp
+    if isinstance(ops.out_n, int):
+        return -(-ops.out_n // cols)
+    from tvm import tirx
+
+    return tirx.Cast("int32", tirx.floordiv(ops.out_n + (cols - 1), cols))
 
 
 def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
@@ -51,42 +117,56 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     from tvm.script import tirx as T
 
     n, k, dtype = ops.n, ops.k, ops.dtype
-    norm, pair = ops.prologue, ops.out.pair_offset
+    norm, pair, deq = ops.prologue, ops.out.pair_offset, ops.dequant
     warps, unroll, cols_w = cfg.warps, cfg.unroll, cfg.rows_per_warp
     rows_w = cols_w if pair is None else 2 * cols_w  # weight rows a warp streams
     threads = warps * WARP
-    pieces = k // PIECE  # 16-byte pieces of a row
+    # A lane's 16-byte piece of a row: 8 float values, or 4 packed words of 32 values.
+    piece_k = PIECE if deq is None else Q4_PIECE
+    pieces = k // piece_k  # 16-byte pieces of a row
     rounds = -(-pieces // (WARP * unroll))
     ragged = pieces % (WARP * unroll) != 0
     blocks = rows_grid_blocks(ops, cfg)
-    out_n = ops.out_n
+    out_n = ops.out_n if isinstance(ops.out_n, int) else T.Cast("int32", ops.out_n)
+    last = n - 1 if isinstance(n, int) else T.Cast("int32", n) - 1
     m_dtype = index_dtype(ops)
     # The token row: copied (a thread's pieces of it), or normed by the prologue (row 0 at 0).
-    copy_pieces = -(-pieces // threads)
+    copy_pieces = -(-(k // PIECE) // threads)
     norm_rows = None if norm is None else norm_prologue(ops, threads, blocks, k // 2)
+    if deq is None:
+        w_dtype, w_vec, row_len = dtype, PIECE, k  # the buffer's elements a piece, a row
+    else:
+        w_dtype, w_vec, row_len = "uint32", PIECE_WORDS, k // deq.per_word
+        groups = k // deq.group
+        dot, dot_source = Q4_DOT[dtype], q4_dot_source(dtype, int(deq.zero))
 
     def weight_row(col0, j):
         # Row j of the warp whose first output column is col0 (columns past the end read the last
         # one and are never stored); paired: j < cols_w the gate rows, then the up rows.
         if pair is None:
-            return T.min(col0 + j, n - 1)
+            return T.min(col0 + j, last)
         return T.min(col0 + j % cols_w, pair - 1) + j // cols_w * pair
 
-    prefetch_bytes = pieces * (cfg.prefetch_l2_percent or 0) // 100 * PIECE * 2  # whole pieces of a row
+    # Whole pieces of a row (its bytes: 16 a piece).
+    prefetch_bytes = pieces * (cfg.prefetch_l2_percent or 0) // 100 * PIECE * 2
 
     @T.macro
-    def load_round(w, W, col0, lane, r):
+    def load_round(w, sc, W, S, col0, lane, r):
         for u in T.unroll(unroll):
             p: T.let[T.int32] = (r * unroll + u) * WARP + lane
             if not ragged or p < pieces:
                 for j in T.unroll(rows_w):
-                    for e in T.vectorized(PIECE):
-                        w[(j * unroll + u) * PIECE + e] = W[T.Cast("int64", weight_row(col0, j)) * k + p * PIECE + e]
+                    for e in T.vectorized(w_vec):
+                        w[(j * unroll + u) * w_vec + e] = W[T.Cast("int64", weight_row(col0, j)) * row_len + p * w_vec + e]
+                    if deq is not None:
+                        sc[j * unroll + u] = S[T.Cast("int64", weight_row(col0, j)) * groups + p * Q4_PIECE // deq.group]
 
     # fmt: off
     @T.prim_func(s_tir=True, check_well_formed=False)
     def body():
-        W = T.decl_buffer((n * k,), dtype, data=ops.b.data)
+        W = T.decl_buffer((n * row_len,), w_dtype, data=ops.b.data)
+        if deq is not None:
+            S = T.decl_buffer((n * groups,), dtype, data=deq.scale.data)
         if norm is None:
             X = T.decl_buffer((k,), dtype, data=ops.a.data)  # token row 0
         for bx in T.thread_binding(blocks, thread="blockIdx.x"):
@@ -94,7 +174,10 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                 with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", cfg.min_blocks_per_sm), T.sblock("gemv_rows"):
                     T.reads()
                     T.writes()
-                    w = T.sblock_alloc_buffer((rows_w * unroll * PIECE,), dtype, scope="local")
+                    w = T.sblock_alloc_buffer((rows_w * unroll * w_vec,), w_dtype, scope="local")
+                    if deq is not None:
+                        sc = T.sblock_alloc_buffer((rows_w * unroll,), dtype, scope="local")
+                        xp = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
                     xv = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
                     acc = T.sblock_alloc_buffer((rows_w,), "float32", scope="local")
                     xs = T.sblock_alloc_buffer((k,), dtype, scope="shared")
@@ -104,17 +187,29 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                     if prefetch_bytes > 0:
                         for j in T.unroll(rows_w):
                             T.evaluate(cuda_op.cuda_func_call(
-                                PREFETCH_L2, W.access_ptr("r", offset=T.Cast("int64", weight_row(col0, j)) * k),
+                                PREFETCH_L2, W.access_ptr("r", offset=T.Cast("int64", weight_row(col0, j)) * row_len),
                                 T.uint32(prefetch_bytes), source_code=PREFETCH_L2_SOURCE))
                         T.ptx.griddepcontrol.wait()
                     # The first round's weights are in flight while the token row is staged.
-                    load_round(w, W, col0, lane, 0)
+                    if deq is None:
+                        load_round(w, w, W, W, col0, lane, 0)  # (no scales)
+                    else:
+                        load_round(w, sc, W, S, col0, lane, 0)
                     if norm is None:
                         for i in T.unroll(copy_pieces):
                             p: T.let[T.int32] = i * threads + T.Cast("int32", tid)
-                            if p < pieces:
-                                for e in T.vectorized(PIECE):
-                                    xs[p * PIECE + e] = X[p * PIECE + e]
+                            if p < k // PIECE:
+                                if deq is None:
+                                    for e in T.vectorized(PIECE):
+                                        xs[p * PIECE + e] = X[p * PIECE + e]
+                                else:
+                                    # Tokens 0..7 as 0, 4, 1, 5, 2, 6, 3, 7: the order of a word's values.
+                                    for e in T.vectorized(PIECE):
+                                        xv[e] = X[p * PIECE + e]
+                                    for e in T.unroll(PIECE):
+                                        xp[e] = xv[e // 2 + e % 2 * 4]
+                                    for e in T.vectorized(PIECE):
+                                        xs[(p // 4 * 4 + q4_chunk(p // 4, p % 4)) * PIECE + e] = xp[e]
                     else:
                         norm_rows(xs, tid, bx)
                     T.tvm_storage_sync("shared")
@@ -122,15 +217,27 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                         acc[j] = T.float32(0)
                     for r in T.serial(rounds):
                         if r > 0:
-                            load_round(w, W, col0, lane, r)
+                            if deq is None:
+                                load_round(w, w, W, W, col0, lane, r)
+                            else:
+                                load_round(w, sc, W, S, col0, lane, r)
                         for u in T.unroll(unroll):
                             p: T.let[T.int32] = (r * unroll + u) * WARP + lane
                             if not ragged or p < pieces:
-                                for e in T.vectorized(PIECE):
-                                    xv[e] = xs[p * PIECE + e]
-                                for j in T.unroll(rows_w):
-                                    for e in T.unroll(PIECE):
-                                        acc[j] = acc[j] + T.Cast("float32", w[(j * unroll + u) * PIECE + e]) * T.Cast("float32", xv[e])
+                                if deq is None:
+                                    for e in T.vectorized(PIECE):
+                                        xv[e] = xs[p * PIECE + e]
+                                    for j in T.unroll(rows_w):
+                                        for e in T.unroll(PIECE):
+                                            acc[j] = acc[j] + T.Cast("float32", w[(j * unroll + u) * PIECE + e]) * T.Cast("float32", xv[e])
+                                else:
+                                    for j in T.unroll(rows_w):
+                                        acc[j] = cuda_op.cuda_func_call(
+                                            dot, w[(j * unroll + u) * PIECE_WORDS], w[(j * unroll + u) * PIECE_WORDS + 1],
+                                            w[(j * unroll + u) * PIECE_WORDS + 2], w[(j * unroll + u) * PIECE_WORDS + 3],
+                                            sc[j * unroll + u], xs.access_ptr("r", offset=p * Q4_PIECE),
+                                            q4_chunk(p, 0), acc[j],
+                                            source_code=dot_source, return_type="float32")
                     # Butterfly sums: every lane ends with its warp's row totals.
                     for sh in T.unroll(LOG_WARP):
                         for j in T.unroll(rows_w):

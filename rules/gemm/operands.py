@@ -26,6 +26,11 @@ RMSNorm of ``x`` (plus a residual, whose sum the kernel also writes out), rounde
 
 ``a`` is then ``x`` (A's shape and dtype; A itself is never in memory). Only templates that say so
 take a prologue; the analysis hands one out only to callers that ask for it.
+
+A "dequantized B" (``GemmOperands.dequant``, a ``dequant.Dequant``) is computed from packed integer
+words and group scales as the template loads it: ``b`` is the packed words, ``dequant.scale`` the
+scales, and B[c, k] (NT) the value the function's dequantize computes, in ``dtype``. Only templates
+that say so take one (``gemv_rows``); the analysis hands one out only to callers that ask for it.
 """
 
 from __future__ import annotations
@@ -73,6 +78,9 @@ class GemmOperands:
     dtype: str  # one of DTYPES
     out: Epilogue | None  # None: a plain GEMM priced or tuned, never written
     prologue: NormPrologue | None = None  # A computed in the kernel (then ``a`` is ``prologue.x``)
+    # B dequantized in the kernel from packed words (``dequant.Dequant``): ``b`` is then the packed
+    # buffer, not n x k elements of ``dtype``, and ``n`` may be symbolic (a PrimExpr)
+    dequant: Any | None = None
 
     @property
     def paired(self) -> bool:

@@ -1,0 +1,378 @@
+"""The quantized GEMV (4-bit weights dequantized in the kernel; ``rules/gemm/dequant.py`` and the
+row-streaming template ``rules/gemm/gemv_rows.py``): what the analysis recognises and rejects, that
+the Gemv rule takes MLC-LLM's q4f16_1 decode functions and builds one kernel each for sm_90 that
+nvcc compiles, the kernel's structure (16-byte loads of the packed words, no dequantized weight in
+memory, the grid), and the arithmetic of the in-register conversion against MLC's (numerics of the
+kernels run on the GPU against float64: ``bench/probes/q4_gemv.py``)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+from fuselight.quant_prim_funcs import q4_linear
+from fuselight.rules.gemm import gemv, gemv_rows
+from fuselight.rules.gemm.analysis import analyze_matmul
+from fuselight.rules.gemv import Gemv
+from fuselight.rules.matmul import Matmul
+from fuselight.target import resolve, to_tvm
+from tvm import te, tirx
+from tvm.script import tirx as T
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+ROWS = gemv.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, rows_per_warp=2)
+# Llama-3-8B's decode projections (N x K) and the LM head (symbolic vocabulary).
+LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    return to_tvm(resolve("cuda", "sm_90"))
+
+
+# MLC-LLM's Llama-3-8B q4f16_1 decode QKV projection, as its phase 3 leaves it (names and all).
+# fmt: off
+@T.prim_func(private=True, s_tir=True)
+def mlc_qkv(model_layers_0_self_attn_qkv_proj_q_weight3: T.Buffer((T.int64(6144), T.int64(512)), "uint32"), model_layers_0_self_attn_qkv_proj_q_scale3: T.Buffer((T.int64(6144), T.int64(128)), "float16"), rms_norm5_1: T.Buffer((T.int64(1), T.int64(1), T.int64(4096)), "float16"), compute_intermediate_intermediate: T.Buffer((T.int64(1), T.int64(1), T.int64(6144)), "float16")):
+    T.func_attr({"tirx.noalias": True})
+    compute = T.sblock_alloc_buffer((T.int64(6144), T.int64(4096)), "float16")
+    dequantize_intermediate = T.sblock_alloc_buffer((T.int64(6144), T.int64(4096)), "float16")
+    NT_matmul_intermediate = T.sblock_alloc_buffer((T.int64(1), T.int64(1), T.int64(6144)))
+    for i0, i1 in T.grid(T.int64(6144), T.int64(4096)):
+        with T.sblock("compute"):
+            v_i0, v_i1 = T.axis.remap("SS", [i0, i1])
+            T.reads(model_layers_0_self_attn_qkv_proj_q_weight3[v_i0, v_i1 // T.int64(8)])
+            T.writes(compute[v_i0, v_i1])
+            compute[v_i0, v_i1] = T.Cast("float16", T.bitwise_and(T.shift_right(model_layers_0_self_attn_qkv_proj_q_weight3[v_i0, v_i1 // T.int64(8)], T.Cast("uint32", v_i1 % T.int64(8) * T.int64(4))), T.uint32(15)))
+    for i0, i1 in T.grid(T.int64(6144), T.int64(4096)):
+        with T.sblock("dequantize"):
+            v_i0, v_i1 = T.axis.remap("SS", [i0, i1])
+            T.reads(compute[v_i0, v_i1], model_layers_0_self_attn_qkv_proj_q_scale3[v_i0, v_i1 // T.int64(32)])
+            T.writes(dequantize_intermediate[v_i0, v_i1])
+            dequantize_intermediate[v_i0, v_i1] = (compute[v_i0, v_i1] - T.float16(7.0)) * model_layers_0_self_attn_qkv_proj_q_scale3[v_i0, v_i1 // T.int64(32)]
+    for i0, i1, i2, k in T.grid(T.int64(1), T.int64(1), T.int64(6144), T.int64(4096)):
+        with T.sblock("NT_matmul"):
+            v_i0, v_i1, v_i2, v_k = T.axis.remap("SSSR", [i0, i1, i2, k])
+            T.reads(rms_norm5_1[v_i0, v_i1, v_k], dequantize_intermediate[v_i2, v_k])
+            T.writes(NT_matmul_intermediate[v_i0, v_i1, v_i2])
+            with T.init():
+                NT_matmul_intermediate[v_i0, v_i1, v_i2] = T.float32(0.0)
+            NT_matmul_intermediate[v_i0, v_i1, v_i2] = NT_matmul_intermediate[v_i0, v_i1, v_i2] + T.Cast("float32", rms_norm5_1[v_i0, v_i1, v_k]) * T.Cast("float32", dequantize_intermediate[v_i2, v_k])
+    for i0, i1, i2 in T.grid(T.int64(1), T.int64(1), T.int64(6144)):
+        with T.sblock("compute1"):
+            v_i0, v_i1, v_i2 = T.axis.remap("SSS", [i0, i1, i2])
+            T.reads(NT_matmul_intermediate[v_i0, v_i1, v_i2])
+            T.writes(compute_intermediate_intermediate[v_i0, v_i1, v_i2])
+            compute_intermediate_intermediate[v_i0, v_i1, v_i2] = T.Cast("float16", NT_matmul_intermediate[v_i0, v_i1, v_i2])
+# fmt: on
+
+
+def _variant(n: int, k: int, value, *, two_matmuls: bool = False, group: int = 32, zero_buffer: bool = False):
+    """A q4 linear (M = 1) whose dequantize computes ``value(unpacked, scale, zero)`` (TE), to build
+    near misses; ``two_matmuls``: the dequantized weight feeds two matmuls."""
+    i64 = "int64"
+    q = te.placeholder((tirx.IntImm(i64, n), tirx.IntImm(i64, k // 8)), "uint32", name="q")
+    s = te.placeholder((tirx.IntImm(i64, n), tirx.IntImm(i64, -(-k // group))), "float16", name="s")
+    z = te.placeholder((tirx.IntImm(i64, n), tirx.IntImm(i64, k // group)), "float16", name="z")
+    x = te.placeholder((tirx.IntImm(i64, 1), tirx.IntImm(i64, k)), "float16", name="x")
+
+    def unpacked(i, j):
+        shift = tirx.Cast("uint32", j % 8 * 4)
+        return tirx.Cast("float16", tirx.bitwise_and(tirx.shift_right(q[i, j // 8], shift), tirx.const(15, "uint32")))
+
+    zero = (lambda i, j: z[i, j // group]) if zero_buffer else (lambda i, j: tirx.const(7, "float16"))
+    w = te.compute((n, k), lambda i, j: value(unpacked(i, j), s[i, j // group], zero(i, j)), name="dequantize")
+    r = te.reduce_axis((0, k), name="k")
+    mm = te.compute((1, n), lambda b, i: te.sum(tirx.Cast("float32", x[b, r]) * tirx.Cast("float32", w[i, r]), axis=r), name="NT_matmul")
+    outs = [te.compute((1, n), lambda b, i: tirx.Cast("float16", mm[b, i]), name="cast")]
+    if two_matmuls:
+        r2 = te.reduce_axis((0, k), name="k2")
+        outs.append(te.compute((1, n), lambda b, i: te.sum(tirx.Cast("float32", x[b, r2]) * tirx.Cast("float32", w[i, r2]), axis=r2), name="NT_matmul2"))
+    params = [q, s, *([z] if zero_buffer else []), x]
+    return te.create_prim_func([*params, *outs])
+
+
+def _affine(e, s, z):
+    return (e - z) * s
+
+
+# ---- analysis -------------------------------------------------------------------------------
+
+
+def test_analysis_reads_mlcs_decode_qkv():
+    desc = analyze_matmul(mlc_qkv, dequant=True)
+    ops, d = desc.operands, desc.operands.dequant
+    assert (ops.n, ops.k, int(ops.m), ops.b_layout, ops.dtype) == (6144, 4096, 1, "NT", "float16")
+    assert (d.bits, d.per_word, d.group, d.zero, d.layout, d.dtype) == (4, 8, 32, 7.0, "NK", "float16")
+    assert d.packed.same_as(mlc_qkv.params[0]) and d.scale.same_as(mlc_qkv.params[1])
+    assert ops.b.same_as(mlc_qkv.params[0])  # the template reads the packed words
+    assert d.stages == ("compute", "dequantize") and desc.epilogue_stages == ("compute1",)
+    # Without asking for it (the Matmul rule, fuse_norm_gemv), a dequantized weight is no matmul.
+    assert analyze_matmul(mlc_qkv) is None and analyze_matmul(mlc_qkv, prologue=True) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs,fields",
+    [
+        (dict(dtype="bfloat16"), dict(dtype="bfloat16", group=32, layout="NK")),
+        (dict(group=128), dict(dtype="float16", group=128, layout="NK")),
+        (dict(layout="KN"), dict(dtype="float16", group=32, layout="KN")),
+        (dict(one_stage=True), dict(dtype="float16", group=32, layout="NK")),
+        (dict(zero=8.0), dict(zero=8.0, group=32)),
+    ],
+)
+def test_analysis_variants(kwargs, fields):
+    d = analyze_matmul(q4_linear(512, 1024, **kwargs), dequant=True).operands.dequant
+    for name, value in fields.items():
+        assert getattr(d, name) == value, name
+
+
+def test_analysis_takes_a_symbolic_vocabulary_and_batch():
+    head = analyze_matmul(q4_linear(None, 4096, epilogue="cast_fp32"), dequant=True)
+    assert isinstance(head.operands.n, tirx.Var) and head.operands.n.name == "vocab_size"
+    assert head.epilogue_stages == ("compute1", "compute2") and str(head.out_dtype) == "float32"
+    batch = analyze_matmul(q4_linear(4096, 4096, m=None), dequant=True)
+    assert batch.m_static is None and batch.operands.n == 4096
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("squared", lambda e, s, z: (e - z) * (e - z) * s),
+        ("scale_squared", lambda e, s, z: (e - z) * s * s),
+        ("no_zero", lambda e, s, z: e * s),
+        ("plus_zero", lambda e, s, z: (e + z) * s),
+    ],
+)
+def test_analysis_rejects_a_non_affine_dequantize(name, value):
+    assert analyze_matmul(_variant(256, 1024, value), dequant=True) is None, name
+
+
+def test_analysis_rejects_the_near_misses():
+    assert analyze_matmul(_variant(256, 1024, _affine), dequant=True) is not None  # the control
+    # The dequantized weight also feeds a second matmul.
+    assert analyze_matmul(_variant(256, 1024, _affine, two_matmuls=True), dequant=True) is None
+    # A group that does not divide K (scales for ceil(K / 96) groups).
+    assert analyze_matmul(_variant(256, 1024, _affine, group=96), dequant=True) is None
+    # A zero point buffer (AWQ): not served yet, rejected cleanly.
+    assert analyze_matmul(_variant(256, 1024, _affine, zero_buffer=True), dequant=True) is None
+
+
+def _shifted(shift, mask=15, word=None, scale=None):
+    """q4 linear whose unpacking uses ``shift(j)``, ``mask``, ``word(q, i, j)``, ``scale(s, i, j)``."""
+    n, k = 256, 1024
+    i64 = "int64"
+    q = te.placeholder((tirx.IntImm(i64, n), tirx.IntImm(i64, k // 8)), "uint32", name="q")
+    s = te.placeholder((tirx.IntImm(i64, n), tirx.IntImm(i64, k // 32)), "float16", name="s")
+    x = te.placeholder((tirx.IntImm(i64, 1), tirx.IntImm(i64, k)), "float16", name="x")
+    word = word or (lambda q, i, j: q[i, j // 8])
+    scale = scale or (lambda s, i, j: s[i, j // 32])
+    w = te.compute((n, k), lambda i, j: (tirx.Cast("float16", tirx.bitwise_and(
+        tirx.shift_right(word(q, i, j), tirx.Cast("uint32", shift(j))), tirx.const(mask, "uint32"))) - tirx.const(7, "float16")) * scale(s, i, j), name="dq")
+    r = te.reduce_axis((0, k), name="k")
+    mm = te.compute((1, n), lambda b, i: te.sum(tirx.Cast("float32", x[b, r]) * tirx.Cast("float32", w[i, r]), axis=r), name="mm")
+    return te.create_prim_func([q, s, x, mm])
+
+
+def test_analysis_checks_the_unpacking_arithmetic():
+    assert analyze_matmul(_shifted(lambda j: j % 8 * 4), dequant=True).operands.dequant.bits == 4  # control
+    assert analyze_matmul(_shifted(lambda j: j % 8 * 2), dequant=True) is None  # shift not 4 bits a value
+    assert analyze_matmul(_shifted(lambda j: j % 8 * 4, mask=7), dequant=True) is None  # 3-bit mask
+    assert analyze_matmul(_shifted(lambda j: j % 4 * 4), dequant=True) is None  # place in word mod 4
+    assert analyze_matmul(_shifted(lambda j: j % 8 * 4, word=lambda q, i, j: q[i, j // 4]), dequant=True) is None
+    assert analyze_matmul(_shifted(lambda j: j % 8 * 4, scale=lambda s, i, j: s[i, j // 32 % 16]), dequant=True) is None
+    assert analyze_matmul(_shifted(lambda j: j % 8 * 4, scale=lambda s, i, j: s[0, j // 32]), dequant=True) is None
+
+
+# ---- the rule and the kernel ---------------------------------------------------------------
+
+
+def _scheduled(func, target):
+    sch = Gemv().apply(func.with_attr("target", target), target, False)
+    return None if sch is None else sch.mod["main"]
+
+
+def _source(kernel, target) -> str:
+    lib = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=target)
+    return lib.mod.imports[0].inspect_source("cuda")
+
+
+def _grid_and_allocs(kernel):
+    grid, allocs = [], []
+
+    def visit(node):
+        if isinstance(node, tirx.For) and node.thread_binding is not None and node.thread_binding.thread_tag == "blockIdx.x":
+            grid.append(node.extent)
+        if isinstance(node, tirx.SBlock):
+            allocs.extend(node.alloc_buffers)
+
+    tirx.stmt_functor.post_order_visit(kernel.body, visit)
+    return grid, allocs
+
+
+def _kernel_body(source: str, name: str) -> str:
+    body = source[re.search(rf"{name}\([^)]*\) \{{", source).end():]
+    end = body.find("extern \"C\"")
+    return body if end < 0 else body[:end]
+
+
+def _kernels(source: str) -> set[str]:
+    return set(re.findall(r"__global__ void __launch_bounds__\([^)]*\) (\w+)\(", source))
+
+
+def test_rule_takes_mlcs_qkv_and_the_kernel_streams_packed_words(cuda):
+    kernel = _scheduled(mlc_qkv, cuda)
+    assert [p.name for p in kernel.params] == [p.name for p in mlc_qkv.params]
+    cfg = gemv.config_for(gemv.load_gemv_configs("sm_90", quantized=True), 1, 6144 // 16, 4096)
+    grid, allocs = _grid_and_allocs(kernel)
+    assert [int(g) for g in grid] == [-(-6144 // (cfg.warps * cfg.rows_per_warp))]
+    # No dequantized weight anywhere: only registers and the token row (K fp16 in shared memory).
+    assert max(int(np.prod([int(d) for d in b.shape])) for b in allocs) == 4096
+    assert {b.scope() for b in allocs if b.shape[0] == 4096} == {"shared"}
+    source = _source(kernel, cuda)
+    assert len(_kernels(source)) == 1
+    # The weights: 16-byte loads of the uint32 words (4 words, 32 values, a lane a step).
+    packed = re.findall(r"\*\(uint4\*\)\(w_ptr \+ \d+\) = \*\(uint4\*\)\(\w+_ptr \+", source)
+    assert len(packed) == cfg.unroll * cfg.rows_per_warp
+    assert re.search(r"uint\* __restrict__ \w+q_weight3", source) or "uint* __restrict__ W_ptr" in source
+    assert "fuselight_q4_dot32_fp16(" in source and "0x64006400u" in source
+    assert "half* __restrict__" in source and not re.search(r"half \w+\[25165824\]", source)
+    assert f"__launch_bounds__({cfg.warps * 32}, {cfg.min_blocks_per_sm})" in source
+
+
+def test_rule_takes_the_lm_head_with_a_symbolic_vocabulary(cuda):
+    func = q4_linear(None, 4096, epilogue="cast_fp32")
+    kernel = _scheduled(func, cuda)
+    grid, _ = _grid_and_allocs(kernel)
+    cfg = gemv.config_for(gemv.load_gemv_configs("sm_90", quantized=True), 1, None, 4096)
+    cols = cfg.warps * cfg.rows_per_warp
+    vocab = next(v for v in tirx.analysis.undefined_vars(grid[0]) if v.name == "vocab_size")
+    for size in (128256, 32000, 1):
+        assert int(tvm.arith.Analyzer().simplify(tirx.stmt_functor.substitute(grid[0], {vocab: tirx.IntImm("int64", size)}))) == -(-size // cols)
+    source = _source(kernel, cuda)
+    assert "int64_t vocab_size" in source and "(float)" in source  # the second cast
+
+
+def test_rule_leaves_what_the_template_does_not_serve(cuda):
+    assert _scheduled(q4_linear(4096, 4096, layout="KN"), cuda) is None  # KN: not served
+    assert _scheduled(q4_linear(4096, 4096, m=2), cuda) is None  # M = 2..16: DLight for now
+    assert _scheduled(q4_linear(4096, 4096, m=None), cuda) is None  # symbolic batch: DLight
+    assert _scheduled(q4_linear(4096, 4096, zero=20.0), cuda) is None  # zero point past 16
+    assert Matmul().apply(q4_linear(4096, 4096, m=None).with_attr("target", cuda), cuda, False) is None
+    with pytest.raises(Exception, match="NK"):
+        gemv.check_gemv(analyze_matmul(q4_linear(4096, 4096, layout="KN"), dequant=True).operands, ROWS)
+    with pytest.raises(Exception, match="rows_per_warp"):
+        gemv.check_gemv(analyze_matmul(q4_linear(4096, 4096), dequant=True).operands, gemv.GemvConfig(1, 16, 4, 1))
+
+
+@needs_nvcc
+def test_nvcc_compiles_every_variant(cuda):
+    from fuselight.cuda_compile import compile_cuda
+
+    funcs = {
+        "qkv": mlc_qkv,
+        "o_proj": q4_linear(4096, 4096, epilogue="residual"),
+        "down": q4_linear(4096, 14336),  # 448 pieces a row: the last round is masked
+        "gate_up": q4_linear(28672, 4096),
+        "lm_head": q4_linear(None, 4096, epilogue="cast_fp32"),
+        "bf16": q4_linear(4096, 4096, dtype="bfloat16"),
+        "g128": q4_linear(4096, 4096, group=128),
+    }
+    kernels = {name: _scheduled(f, cuda).with_attr("global_symbol", name) for name, f in funcs.items()}
+    source = tvm.compile(tvm.IRModule(kernels), target=cuda).mod.imports[0].inspect_source("cuda")
+    assert _kernels(source) == {f"{name}_kernel" for name in funcs}
+    assert "fuselight_q4_dot32_bf16(" in source and "0x43004300u" in source
+    # down: 448 pieces a row, 14 steps of 32 lanes, so the 4th round of 4 steps has 2 (a mask on r).
+    assert re.search(r"if \(r < 3\)", _kernel_body(source, "down_kernel"))
+    assert compile_cuda(source, "sm_90")
+
+
+def _shipped_m1() -> gemv.GemvConfig:
+    return gemv.config_for(gemv.load_gemv_configs("sm_90", quantized=True), 1, 4096 // 16, 4096)
+
+
+def test_each_piece_reads_its_groups_scale(cuda):
+    # Lane l's piece at step 1 is 32 + l: group 32 -> scale 32 + l of the row; group 128 -> scale
+    # (32 + l) / 4 = 8 + l / 4 (one scale for 4 consecutive pieces).
+    g32 = _source(_scheduled(q4_linear(4096, 4096, group=32), cuda), cuda)
+    g128 = _source(_scheduled(q4_linear(4096, 4096, group=128), cuda), cuda)
+    rows = _shipped_m1().rows_per_warp  # a warp's rows: 128 (32) scales each
+    assert re.search(rf"sc_ptr\[1\] = S_ptr\[.*\* {128 * rows}\)\) \+ \(\(\(int\)threadIdx.x\) & 31\)\) \+ 32\)\];", g32)
+    assert re.search(rf"sc_ptr\[1\] = S_ptr\[.*\* {32 * rows}\)\) \+ \(\(\(\(int\)threadIdx.x\) & 31\) >> 2\)\) \+ 8\)\];", g128)
+
+
+# ---- the arithmetic -------------------------------------------------------------------------
+
+
+def _bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 -> nearest bfloat16 (ties to even), as float32."""
+    b = x.astype(np.float32).view(np.uint32)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return b.view(np.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_bit_trick_is_mlcs_dequantize_bit_for_bit(dtype):
+    # The constants the CUDA helper uses: magic | nibble is (base + e) exactly; minus (base + zero)
+    # and times the scale, rounded once, equals MLC's (dtype(e) - dtype(zero)) * scale.
+    zero = 7
+    src = gemv_rows.q4_dot_source(dtype, zero)
+    magic = int(re.search(r"\| (0x[0-9a-f]+)u;", src).group(1), 16)
+    bias = int(re.search(r"zb = (0x[0-9a-f]+)u", src).group(1), 16)
+    rng = np.random.default_rng(0)
+    scales = np.concatenate([rng.uniform(-0.05, 0.05, 4000), rng.uniform(-3, 3, 4000), [1e-4, 0.0078125]]).astype(np.float32)
+    e = np.arange(16, dtype=np.uint32)
+    if dtype == "float16":
+        lanes = (((e | (e << 16)) & 0x000F000F) | magic).astype(np.uint32)
+        lo = (lanes & 0xFFFF).astype(np.uint16).view(np.float16)
+        hi = (lanes >> 16).astype(np.uint16).view(np.float16)
+        assert (lo == hi).all() and (lo.astype(np.float64) == 1024 + e).all()
+        z = np.uint16(bias).view(np.float16)
+        s = scales.astype(np.float16)
+        ours = (lo[None, :] - z) * s[:, None]
+        mlc = (e.astype(np.float16)[None, :] - np.float16(zero)) * s[:, None]
+        assert ours.dtype == np.float16 and (ours.view(np.uint16) == mlc.view(np.uint16)).all()
+    else:
+        lanes = (((e | (e << 16)) & 0x000F000F) | magic).astype(np.uint32)
+        lo = ((lanes & 0xFFFF) << 16).view(np.float32)
+        assert (lo.astype(np.float64) == 128 + e).all()
+        z = np.array([bias << 16], dtype=np.uint32).view(np.float32)[0]
+        s = _bf16_round(scales)
+        ours = _bf16_round(_bf16_round(lo[None, :] - z) * s[:, None])
+        mlc = _bf16_round(_bf16_round(e.astype(np.float32)[None, :] - np.float32(zero)) * s[:, None])
+        assert (ours.view(np.uint32) == mlc.view(np.uint32)).all()
+
+
+def test_staged_tokens_meet_their_values():
+    # Emulate the template's data flow on indices: the token staged for value (piece p, word i, half
+    # h of pair j) must be token 32 p + 8 i + j + 4 h, the one MLC's matmul multiplies it with.
+    k = 1024
+    staged = np.full(k, -1)
+    for c in range(k // 8):  # a thread's 16-byte chunk c of the token row: permuted, then placed
+        p = c // 4
+        permuted = [8 * c + (e // 2 + e % 2 * 4) for e in range(8)]
+        start = (p * 4 + int(gemv_rows.q4_chunk(p, c % 4))) * 8
+        staged[start:start + 8] = permuted
+    assert sorted(staged) == list(range(k))
+    for p in range(k // 32):
+        rot = int(gemv_rows.q4_chunk(p, 0))
+        for i in range(4):  # the helper reads chunk (i + rot) & 3 of the piece for word i
+            chunk = staged[p * 32 + ((i + rot) & 3) * 8:][:8]
+            for j in range(4):
+                assert chunk[2 * j] == 32 * p + 8 * i + j and chunk[2 * j + 1] == 32 * p + 8 * i + j + 4
+    # The rotation spreads a quarter warp (lanes 0..7: pieces 32 s + 0..7) over 8 bank groups.
+    for s in range(2):
+        for i in range(4):
+            units = {((32 * s + l) * 4 + ((i + int(gemv_rows.q4_chunk(32 * s + l, 0))) & 3)) % 8 for l in range(8)}
+            assert len(units) == 8
+
+
+def test_shipped_config_serves_the_llama_shapes(cuda):
+    configs = gemv.load_gemv_configs("sm_90", quantized=True)
+    assert configs and all(c.rows_per_warp is not None and c.max_m == 1 for c in configs)
+    for n, k in LLAMA_SHAPES:
+        assert _scheduled(q4_linear(n, k), cuda) is not None, (n, k)
