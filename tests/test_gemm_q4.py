@@ -233,6 +233,9 @@ def test_nvcc_compiles_every_variant(cuda):
         "static_m": q4_linear(4096, 4096, m=512),
     }
     kernels = {name: _scheduled(f, cuda).with_attr("global_symbol", name) for name, f in funcs.items()}
-    source = tvm.compile(tvm.IRModule(kernels), target=cuda).mod.imports[0].inspect_source("cuda")
-    assert "fuselight_q4_dequant32_bf16(" in source and "0x43004300u" in source
-    assert compile_cuda(source, "sm_90")
+    # One module a dtype: kernels of both would declare the dynamic shared buffer with two types.
+    for dtype in ("float16", "bfloat16"):
+        mod = tvm.IRModule({nm: k for nm, k in kernels.items() if (nm == "bf16") == (dtype == "bfloat16")})
+        source = tvm.compile(mod, target=cuda).mod.imports[0].inspect_source("cuda")
+        assert f"fuselight_q4_dequant32_{'bf16' if dtype == 'bfloat16' else 'fp16'}(" in source
+        assert compile_cuda(source, "sm_90")
