@@ -11,6 +11,10 @@ kernel per bucket. Functions whose M is a small constant (decode GEMVs, below ``
 the dispatch config) and targets without a config are left to the next rule. A paired epilogue
 (``passes.fuse_gate_up_silu``: ``silu(gate) * up`` of a gate+up projection) is priced as the plain
 GEMM of the same N and K, among the plans whose template takes one (wgmma; mma.sync does not yet).
+A B computed by a 4-bit group dequantize (MLC-LLM's ``q4f16_1``: ``rules.gemm.dequant``) runs the
+mma.sync template, which loads the packed words and scales and dequantizes them in shared memory,
+with the plans of ``configs/gemm/mma_sync_q4.json`` (a symbolic N too: the quantized LM head); one
+it cannot serve (another packing, a zero-point buffer, a group no multiple of 32) is left to DLight.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from ..target import arch_of
 from .base import AnalyzeScheduleRule, host_branch, with_kernels
 from .gemm import gemm_body
 from .gemm.analysis import MatmulDesc, analyze_matmul
-from .gemm.dispatch import load_dispatch, plan_ranges
+from .gemm.dispatch import load_dispatch, plan_ranges, q4_plan_ranges
 from .gemm.gemv import gemv_body
 from .gemv import symbolic_m_buckets
 
@@ -34,7 +38,7 @@ class Matmul(AnalyzeScheduleRule):
     @staticmethod
     def analyze(func: tirx.PrimFunc) -> MatmulDesc | None:
         """The GEMM and fused epilogue ``func`` computes, or None."""
-        return analyze_matmul(func)
+        return analyze_matmul(func, dequant=True)
 
     def schedule(self, func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:
         """``func`` with its body replaced by the kernels for ``desc`` on ``target``, or None where the
@@ -46,7 +50,8 @@ class Matmul(AnalyzeScheduleRule):
         if desc.m_static is not None and desc.m_static < dispatch.min_static_m:
             return None
         ops = desc.operands
-        ranges = plan_ranges(ops, dispatch)
+        # A dequantized B: the mma.sync template's plans for it (configs/gemm/mma_sync_q4.json).
+        ranges = plan_ranges(ops, dispatch) if ops.dequant is None else q4_plan_ranges(ops, arch_of(target))
         if not ranges:
             return None
         # A symbolic M of a few rows runs the GEMV template (one kernel at weight-streaming

@@ -22,7 +22,7 @@ from typing import Any
 
 def q4_linear(
     n: int | None, k: int, m: int | None = 1, dtype: str = "float16", group: int = 32, layout: str = "NK",
-    epilogue: str = "cast", zero: float = 7.0, one_stage: bool = False,
+    epilogue: str = "cast", zero: float = 7.0, one_stage: bool = False, prefill: bool = False,
 ) -> Any:
     """The PrimFunc (see the module docstring) of an ``[n, k]`` 4-bit weight.
 
@@ -31,18 +31,22 @@ def q4_linear(
     epilogue: "cast" (to dtype), "cast_fp32" (to dtype then float32: the LM head), "residual"
     (cast, plus a residual input ``r``), "none" (float32 out: the matmul's accumulator).
     one_stage: the dequantize as one stage instead of MLC's two.
+    prefill: the token rows as MLC's prefill has them, ``x[1, m, k]`` (``seq_len`` when symbolic),
+    instead of ``x[m, 1, k]``.
     """
     from tvm import te, tirx
 
     i64 = "int64"
     nn: Any = tirx.Var("vocab_size", i64) if n is None else tirx.IntImm(i64, n)
-    mm: Any = tirx.Var("batch_size", i64) if m is None else tirx.IntImm(i64, m)
+    mm: Any = tirx.Var("seq_len" if prefill else "batch_size", i64) if m is None else tirx.IntImm(i64, m)
     kk = tirx.IntImm(i64, k)
     nk = layout == "NK"
     words, groups = tirx.IntImm(i64, k // 8), tirx.IntImm(i64, k // group)
     q = te.placeholder((nn, words) if nk else (words, nn), "uint32", name="q_weight")
     s = te.placeholder((nn, groups) if nk else (groups, nn), dtype, name="q_scale")
-    x = te.placeholder((mm, tirx.IntImm(i64, 1), kk), dtype, name="x")
+    one = tirx.IntImm(i64, 1)
+    rows = (one, mm) if prefill else (mm, one)
+    x = te.placeholder((*rows, kk), dtype, name="x")
 
     def word(i: Any, j: Any) -> Any:
         return q[i, j // 8] if nk else q[j // 8, i]
@@ -61,7 +65,7 @@ def q4_linear(
         w = te.compute((nn, kk), lambda i, j: (c[i, j] - tirx.const(zero, dtype)) * scale(i, j), name="dequantize")
     r = te.reduce_axis((tirx.IntImm(i64, 0), kk), name="k")
     acc = te.compute(
-        (mm, tirx.IntImm(i64, 1), nn),
+        (*rows, nn),
         lambda b, t, i: te.sum(tirx.Cast("float32", x[b, t, r]) * tirx.Cast("float32", w[i, r]), axis=r),
         name="NT_matmul",
     )

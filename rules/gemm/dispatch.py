@@ -30,7 +30,7 @@ from fuselight.paths import config_dir
 from tvm import tirx
 
 from .operands import GemmOperands
-from .plan import GemmPlan, GemmTile, check_plan, load_tiles
+from .plan import GemmPlan, GemmTile, check_plan, check_tile as check_gemm_tile, load_tiles
 from .wgmma import WgmmaPlan, WgmmaTile, check_tile, load_wgmma_tiles
 
 Plan = GemmPlan | WgmmaPlan
@@ -285,3 +285,46 @@ def extend_ranges(
 
 def _static(m: Any) -> bool:
     return isinstance(m, (int, tirx.IntImm))
+
+
+def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, GemmPlan]]:
+    """``(largest M, plan)`` in increasing M for a matmul whose B is dequantized in the kernel
+    (``ops.dequant``), from ``configs/gemm/mma_sync_q4.json``; the last range also serves every
+    larger M. Empty: the arch has no entry, or a plan cannot serve ``ops`` (the function is left
+    to the next rule). A static M gets the one range holding it."""
+    path = config_dir() / "gemm" / "mma_sync_q4.json"
+    node: Any = read_json_object(path, missing=f"gemm config not found: {path}")
+    if ops.dequant is None or arch not in node:
+        return []
+    cfg = node[arch]
+    try:
+        tiles = {str(name): GemmTile(**fields) for name, fields in cfg["tiles"].items()}
+        for name, tile in tiles.items():
+            check_gemm_tile(tile, name)
+        table = [(None if upper is None else int(upper), str(name)) for upper, name in cfg["ranges"]]
+        splits = [int(s) for s in cfg["split_k"]]
+        min_blocks = int(cfg["min_blocks"])
+        if not table or table[-1][0] is not None or any(u is None for u, _ in table[:-1]):
+            raise ValueError("ranges must end with one [null, plan]")
+    except (KeyError, TypeError, ValueError) as err:
+        raise FuselightError(f"{path}[{arch!r}]: malformed config ({err!r})") from None
+    ranges: list[tuple[int, GemmPlan]] = []
+    for i, (upper, name) in enumerate(table):
+        plan = _plan(tiles, {}, name)
+        if i == len(table) - 1:
+            upper = 2**31 - 1  # every larger M
+        elif isinstance(ops.n, int):
+            # Split K until the range's largest M fills the GPU (where K allows it).
+            for split in splits:
+                blocks = -(-upper // plan.main.block_m) * (ops.n // plan.main.block_n) * split
+                if _fits(dataclasses.replace(plan, split_k=split), ops):
+                    plan = dataclasses.replace(plan, split_k=split)
+                    if blocks >= min_blocks:
+                        break
+        if not _fits(plan, ops):
+            return []
+        ranges.append((upper, plan))
+    if _static(ops.m):
+        m = int(ops.m)
+        return [next((r for r in ranges if m <= r[0]), ranges[-1])]
+    return ranges

@@ -25,10 +25,13 @@ from .plan import (
     MMA_K,
     MMA_M,
     MMA_N,
+    Q4_PIECE,
     WARP,
     GemmPlan,
     GemmTile,
     check_plan,
+    q4_smem,
+    shared_bytes,
 )
 from .split_k import reduction, rows
 
@@ -37,6 +40,48 @@ RASTER_GROUP = 8
 # Rows of 16-byte pieces whose XOR patterns differ: the 8 bank groups of a 128-byte line.
 SWIZZLE_GROUPS = 8
 DTYPE_ABBREV = {"float16": "fp16", "bfloat16": "bf16"}
+
+# Dequantizes one 16-byte piece of packed words (4 uint32, 32 4-bit values of one group) into the
+# 4 swizzled 16-byte chunks of its B row (offsets in elements of the shared buffer): ``((w >> 4 j) & 0x000F000F) | magic`` read as a half2 is
+# (bias + e_j, bias + e_{j+4}); minus (bias + zero), exact, then times the scale: bit for bit the
+# function's ``(dtype(e) - dtype(zero)) * scale``. byte_perm puts the 8 values of a word in order.
+Q4_DEQUANT = {"float16": "fuselight_q4_dequant32_fp16", "bfloat16": "fuselight_q4_dequant32_bf16"}
+_Q4_DEQUANT_BODY = """
+  const uint4 w4 = *reinterpret_cast<const uint4*>(smem + packed);
+  const unsigned int w[4] = {{w4.x, w4.y, w4.z, w4.w}};
+  const {scalar} s = smem[scale];
+  const {v2} s2 = {{s, s}};
+  const unsigned int zb = {bias}u | ({bias}u << 16);
+  const {v2} z2 = *reinterpret_cast<const {v2}*>(&zb);
+  uint4* out = reinterpret_cast<uint4*>(smem + out_row);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {{
+    unsigned int h[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {{
+      unsigned int b = ((w[i] >> (4 * j)) & 0x000F000Fu) | {magic}u;
+      const {v2} v = __hmul2(__hsub2(*reinterpret_cast<const {v2}*>(&b), z2), s2);
+      h[j] = *reinterpret_cast<const unsigned int*>(&v);
+    }}
+    uint4 o;
+    o.x = __byte_perm(h[0], h[1], 0x5410);
+    o.y = __byte_perm(h[2], h[3], 0x5410);
+    o.z = __byte_perm(h[0], h[1], 0x7632);
+    o.w = __byte_perm(h[2], h[3], 0x7632);
+    out[(c0 + i) ^ sw] = o;
+  }}
+"""
+
+
+def q4_dequant_source(dtype: str, zero: int) -> str:
+    """The CUDA device function ``Q4_DEQUANT[dtype]`` for the zero point ``zero`` (see above)."""
+    if dtype == "float16":
+        scalar, v2, magic, base = "half", "half2", 0x64006400, 0x6400
+    else:
+        scalar, v2, magic, base = "nv_bfloat16", "nv_bfloat162", 0x43004300, 0x4300
+    body = _Q4_DEQUANT_BODY.format(scalar=scalar, v2=v2, bias=hex(base + zero), magic=hex(magic))
+    return (f"\n__forceinline__ __device__ void {Q4_DEQUANT[dtype]}({scalar}* smem, int packed, int scale, "
+            f"int out_row, int c0, int sw) {{{body}}}\n")
 
 
 def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool):
@@ -62,6 +107,28 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
     ab = DTYPE_ABBREV[ops.dtype]
     n, dtype = ops.n, ops.dtype
     m, wide = rows(ops)
+    deq = ops.dequant
+    if deq is not None:
+        from tvm.backend.cuda import op as cuda_op
+
+        q4 = q4_smem(tile, deq.group)
+        b_base = q4.half_base  # the two dequantized B tiles
+        pieces_row = bk // Q4_PIECE  # 16-byte pieces of packed words in a row of a slice
+        p_loads = bn * pieces_row // threads
+        s_loads = -(-bn // threads)
+        words_row, groups_row = ops.k // deq.per_word, ops.k // deq.group
+        pair = 2 * q4.scale_words  # scales a row's slice loads, from an aligned index
+        deq_fn, deq_src = Q4_DEQUANT[dtype], q4_dequant_source(dtype, int(deq.zero))
+    n_static = isinstance(n, int)
+    n32 = n if n_static else T.Cast("int32", n)
+
+    def b_row(row):
+        # A symbolic N (the LM head's vocabulary) is no multiple of the tile: clamp, never store.
+        return row if n_static else T.min(row, n32 - 1)
+
+    def b_slot(kt):
+        # The B tile slice kt's fragments read: its stage buffer, or one of the two dequantized tiles.
+        return kt % stages if deq is None else kt % 2
 
     def in_rows(row):
         # Python True (no branch at all) where every row of the tile is below M.
@@ -91,14 +158,52 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
                     ops.a.access_ptr("r", offset=ops.a_offset(wide(row0 + row), k0 + c * CHUNK)),
                     16,
                 )
-        for it in T.unroll(b_loads):
-            row = (it * threads + tid) // chunks
-            c = (it * threads + tid) % chunks
-            T.ptx.cp_async(
-                smem.access_ptr("w", offset=b_base + slot * b_stage + swz(row, c)),
-                ops.b.access_ptr("r", offset=ops.b_offset(col0 + row, k0 + c * CHUNK)),
-                16,
-            )
+        if deq is None:
+            for it in T.unroll(b_loads):
+                row = (it * threads + tid) // chunks
+                c = (it * threads + tid) % chunks
+                T.ptx.cp_async(
+                    smem.access_ptr("w", offset=b_base + slot * b_stage + swz(row, c)),
+                    ops.b.access_ptr("r", offset=ops.b_offset(col0 + row, k0 + c * CHUNK)),
+                    16,
+                )
+        else:
+            # The packed words (a quarter of the fp16 tile's bytes) and the slice's scales, unswizzled.
+            for it in T.unroll(p_loads):
+                row = (it * threads + tid) // pieces_row
+                c = (it * threads + tid) % pieces_row
+                T.ptx.cp_async(
+                    smem.access_ptr("w", offset=q4.packed_base + slot * q4.packed_stage + (row * pieces_row + c) * CHUNK),
+                    ops.b.access_ptr("r", offset=wide(b_row(col0 + row)) * words_row + (k0 + c * Q4_PIECE) // deq.per_word),
+                    16,
+                )
+            for it in T.unroll(s_loads):
+                if bn % threads == 0 or it * threads + tid < bn:
+                    T.ptx.cp_async(
+                        smem.access_ptr("w", offset=q4.scale_base + slot * q4.scale_stage + (it * threads + tid) * pair),
+                        deq.scale.access_ptr(
+                            "r", offset=wide(b_row(col0 + it * threads + tid)) * groups_row + k0 // deq.group // pair * pair
+                        ),
+                        2 * pair,
+                    )
+
+    @T.macro
+    def dequant_slice(smem, slot, hslot, k0, tid):
+        # Each thread's pieces of the packed slice into the B tile ``hslot``, in fp16/bf16.
+        for it in T.unroll(p_loads):
+            row = (it * threads + tid) // pieces_row
+            c = (it * threads + tid) % pieces_row
+            # (Offsets in elements of the shared buffer, the data pointer passed as it is: the
+            # barriers around the dequantize are the template's, not TVM's sync planner's.)
+            T.evaluate(cuda_op.cuda_func_call(
+                deq_fn, smem.data,
+                q4.packed_base + slot * q4.packed_stage + (row * pieces_row + c) * CHUNK,
+                q4.scale_base + slot * q4.scale_stage + row * pair
+                + (k0 + c * Q4_PIECE) // deq.group - k0 // deq.group // pair * pair,
+                b_base + hslot * b_stage + row * bk,
+                c * (Q4_PIECE // CHUNK), (row // rows_per_line) % chunks,
+                source_code=deq_src,
+            ))  # fmt: skip
 
     @T.macro
     def ldmatrix_x4(frag, frag_offset, smem, smem_offset):
@@ -107,7 +212,7 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
         )
 
     @T.macro
-    def load_fragments(smem, slot, kk, Af, Bf, buf, warp_row, warp_col, lane):
+    def load_fragments(smem, slot, bslot, kk, Af, Bf, buf, warp_row, warp_col, lane):
         for i in T.unroll(mi):
             # Lanes 0-15 address rows 0-15 at k 0-7, lanes 16-31 the same rows at k 8-15.
             ldmatrix_x4(
@@ -118,7 +223,7 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
             # Two n tiles of 8 B rows each, k 0-7 and 8-15: the col operands of two mma tiles.
             ldmatrix_x4(
                 Bf, (buf * nj // 2 + j) * 8, smem,
-                b_base + slot * b_stage
+                b_base + bslot * b_stage
                 + swz(warp_col + j * 2 * MMA_N + (lane // 16) * 8 + lane % 8, kk * 2 + (lane // 8) % 2),
             )  # fmt: skip
 
@@ -138,7 +243,10 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
             T.ptx.cp_async.commit_group()
         T.ptx.cp_async.wait_group(stages - 2)
         T.tvm_storage_sync("shared")
-        load_fragments(smem, 0, 0, Af, Bf, 0, warp_row, warp_col, lane)
+        if deq is not None:
+            dequant_slice(smem, 0, 0, k_begin, tid)
+            T.tvm_storage_sync("shared")
+        load_fragments(smem, 0, 0, 0, Af, Bf, 0, warp_row, warp_col, lane)
         for kt in T.serial(k_tiles):
             for kk in T.unroll(k_steps):
                 if kk == 0:
@@ -149,15 +257,25 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
                             smem, (kt + (stages - 1)) % stages, k_begin + (kt + (stages - 1)) * bk, row0, col0, tid
                         )
                     T.ptx.cp_async.commit_group()
+                    if deq is not None:
+                        # Slice kt + 1 has landed: dequantize it into the B tile slice kt - 1 used
+                        # (every warp is past its last read of it, at the barrier of slice kt - 1).
+                        T.ptx.cp_async.wait_group(stages - 2)
+                        T.tvm_storage_sync("shared")
+                        if kt + 1 < k_tiles:
+                            dequant_slice(smem, (kt + 1) % stages, (kt + 1) % 2, k_begin + (kt + 1) * bk, tid)
                 if kk == k_steps - 1:
-                    # Slice kt + 1 has landed and is visible to all warps.
-                    T.ptx.cp_async.wait_group(stages - 2)
+                    # Slice kt + 1 has landed (and is dequantized) and is visible to all warps.
+                    if deq is None:
+                        T.ptx.cp_async.wait_group(stages - 2)
                     T.tvm_storage_sync("shared")
                 # Operands of the next k step (the next slice's first) load while this one multiplies.
                 if kk + 1 < k_steps:
-                    load_fragments(smem, kt % stages, kk + 1, Af, Bf, (kk + 1) % 2, warp_row, warp_col, lane)
+                    load_fragments(smem, kt % stages, b_slot(kt), kk + 1, Af, Bf, (kk + 1) % 2, warp_row, warp_col, lane)
                 elif kt + 1 < k_tiles:
-                    load_fragments(smem, (kt + 1) % stages, 0, Af, Bf, (kk + 1) % 2, warp_row, warp_col, lane)
+                    load_fragments(
+                        smem, (kt + 1) % stages, b_slot(kt + 1), 0, Af, Bf, (kk + 1) % 2, warp_row, warp_col, lane
+                    )
                 for i in T.unroll(mi):
                     for j in T.unroll(nj):
                         T.ptx.mma.legacy(
@@ -184,10 +302,23 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
             row: T.let[T.int32] = (it * threads + tid) // (bn // CHUNK)
             col: T.let[T.int32] = (it * threads + tid) % (bn // CHUNK) * CHUNK
             if in_rows(row0 + row):
-                for e in T.vectorized(CHUNK):
-                    out_buf[ops.out.index(wide(row0 + row), wide(col0 + col + e))] = ops.out.value(
-                        wide(row0 + row), wide(col0 + col + e), C_smem[row * ld_c + col + e]
-                    )
+                if n_static:
+                    for e in T.vectorized(CHUNK):
+                        out_buf[ops.out.index(wide(row0 + row), wide(col0 + col + e))] = ops.out.value(
+                            wide(row0 + row), wide(col0 + col + e), C_smem[row * ld_c + col + e]
+                        )
+                elif col0 + col + CHUNK <= n32:
+                    for e in T.vectorized(CHUNK):
+                        out_buf[ops.out.index(wide(row0 + row), wide(col0 + col + e))] = ops.out.value(
+                            wide(row0 + row), wide(col0 + col + e), C_smem[row * ld_c + col + e]
+                        )
+                else:
+                    # The last columns of a symbolic N: one output at a time, up to N.
+                    for e in T.serial(CHUNK):
+                        if col0 + col + e < n32:
+                            out_buf[ops.out.index(wide(row0 + row), wide(col0 + col + e))] = ops.out.value(
+                                wide(row0 + row), wide(col0 + col + e), C_smem[row * ld_c + col + e]
+                            )
 
     @T.macro
     def store_partial(smem, row0, col0, tid, part, split):
@@ -229,14 +360,17 @@ def mma_sync_gemm(ops: GemmOperands, plan: GemmPlan) -> Any:
     m, _ = rows(ops)
     out_buf = ops.out.buffer
     threads = main.threads
-    smem_halves = max(t.shared_bytes for t in (main, rest) if t is not None) // 2
+    smem_halves = max(shared_bytes(t, ops) for t in (main, rest) if t is not None) // 2
     reduce_blocks = reduction(ops, split_k) if split_k > 1 else None
     main_compute, main_store, main_partial = _tile_code(ops, main, split_k, predicated=rest is None)
-    n_tiles = n // main.block_n
+    # Column tiles (a symbolic N: the last one partly past N, its columns clamped and never stored).
+    n_tiles = n // main.block_n if isinstance(n, int) else (T.Cast("int32", n) + main.block_n - 1) // main.block_n
     k_split = ops.k // split_k
     if rest is not None:
         rest_compute, rest_store, rest_partial = _tile_code(ops, rest, split_k, predicated=True)
-        rest_n_tiles = n // rest.block_n
+        rest_n_tiles = (
+            n // rest.block_n if isinstance(n, int) else (T.Cast("int32", n) + rest.block_n - 1) // rest.block_n
+        )
 
     def main_rows():
         # Tile rows of main tiles: whole ones only when a rest tile takes the remainder.

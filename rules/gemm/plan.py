@@ -136,6 +136,90 @@ def check_tile(tile: GemmTile, what: str = "tile") -> None:
         )
 
 
+# A dequantized B (``ops.dequant``): 16-byte pieces of 4 packed uint32 words, 32 4-bit values along K.
+Q4_PIECE = 32
+Q4_BITS, Q4_PER_WORD = 4, 8
+Q4_STORAGE = ("uint32", "int32")
+# The zero points the in-register conversion subtracts exactly: 1024 + zero (fp16), 128 + zero (bf16).
+Q4_MAX_ZERO = 127
+
+
+@dataclasses.dataclass(frozen=True)
+class Q4Smem:
+    """Shared memory of a tile whose B is dequantized in the kernel, in halves from the start: the
+    A stages, then ``stages`` buffers of packed words (``block_n`` rows of ``block_k / 8`` words) and
+    of scales (``scale_words`` 4-byte words a row: the aligned pairs of scales covering the slice),
+    then two fp16/bf16 B tiles the pieces are dequantized into (swizzled like the A tiles)."""
+
+    packed_base: int
+    packed_stage: int
+    scale_base: int
+    scale_stage: int
+    scale_words: int
+    half_base: int
+    halves: int
+
+
+def q4_smem(tile: GemmTile, group: int) -> Q4Smem:
+    """The shared-memory layout of ``tile`` for a dequantized B of scale group ``group``."""
+    packed_base = tile.stages * tile.block_m * tile.block_k
+    packed_stage = tile.block_n * tile.block_k // 4  # block_k / 8 words of 2 halves a row
+    scale_words = max(1, tile.block_k // (2 * group))
+    scale_base = packed_base + tile.stages * packed_stage
+    scale_stage = tile.block_n * 2 * scale_words
+    half_base = scale_base + tile.stages * scale_stage
+    return Q4Smem(packed_base, packed_stage, scale_base, scale_stage, scale_words, half_base,
+                  half_base + 2 * tile.block_n * tile.block_k)
+
+
+def shared_bytes(tile: GemmTile, ops: GemmOperands) -> int:
+    """Shared memory of ``tile`` computing ``ops`` (a dequantized B has its own layout)."""
+    if ops.dequant is None:
+        return tile.shared_bytes
+    return max(q4_smem(tile, ops.dequant.group).halves * ELEMENT_BYTES, tile.epilogue_floats * 4)
+
+
+def check_dequant(plan: GemmPlan, ops: GemmOperands) -> None:
+    """FuselightError naming the problem if the template cannot dequantize ``ops``' B with ``plan``:
+    4-bit values 8 to a 32-bit word along K (layout NK), a group of a multiple of 32, an integer
+    zero point the conversion subtracts exactly, slices of whole pieces spread evenly over the threads."""
+    deq = ops.dequant
+    if (deq.bits, deq.per_word) != (Q4_BITS, Q4_PER_WORD) or deq.storage_dtype not in Q4_STORAGE:
+        raise FuselightError(
+            f"mma.sync gemm: dequantize of {deq.bits}-bit values {deq.per_word} to a {deq.storage_dtype} "
+            f"unsupported (supported: {Q4_BITS}-bit, {Q4_PER_WORD} to a 32-bit word)"
+        )
+    if deq.layout != "NK" or ops.b_layout != "NT":
+        raise FuselightError(f"mma.sync gemm: dequantize layout {deq.layout!r} unsupported (supported: NK)")
+    if deq.group % Q4_PIECE:
+        raise FuselightError(f"mma.sync gemm: dequantize group {deq.group} is not a multiple of {Q4_PIECE}")
+    if deq.zero != int(deq.zero) or not 0 <= deq.zero <= Q4_MAX_ZERO:
+        raise FuselightError(f"mma.sync gemm: zero point {deq.zero} is not an integer in 0..{Q4_MAX_ZERO}")
+    if deq.dtype != ops.dtype:
+        raise FuselightError(f"mma.sync gemm: dequantized dtype {deq.dtype} differs from A's {ops.dtype}")
+    if not isinstance(ops.n, int) and plan.split_k > 1:
+        raise FuselightError("mma.sync gemm: split_k needs a static n")
+    for what, tile in (("main", plan.main), ("rest", plan.rest)):
+        if tile is None:
+            continue
+        pieces = tile.block_n * tile.block_k // Q4_PIECE
+        if tile.block_k < Q4_PIECE or pieces % tile.threads:
+            raise FuselightError(
+                f"gemm plan {what} tile: block_n x block_k {tile.block_n}x{tile.block_k} is not "
+                f"{tile.threads} threads' whole pieces of {Q4_PIECE} packed values"
+            )
+        words = q4_smem(tile, deq.group).scale_words
+        if (ops.k // deq.group) % (2 * words):
+            raise FuselightError(
+                f"gemm plan {what} tile: {ops.k // deq.group} scales a row are no whole {4 * words}-byte loads"
+            )
+        if shared_bytes(tile, ops) > MAX_SHARED_BYTES:
+            raise FuselightError(
+                f"gemm plan {what} tile: stages {tile.stages} of {tile.block_m}x{tile.block_n}x{tile.block_k} "
+                f"with a dequantized B need {shared_bytes(tile, ops)} bytes of shared memory (at most {MAX_SHARED_BYTES})"
+            )
+
+
 def check_plan(plan: GemmPlan, ops: GemmOperands) -> None:
     """FuselightError naming the field (or the operand) if ``plan`` cannot tile ``ops``."""
     if ops.dtype not in DTYPES:
@@ -153,7 +237,10 @@ def check_plan(plan: GemmPlan, ops: GemmOperands) -> None:
     tiles = [("main", plan.main)] + ([("rest", plan.rest)] if plan.rest is not None else [])
     for what, tile in tiles:
         check_tile(tile, f"plan {what} tile")
-        if ops.n % tile.block_n:
+        if not isinstance(ops.n, int):
+            if ops.dequant is None:
+                raise FuselightError(f"gemm plan: n {ops.n} must be static (symbolic only with a dequantized B)")
+        elif ops.n % tile.block_n:
             raise FuselightError(f"gemm plan {what} tile: n {ops.n} is not a multiple of block_n {tile.block_n}")
         if ops.k % (tile.block_k * plan.split_k):
             raise FuselightError(
@@ -169,6 +256,8 @@ def check_plan(plan: GemmPlan, ops: GemmOperands) -> None:
             raise FuselightError(
                 f"gemm plan: rest tile block_m {plan.rest.block_m} must be below main's {plan.main.block_m}"
             )
+    if ops.dequant is not None:
+        check_dequant(plan, ops)
 
 
 def load_tiles(arch: str) -> dict[str, GemmTile]:

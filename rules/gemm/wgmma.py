@@ -147,6 +147,8 @@ def check_tile(tile: WgmmaTile, ops: GemmOperands, split_k: int = 1) -> None:
     """FuselightError naming the problem if ``tile`` with K split ``split_k`` ways cannot compute ``ops``."""
     if ops.dtype not in DTYPES:
         raise FuselightError(f"wgmma gemm: dtype {ops.dtype!r} unsupported (supported: {', '.join(DTYPES)})")
+    if ops.dequant is not None:
+        raise FuselightError("wgmma gemm: a dequantized B is unsupported")
     if ops.b_layout != "NT":
         raise FuselightError(
             f"wgmma gemm: B layout {ops.b_layout!r} unsupported (supported: NT of {B_LAYOUTS})"

@@ -1,0 +1,304 @@
+"""Probe: the quantized (q4f16_1) prefill GEMMs, fuselight's kernel vs DLight's and our fp16 GEMM, on Llama-3-8B shapes.
+
+Two halves, one file:
+
+  build (CPU host, full TVM + nvcc; from the project root, fuselight's rules importable):
+      python3 bench/probes/q4_gemm.py build .build/q4_gemm
+  writes ``ours.so`` (the Matmul rule's kernels of each case: the dequantize in the mma.sync
+  template's mainloop, symbolic M), ``dlight.so`` (DLight's schedule of the same PrimFuncs, as
+  MLC-LLM builds them), ``fp16.so`` (the Matmul rule on an fp16 NT matmul of the same N and K:
+  fuselight's fp16 GEMM, the throughput to compare with), their AOT cubins, CUDA sources and
+  ``manifest.json``.
+
+  run (GPU host, runtime-only TVM: ``source .gpu/setup.sh`` first):
+      python3 bench/probes/q4_gemm.py run .build/q4_gemm/manifest.json -o q4_gemm.json [--cases qkv ...] [--m 512 ...]
+  for each case and M fills random packed words (never all zeros), scales and tokens, checks our
+  kernel and DLight's against a float64 reference of the function (the weight dequantized as the
+  function computes it, in fp16/bf16, then the product in float64; relative error of the whole
+  output; outputs poisoned with NaN first), and times ours, DLight's, our fp16 GEMM and torch's fp16
+  matmul of the dequantized weight with L2 flushed between calls (``fuselight.bench.timing``:
+  medians). Prints a table (TFLOP/s, ours / fp16 GEMM) and writes JSON.
+
+The cases are MLC-LLM's prefill functions (``fuselight.quant_prim_funcs.q4_linear``, ``prefill``:
+tokens ``x[1, seq_len, k]``): dequantize in two stages, NT_matmul accumulating in float32, the cast epilogue (o_proj and
+down also the residual add, the LM head the second cast to float32 and a symbolic vocabulary, run
+at 128256). TVM 0.26's DLight Matmul asserts on these functions here ("consumers of the
+cache-write stage ... not properly inlined"), with or without its tensor-core path: the build then
+records ``dlight_error`` for the case and the run reports DLight's kernel as missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+M_VALUES = (17, 128, 512, 1000, 1024, 2048, 4095)
+
+# name -> q4_linear arguments (n None: symbolic, run at ``vocab``); m is always symbolic
+CASES: dict[str, dict[str, Any]] = {
+    "qkv": dict(n=6144, k=4096),
+    "o_proj": dict(n=4096, k=4096, epilogue="residual"),
+    "gate_up": dict(n=28672, k=4096),
+    "down": dict(n=4096, k=14336, epilogue="residual"),
+    "lm_head": dict(n=None, k=4096, epilogue="cast_fp32", vocab=128256),
+    "o_proj_bf16": dict(n=4096, k=4096, dtype="bfloat16"),
+    "o_proj_g128": dict(n=4096, k=4096, group=128),
+}
+
+
+def _args(case: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in case.items() if k != "vocab"}
+
+
+def _fp16_name(n: int, k: int, dtype: str) -> str:
+    return f"fp16_gemm_{n}x{k}_{dtype}"
+
+
+# ---- build ------------------------------------------------------------------------------------
+
+
+def build(out: Path) -> None:
+    import tvm
+    from fuselight.compile import library_metadata, write_library
+    from fuselight.quant_prim_funcs import q4_linear
+    from fuselight.rules import dlight_defaults
+    from fuselight.rules.gemm.analysis import analyze_matmul
+    from fuselight.rules.gemm.dispatch import q4_plan_ranges
+    from fuselight.rules.matmul import Matmul
+    from fuselight.runtime import cuda_sources
+    from fuselight.target import resolve, to_tvm
+    from fuselight.tune.gemm import matmul_prim_func
+    from tvm.s_tir import dlight as dl
+
+    spec = resolve("cuda", "sm_90")
+    target = to_tvm(spec)
+    ours, base, fp16, manifest = {}, {}, {}, {"cases": {}, "target": spec.options, "m": list(M_VALUES)}
+    for name, case in CASES.items():
+        func = q4_linear(**_args(case), m=None, prefill=True).with_attr("target", target)
+        sch = Matmul().apply(func, target, False)
+        if sch is None:
+            raise SystemExit(f"{name}: the Matmul rule does not take it")
+        ops = analyze_matmul(func, dequant=True).operands
+        ranges = [(upper, _q4_name(plan)) for upper, plan in q4_plan_ranges(ops, "sm_90")]
+        ours[name] = sch.mod["main"].with_attr("global_symbol", name)
+        base[name] = func.with_attr("global_symbol", name)
+        n, k, dtype = case["n"] or case["vocab"], case["k"], case.get("dtype", "float16")
+        fname = _fp16_name(n, k, dtype)
+        if fname not in fp16:
+            f16 = matmul_prim_func(n, k, dtype).with_attr("target", target)
+            f16_sch = Matmul().apply(f16, target, False)
+            if f16_sch is None:
+                raise SystemExit(f"{name}: the Matmul rule does not take the fp16 matmul {n}x{k}")
+            fp16[fname] = f16_sch.mod["main"].with_attr("global_symbol", fname)
+        manifest["cases"][name] = {**case, "function": name, "params": [p.name for p in func.params],
+                                   "fp16_function": fname, "ranges": ranges}
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    base_funcs = {}
+    no_tc = tvm.target.Target(dict(spec.options, arch="sm_60", host={"kind": "llvm"}))
+    for name, func in base.items():
+        # One function at a time: DLight's Matmul asserts on some epilogues (recorded, then skipped).
+        # TVM 0.26's MatmulTensorization asserts on these functions ("consumers of the cache-write
+        # stage ... not properly inlined"); then DLight's Matmul is asked without its tensor-core
+        # path (the target's arch below sm_70 while scheduling; compiled for sm_90 all the same).
+        for sched_target, note in ((target, None), (no_tc, "DLight's Matmul without tensor cores (its tensorization asserts)")):
+            try:
+                with sched_target:
+                    mod = dl.ApplyDefaultSchedule(*dlight_defaults(sched_target))(tvm.IRModule({name: func.with_attr("target", sched_target)}))
+                base_funcs[name] = mod[name].with_attr("target", target)
+                if note:
+                    manifest["cases"][name]["dlight_note"] = note
+                break
+            except Exception as err:  # noqa: BLE001
+                manifest["cases"][name]["dlight_error"] = f"{type(err).__name__}: {err}"[:300]
+        if name in base_funcs:
+            manifest["cases"][name].pop("dlight_error", None)
+        print(f"{name}: DLight: {manifest['cases'][name].get('dlight_note') or manifest['cases'][name].get('dlight_error') or 'ok'}", flush=True)
+    base_mod = tvm.IRModule(base_funcs)
+    # One library a dtype for our kernels: the templates' dynamic shared buffers of fp16 and bf16
+    # kernels in one CUDA source would be declared twice with two types.
+    bf16 = {nm for nm, c in CASES.items() if c.get("dtype", "float16") == "bfloat16"}
+    libs = {
+        "ours": ("ours.so", tvm.IRModule({nm: f for nm, f in ours.items() if nm not in bf16})),
+        "ours_bf16": ("ours_bf16.so", tvm.IRModule({nm: f for nm, f in ours.items() if nm in bf16})),
+        "dlight": ("dlight.so", base_mod),
+        "fp16": ("fp16.so", tvm.IRModule({nm: f for nm, f in fp16.items() if not nm.endswith("bfloat16")})),
+        "fp16_bf16": ("fp16_bf16.so", tvm.IRModule({nm: f for nm, f in fp16.items() if nm.endswith("bfloat16")})),
+    }
+    libs = {key: v for key, v in libs.items() if len(v[1].functions)}
+    for nm in manifest["cases"]:
+        manifest["cases"][nm]["suffix"] = "_bf16" if nm in bf16 else ""
+    for key, (fname, mod) in libs.items():
+        lib = tvm.compile(mod, target=target)
+        meta = library_metadata(spec, "dlight" if key == "dlight" else "fuselight", "dlight (MLC-LLM's GPU rules)",
+                                probe="q4_gemm")
+        write_library(lib, out / fname, meta, spec)
+        (out / fname.replace(".so", ".cu")).write_text("\n".join(cuda_sources(lib)))  # to read, and ptxas -v
+        print(f"{fname}: {len(mod.functions)} functions, {time.time() - t0:.0f} s", flush=True)
+    manifest["libraries"] = {key: fname for key, (fname, _) in libs.items()}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    print(f"wrote {out}/manifest.json")
+
+
+def _q4_name(plan: Any) -> str:
+    def tile(t: Any) -> str:
+        return f"m{t.block_m}n{t.block_n}k{t.block_k}w{t.warps_m}x{t.warps_n}s{t.stages}"
+
+    name = tile(plan.main) + (f"+{tile(plan.rest)}" if plan.rest is not None else "")
+    return name + (f"/sk{plan.split_k}" if plan.split_k > 1 else "")
+
+
+# ---- run --------------------------------------------------------------------------------------
+
+
+def _data(case: dict[str, Any], m: int, torch: Any, seed: int) -> dict[str, Any]:
+    """Random inputs (never zeros), the float64 reference and the dequantized weight for torch."""
+    n, k = case["n"] or case["vocab"], case["k"]
+    dtype = getattr(torch, case.get("dtype", "float16"))
+    group = case.get("group", 32)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda", generator=g)
+    q[q == 0] = 0x12345678
+    scale = (torch.rand((n, k // group), device="cuda", generator=g) * 0.018 + 0.002).to(dtype)
+    x = torch.randn((1, m, k), device="cuda", generator=g).to(dtype)
+    shifts = torch.arange(0, 32, 4, device="cuda", dtype=torch.int32)
+    values = ((q[:, :, None] >> shifts) & 15).reshape(n, k)  # element e of a word in bits 4e..4e+3
+    # The function's weight: (dtype(e) - dtype(7)) * scale, each op rounded in dtype.
+    w = (values.to(dtype) - torch.tensor(7, dtype=dtype, device="cuda")) * scale.repeat_interleave(group, dim=1)
+    del values
+    ref = (x.reshape(m, k).double() @ w.double().T).reshape(1, m, n)
+    data = {"q": q.view(torch.uint32), "scale": scale, "x": x, "w": w,
+            "ref": ref, "n": n, "k": k}
+    epilogue = case.get("epilogue", "cast")
+    if epilogue == "residual":
+        r = torch.randn((1, m, n), device="cuda", generator=g).to(dtype)
+        data["r"] = r
+        data["ref"] = ref.to(dtype).double() + r.double()
+    data["out_dtype"] = torch.float32 if epilogue == "cast_fp32" else dtype
+    return data
+
+
+def _rel(out: Any, ref: Any) -> float:
+    out, ref = out.double().reshape(-1), ref.double().reshape(-1)
+    return float((out - ref).norm() / ref.norm())
+
+
+def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[int] | None) -> None:
+    import torch
+    from fuselight.bench.timing import device_name, time_fn
+    from fuselight.runtime import load_module
+
+    root = manifest_path.parent
+    manifest = json.loads(manifest_path.read_text())
+    libs = {key: load_module(root / name)[0] for key, name in manifest["libraries"].items()}
+    import tvm
+
+    def to_tvm(t: Any) -> Any:
+        if t.dtype == torch.uint32:
+            try:
+                return tvm.runtime.from_dlpack(t)
+            except Exception:  # noqa: BLE001 - a torch without uint32 DLPack: same bits as int32
+                return tvm.runtime.from_dlpack(t.view(torch.int32))._create_view(tuple(t.shape), "uint32")
+        return tvm.runtime.from_dlpack(t)
+
+    results = {"device": device_name("cuda"), "torch": torch.__version__, "manifest": str(manifest_path), "cases": {}}
+    rows = []
+    for idx, (name, case) in enumerate(manifest["cases"].items()):
+        if only and name not in only:
+            continue
+        dtype = case.get("dtype", "float16")
+        tolerance = 1e-3 if dtype == "float16" else 8e-3
+        results["cases"][name] = {"ranges": case["ranges"], "by_m": {}}
+        for m in ms or manifest["m"]:
+            data = _data(case, m, torch, seed=1234 + idx * 10007 + m)
+            n, k = data["n"], data["k"]
+            flop = 2 * m * n * k
+            rec: dict[str, Any] = {"shape": {"m": m, "n": n, "k": k, "dtype": dtype, "group": case.get("group", 32),
+                                             "epilogue": case.get("epilogue", "cast")}, "kernels": {}}
+
+            def measure(label: str, fn: Any, out: Any | None, check: bool = True) -> None:
+                entry: dict[str, Any] = {}
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    if out is not None and check:
+                        entry["rel_err"] = _rel(out, data["ref"])
+                        entry["correct"] = bool(entry["rel_err"] < tolerance)
+                    st = time_fn(fn)
+                    entry.update(median_us=st.median_us, p10_us=st.p10_us, p90_us=st.p90_us, n=st.n,
+                                 tflops=flop / st.median_us / 1e6)
+                except Exception as err:  # noqa: BLE001 - record and go on
+                    entry["error"] = f"{type(err).__name__}: {err}"[:500]
+                rec["kernels"][label] = entry
+
+            def q4_kernel(lib_key: str) -> tuple[Any, Any]:
+                out = torch.full((1, m, n), float("nan"), dtype=data["out_dtype"], device="cuda")
+                by_name = {"q_weight": data["q"], "q_scale": data["scale"], "x": data["x"], "r": data.get("r")}
+                args = [to_tvm(by_name[p]) for p in case["params"][:-1]] + [to_tvm(out)]
+                f = libs[lib_key + ("" if lib_key == "dlight" else case.get("suffix", ""))][case["function"]]
+                return (lambda: f(*args)), out
+
+            fn, out = q4_kernel("ours")
+            measure("fuselight", fn, out)
+            ours_out = out.clone()
+            if "dlight_error" in case:
+                rec["kernels"]["dlight"] = {"error": "build: " + case["dlight_error"]}
+            else:
+                fn, out = q4_kernel("dlight")
+                measure("dlight", fn, out)
+            if "error" not in rec["kernels"]["dlight"]:
+                rec["kernels"]["dlight"]["rel_to_fuselight"] = _rel(ours_out, out)
+            # Our fp16 GEMM on the dequantized weight (its numerics: against the same reference, before the epilogue).
+            w16 = data["w"]
+            x3 = data["x"].reshape(1, m, k)
+            o16 = torch.full((1, m, n), float("nan"), dtype=w16.dtype, device="cuda")
+            f16 = libs["fp16" + case.get("suffix", "")][case["fp16_function"]]
+            a16 = [to_tvm(x3), to_tvm(w16), to_tvm(o16)]
+            measure("fuselight_fp16_gemm", lambda: f16(*a16), o16, check=False)
+            x2 = data["x"].reshape(m, k)
+            measure("torch_fp16_linear", lambda: torch.nn.functional.linear(x2, w16), None)
+            del data, w16, o16, a16
+            torch.cuda.empty_cache()
+            ours, f16e = rec["kernels"]["fuselight"], rec["kernels"]["fuselight_fp16_gemm"]
+            if "tflops" in ours and "tflops" in f16e:
+                rec["ours_over_fp16_gemm"] = ours["tflops"] / f16e["tflops"]
+            results["cases"][name]["by_m"][str(m)] = rec
+            for lbl in ("fuselight", "dlight", "fuselight_fp16_gemm", "torch_fp16_linear"):
+                e = rec["kernels"].get(lbl, {})
+                rows.append((name, m, lbl, e.get("median_us"), e.get("tflops"), e.get("rel_err"), e.get("error"),
+                             rec.get("ours_over_fp16_gemm") if lbl == "fuselight" else None))
+            print(f"{name} m={m} done", file=sys.stderr, flush=True)
+    print(f"{'case':<12} {'m':>5} {'kernel':<22} {'us':>9} {'TFLOP/s':>8} {'rel_err':>9} {'/fp16':>6}")
+    for name, m, lbl, us, tf, err, error, ratio in rows:
+        if error:
+            print(f"{name:<12} {m:>5} {lbl:<22} error: {error[:80]}")
+            continue
+        print(f"{name:<12} {m:>5} {lbl:<22} {us:9.2f} {tf:8.1f} {'' if err is None else f'{err:9.2e}'}"
+              f" {'' if ratio is None else f'{ratio:6.2f}'}")
+    out_json.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {out_json}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("out", type=Path)
+    r = sub.add_parser("run")
+    r.add_argument("manifest", type=Path)
+    r.add_argument("-o", "--output", type=Path, required=True)
+    r.add_argument("--cases", nargs="*")
+    r.add_argument("--m", nargs="*", type=int)
+    a = ap.parse_args()
+    if a.cmd == "build":
+        build(a.out)
+    else:
+        run(a.manifest, a.output, a.cases, a.m)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""The quantized GEMM (prefill, symbolic M): the Matmul rule takes MLC-LLM's q4f16_1 / q4bf16_1
+projections with a 4-bit B and runs the mma.sync template with the dequantize in its mainloop. Here:
+the rule claims them for sm_90 (the LM head's symbolic vocabulary too), the kernels' structure (the
+packed words and scales streamed by cp.async, no dequantized weight in memory, tensor cores, one
+kernel per M range behind a host branch), the plans of the config, what is left to DLight (KN,
+zero-point buffers, groups no multiple of 32, non-integer zero points), the dequantize's arithmetic
+against MLC's (bit for bit, an emulation of the device function), and nvcc compiling every variant.
+Numerics of the kernels run on the GPU against float64: ``bench/probes/q4_gemm.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+from fuselight.quant_prim_funcs import q4_linear
+from fuselight.rules.gemm import dispatch
+from fuselight.rules.gemm.analysis import analyze_matmul
+from fuselight.rules.gemm.mma_sync import Q4_DEQUANT, mma_sync_gemm, q4_dequant_source
+from fuselight.rules.gemm.plan import GemmPlan, check_plan, q4_smem, shared_bytes
+from fuselight.rules.gemv import symbolic_m_buckets
+from fuselight.rules.matmul import Matmul
+from fuselight.target import resolve, to_tvm
+from tvm import te, tirx
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (None, 4096)]
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    return to_tvm(resolve("cuda", "sm_90"))
+
+
+def _scheduled(func, target):
+    sch = Matmul().apply(func.with_attr("target", target), target, False)
+    return None if sch is None else sch.mod["main"]
+
+
+def _source(kernel, target) -> str:
+    lib = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=target)
+    return lib.mod.imports[0].inspect_source("cuda")
+
+
+def _kernels(src: str) -> set[str]:
+    return set(re.findall(r'extern "C" __global__ void __launch_bounds__\([\d, ]+\) (\w+)\(', src))
+
+
+def _kernel_body(src: str, name: str) -> str:
+    start = src.index(f" {name}(", src.index(f" {name}(") + 1)  # the definition (after the declaration)
+    nxt = src.find('extern "C" __global__', start)
+    return src[start: nxt if nxt >= 0 else len(src)]
+
+
+# ---- the rule and its plans ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,k", LLAMA_SHAPES)
+def test_q4_ranges_cover_every_m_with_valid_plans(n, k):
+    ops = analyze_matmul(q4_linear(n, k, m=None, epilogue="cast_fp32" if n is None else "cast"), dequant=True).operands
+    ranges = dispatch.q4_plan_ranges(ops, "sm_90")
+    assert ranges
+    uppers = [u for u, _ in ranges]
+    assert uppers == sorted(uppers) and len(set(uppers)) == len(uppers)
+    for _, plan in ranges:
+        check_plan(plan, ops)
+        assert shared_bytes(plan.main, ops) == max(q4_smem(plan.main, 32).halves * 2, plan.main.epilogue_floats * 4)
+    assert ranges[-1][1].split_k == 1  # every larger M: never split
+    if n is None:
+        assert all(plan.split_k == 1 for _, plan in ranges)  # a symbolic N: no split-K
+    assert dispatch.q4_plan_ranges(ops, "sm_42") == []
+
+
+def test_rule_takes_mlcs_prefill_projection(cuda):
+    func = q4_linear(6144, 4096, m=None)  # fused_dequantize1_fused_NT_matmul_astype
+    kernel = _scheduled(func, cuda)
+    assert kernel is not None
+    assert [p.name for p in kernel.params] == [p.name for p in func.params]  # the signature stays
+    ops = analyze_matmul(func, dequant=True).operands
+    gemv = symbolic_m_buckets(ops, cuda)
+    ranges = dispatch.q4_plan_ranges(ops, "sm_90")
+    kept = [r for r in ranges[:-1] if not gemv or r[0] > gemv[-1][0]] + ranges[-1:]
+    src = _source(kernel, cuda)
+    names = _kernels(src)
+    # one kernel per GEMV bucket and M range, a reduction per split-K range
+    assert len(names) == len(gemv) + sum(2 if plan.split_k > 1 else 1 for _, plan in kept)
+    gemm = [nm for nm in names if "fuselight_q4_dequant32_fp16(" in _kernel_body(src, nm)]
+    assert len(gemm) == len(kept)
+    for nm in gemm:
+        body = _kernel_body(src, nm)
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in body
+        assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in body
+        # The packed words stream in by 16-byte cp.async, the scales by 4-byte ones.
+        assert re.search(r"tvm_builtin_ptx_cp_async_cg_16\(\(&\(smem_ptr\[[^;]*q_weight_ptr", body)
+        assert re.search(r"tvm_builtin_ptx_cp_async_ca_4\(\(&\(smem_ptr\[[^;]*q_scale_ptr", body)
+        assert "extern __shared__" in src
+    # No dequantized weight anywhere: no N x K buffer, no fp16 weight parameter.
+    assert "25165824" not in src
+    assert not re.search(r"half\* __restrict__ (dequantize\w*|compute)_ptr", src)
+    assert "0x64006400u" in src and "__byte_perm" in src
+    # The host branches on M (batch_size): the dispatch's ranges.
+    host = kernel.script()
+    for upper, _ in kept[:-1]:
+        assert f"batch_size <= T.int64({upper})" in host
+
+
+def test_rule_takes_the_lm_head_with_a_symbolic_vocabulary(cuda):
+    func = q4_linear(None, 4096, m=None, epilogue="cast_fp32")
+    kernel = _scheduled(func, cuda)
+    assert kernel is not None
+    src = _source(kernel, cuda)
+    assert "int64_t vocab_size" in src or "vocab_size" in kernel.script()
+    assert "fuselight_q4_dequant32_fp16(" in src
+    # The last column tile is clamped on load and stored one column at a time past the vocabulary.
+    assert "min(" in src
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(layout="KN"), dict(group=16), dict(zero=7.5), dict(zero=200.0)],
+    ids=["KN", "group16", "zero7.5", "zero200"],
+)
+def test_rule_leaves_what_the_template_does_not_dequantize(kwargs, cuda):
+    func = q4_linear(4096, 4096, m=None, **kwargs)
+    assert _scheduled(func, cuda) is None
+
+
+def test_rule_leaves_a_zero_point_buffer(cuda):
+    n, k, group = 4096, 4096, 32
+    i64 = "int64"
+    q = te.placeholder((tirx.IntImm(i64, n), tirx.IntImm(i64, k // 8)), "uint32", name="q")
+    s = te.placeholder((tirx.IntImm(i64, n), tirx.IntImm(i64, k // group)), "float16", name="s")
+    z = te.placeholder((tirx.IntImm(i64, n), tirx.IntImm(i64, k // group)), "float16", name="z")
+    mm = tirx.Var("m", i64)
+    x = te.placeholder((mm, tirx.IntImm(i64, k)), "float16", name="x")
+
+    def value(i, j):
+        e = tirx.Cast("float16", tirx.bitwise_and(tirx.shift_right(q[i, j // 8], tirx.Cast("uint32", j % 8 * 4)),
+                                                  tirx.const(15, "uint32")))
+        return (e - z[i, j // group]) * s[i, j // group]
+
+    w = te.compute((n, k), value, name="dequantize")
+    r = te.reduce_axis((0, k), name="k")
+    acc = te.compute((mm, n), lambda b, i: te.sum(tirx.Cast("float32", x[b, r]) * tirx.Cast("float32", w[i, r]), axis=r))
+    out = te.compute((mm, n), lambda b, i: tirx.Cast("float16", acc[b, i]), name="cast")
+    assert _scheduled(te.create_prim_func([q, s, z, x, out]), cuda) is None
+
+
+def test_plan_checks_name_the_problem():
+    ops = analyze_matmul(q4_linear(4096, 4096, m=None), dequant=True).operands
+    tile = dispatch.q4_plan_ranges(ops, "sm_90")[-1][1].main
+    bad_k = dataclasses.replace(tile, block_k=16)
+    with pytest.raises(Exception, match="whole pieces of 32 packed values"):
+        check_plan(GemmPlan(bad_k), ops)
+    kn = analyze_matmul(q4_linear(4096, 4096, m=None, layout="KN"), dequant=True)
+    if kn is not None:  # (the analysis may already refuse a KN weight under an NT matmul)
+        with pytest.raises(Exception, match="layout"):
+            check_plan(GemmPlan(tile), kn.operands)
+    head = analyze_matmul(q4_linear(None, 4096, m=None, epilogue="cast_fp32"), dequant=True).operands
+    with pytest.raises(Exception, match="split_k needs a static n"):
+        check_plan(GemmPlan(tile, split_k=2), head)
+    fp16 = dataclasses.replace(ops, dequant=None)
+    with pytest.raises(Exception, match="must be static"):
+        check_plan(GemmPlan(tile), dataclasses.replace(fp16, n=tirx.Var("n", "int64")))
+
+
+# ---- the dequantize's arithmetic ------------------------------------------------------------
+
+
+def _emulate(words: np.ndarray, scale: float, dtype: str, zero: int) -> np.ndarray:
+    """What the device function writes for one piece (4 words): 32 values in K order, emulating
+    its bit operations (``((w >> 4 j) & 0x000F000F) | magic``, half2 subtract and multiply, byte_perm)."""
+    import ml_dtypes
+
+    np_t = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    magic, base = (0x64006400, 0x6400) if dtype == "float16" else (0x43004300, 0x4300)
+    bias = np.array([base + zero], dtype=np.uint16).view(np_t)[0]
+    s = np_t(scale)
+    out = []
+    for w in words.astype(np.uint32):
+        h = []
+        for j in range(4):
+            b = ((int(w) >> (4 * j)) & 0x000F000F) | magic
+            pair = np.array([b], dtype=np.uint32).view(np_t)  # [low half, high half]
+            v = ((pair - bias).astype(np_t) * s).astype(np_t)  # one rounding each, in dtype
+            h.append(int(v.view(np.uint32)[0]))
+
+        def perm(x, y, sel):  # __byte_perm
+            src = x.to_bytes(4, "little") + y.to_bytes(4, "little")
+            return int.from_bytes(bytes(src[(sel >> (4 * i)) & 7] for i in range(4)), "little")
+
+        chunk = [perm(h[0], h[1], 0x5410), perm(h[2], h[3], 0x5410), perm(h[0], h[1], 0x7632), perm(h[2], h[3], 0x7632)]
+        out.append(np.array(chunk, dtype=np.uint32).view(np_t))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_dequantize_arithmetic_is_mlcs_bit_for_bit(dtype):
+    import ml_dtypes
+
+    np_t = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        words = rng.integers(0, 2**32, size=4, dtype=np.uint64).astype(np.uint32)
+        scale = float(rng.uniform(-0.05, 0.05))
+        got = _emulate(words, scale, dtype, 7)
+        values = np.array([(int(w) >> (4 * e)) & 15 for w in words for e in range(8)])  # K order
+        want = ((values.astype(np_t) - np_t(7)).astype(np_t) * np_t(scale)).astype(np_t)
+        assert got.view(np.uint16).tolist() == want.view(np.uint16).tolist()
+    src = q4_dequant_source(dtype, 7)
+    assert Q4_DEQUANT[dtype] in src and ("0x6407" in src if dtype == "float16" else "0x4307" in src)
+
+
+# ---- nvcc ------------------------------------------------------------------------------------
+
+
+@needs_nvcc
+def test_nvcc_compiles_every_variant(cuda):
+    from fuselight.cuda_compile import compile_cuda
+
+    funcs = {
+        "qkv": q4_linear(6144, 4096, m=None),
+        "o_proj": q4_linear(4096, 4096, m=None, epilogue="residual"),
+        "gate_up": q4_linear(28672, 4096, m=None),
+        "down": q4_linear(4096, 14336, m=None, epilogue="residual"),
+        "lm_head": q4_linear(None, 4096, m=None, epilogue="cast_fp32"),
+        "bf16": q4_linear(4096, 4096, m=None, dtype="bfloat16"),
+        "g128": q4_linear(4096, 4096, m=None, group=128),
+        "static_m": q4_linear(4096, 4096, m=512),
+    }
+    kernels = {name: _scheduled(f, cuda).with_attr("global_symbol", name) for name, f in funcs.items()}
+    # One module a dtype: kernels of both would declare the dynamic shared buffer with two types.
+    for dtype in ("float16", "bfloat16"):
+        mod = tvm.IRModule({nm: k for nm, k in kernels.items() if (nm == "bf16") == (dtype == "bfloat16")})
+        source = tvm.compile(mod, target=cuda).mod.imports[0].inspect_source("cuda")
+        assert f"fuselight_q4_dequant32_{'bf16' if dtype == 'bfloat16' else 'fp16'}(" in source
+        assert compile_cuda(source, "sm_90")
