@@ -123,12 +123,13 @@ def _symbolic_m(func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.P
 def _dlight_rest(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
     """``func`` scheduled by DLight's Matmul (MLC-LLM's choice past its low-batch buckets) or, where
     that rule fails (its tensor-core path asserts on a ``[batch, 1, k]`` token operand with a cast
-    epilogue), by its LowBatchGEMV; None where neither applies."""
+    epilogue), by its LowBatchGEMV, GEMV or Fallback rule (a symbolic vocabulary too: the batch LM
+    head), the first that applies; None where none does."""
     import tvm
     import tvm_ffi
     from tvm.s_tir import dlight as dl
 
-    for rule in (dl.gpu.Matmul(), dl.gpu.LowBatchGEMV(4)):
+    for rule in (dl.gpu.Matmul(), dl.gpu.LowBatchGEMV(4), dl.gpu.GEMV(), dl.gpu.Fallback()):
         try:
             with target:
                 scheduled = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({"main": func}))["main"]

@@ -503,6 +503,17 @@ def test_mma_lm_head_grid_follows_the_vocabulary(cuda):
     assert "mma.sync.aligned.m16n8k16" in source and "(float)" in source
 
 
+def test_batch_lm_head_with_a_symbolic_vocabulary(cuda):
+    # Two symbolic sizes: the buckets' grids follow the vocabulary; past 16 rows a DLight rule that
+    # takes it (its Matmul and LowBatchGEMV do not).
+    kernel = _scheduled(q4_linear(None, 4096, m=None, epilogue="cast_fp32"), cuda)
+    assert kernel is not None
+    grid, _ = _grid_and_allocs(kernel)
+    buckets = gemv.load_gemv_configs("sm_90", quantized=True)
+    assert len(grid) >= len(buckets) + 1
+    assert all(any(v.name == "vocab_size" for v in tirx.analysis.undefined_vars(g)) for g in grid[:len(buckets)])
+
+
 def test_batch_decode_is_scheduled_before_low_batch_gemv_specialize(cuda):
     # The pipeline runs fuselight's rules first; what they schedule, LowBatchGemvSpecialize skips.
     from fuselight.baseline.low_batch_gemv_specialize import LowBatchGemvSpecialize

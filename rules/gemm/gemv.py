@@ -32,6 +32,18 @@ kernel rounds them, to shared memory, where the token fragments are then read fr
 one piece, so rows g of a fragment load sit in different banks). The rows are read from L2 by
 every block (a few percent of the weight bytes); ``x + r`` is written out in slices, one per block.
 
+With 4-bit weights (``ops.dequant``: 8 values packed in a uint32 word along K, a scale per group of
+a multiple of 32) a lane's 16 bytes of a row are 4 words, 32 values: a K step is 128 values and
+feeds 8 mmas. Each A register of an mma is converted from a word in registers (``Q4_PAIR``:
+``((w >> 4 j) & 0x000F000F) | magic`` is the pair ``(e_j, e_{j+4})`` offset by an exact constant,
+subtracted, then multiplied by the row's group scale in fp16: bit for bit MLC-LLM's dequantized
+value); word i of the piece feeds mmas 2 i and 2 i + 1 (``q4_a_pair``). The lane loads the 32 tokens
+of each token row those words meet (four 16-byte chunks) and pairs their halves the same way
+(``q4_b_pair``: tokens (j, j + 4), (j + 1, j + 5) of a chunk), so A and B meet at the same k. The
+scale is applied before the mma because the four lanes of an mma's k carry four different groups
+of 32 (a group's words are one lane's piece); N may be symbolic (the LM head: the grid is computed
+at launch). No prologue.
+
 A bucket that sets ``rows_per_warp`` (M = 1) runs the row-streaming template of ``gemv_rows``
 instead, with the same prologue (``norm_prologue``).
 """
