@@ -10,6 +10,13 @@ vanish (a paired ``silu(gate) * up`` epilogue included: decode's gate+up project
 (``passes.fuse_norm_gemv``: the template norms the token rows in every block). Other weights
 layouts, M without a bucket and targets without a config go on to the next rule (DLight's GEMV).
 ``symbolic_m_buckets`` gives the Matmul rule the buckets it branches a symbolic M of a few rows into.
+
+Dequantized 4-bit weights (``rules.gemm.dequant``; ``configs/gemm/gemv_q4.json``) are this rule's
+for any M: the Matmul rule's templates do not dequantize. A static M takes its bucket (M = 1 the
+row-streaming or the mma template, 2..16 the mma template); a symbolic M (MLC-LLM's batch decode)
+branches on the host into every bucket up to the largest and, above it, into DLight's Matmul
+schedule of the same function (what MLC-LLM's LowBatchGemvSpecialize runs there), so the function
+leaves this rule scheduled and LowBatchGemvSpecialize, which runs after fuselight's rules, skips it.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from tvm.target import Target
 
 from ..errors import FuselightError
 from ..target import arch_of
-from .base import AnalyzeScheduleRule, with_kernels
+from .base import AnalyzeScheduleRule, host_branch, with_kernels
 from .gemm.analysis import MatmulDesc, analyze_matmul
 from .gemm.dispatch import load_dispatch
 from .gemm.gemv import (
@@ -73,10 +80,13 @@ class Gemv(AnalyzeScheduleRule):
 
     @staticmethod
     def analyze(func: tirx.PrimFunc) -> MatmulDesc | None:
-        """The GEMV and fused epilogue ``func`` computes (a matmul with static M), or None."""
+        """The GEMV and fused epilogue ``func`` computes (a matmul with static M, or any M with
+        dequantized weights), or None."""
         # The template computes a norm prologue, and dequantizes 4-bit weights as it loads them.
         desc = analyze_matmul(func, prologue=True, dequant=True)
-        return desc if desc is not None and desc.m_static is not None else None
+        if desc is None or (desc.m_static is None and desc.operands.dequant is None):
+            return None  # a symbolic M of float weights is the Matmul rule's
+        return desc
 
     def schedule(self, func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:
         """``func`` with its body replaced by the GEMV kernel for ``desc`` on ``target``, or None where
@@ -85,7 +95,46 @@ class Gemv(AnalyzeScheduleRule):
             min_static_m = load_dispatch(arch_of(target)).min_static_m
         except FuselightError:
             return None  # no GEMM config for this arch
-        if desc.m_static >= min_static_m:
+        if desc.m_static is None:
+            return _symbolic_m(func, desc, target)
+        if desc.m_static >= min_static_m and desc.operands.dequant is None:
             return None  # the Matmul rule's
         cfg = gemv_config(desc.operands, desc.m_static, target)
         return None if cfg is None else with_kernels(func, gemv_body(desc.operands, cfg))
+
+
+def _symbolic_m(func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:
+    """``func`` (dequantized weights, symbolic M) as the GEMV buckets' kernels behind host branches on
+    M, DLight's schedule above the largest (see the module docstring); None where no bucket serves
+    it or DLight schedules no rest."""
+    ops = desc.operands
+    buckets = symbolic_m_buckets(ops, target)
+    if not buckets:
+        return None
+    rest = _dlight_rest(func, target)
+    if rest is None:
+        return None
+    body = rest.body
+    for upper, cfg in reversed(buckets):
+        body = host_branch(ops.m <= upper, gemv_body(ops, cfg), body)
+    return with_kernels(func, host_branch(ops.m > 0, body))  # no empty grids
+
+
+def _dlight_rest(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
+    """``func`` scheduled by DLight's Matmul (MLC-LLM's choice past its low-batch buckets) or, where
+    that rule fails (its tensor-core path asserts on a ``[batch, 1, k]`` token operand with a cast
+    epilogue), by its LowBatchGEMV, GEMV or Fallback rule (a symbolic vocabulary too: the batch LM
+    head), the first that applies; None where none does."""
+    import tvm
+    import tvm_ffi
+    from tvm.s_tir import dlight as dl
+
+    for rule in (dl.gpu.Matmul(), dl.gpu.LowBatchGEMV(4), dl.gpu.GEMV(), dl.gpu.Fallback()):
+        try:
+            with target:
+                scheduled = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({"main": func}))["main"]
+        except Exception:  # noqa: BLE001 - a rule that fails serves nothing
+            continue
+        if not tvm_ffi.structural_equal(scheduled, func):
+            return scheduled
+    return None

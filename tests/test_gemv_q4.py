@@ -1,9 +1,11 @@
-"""The quantized GEMV (4-bit weights dequantized in the kernel; ``rules/gemm/dequant.py`` and the
-row-streaming template ``rules/gemm/gemv_rows.py``): what the analysis recognises and rejects, that
-the Gemv rule takes MLC-LLM's q4f16_1 decode functions and builds one kernel each for sm_90 that
-nvcc compiles, the kernel's structure (16-byte loads of the packed words, no dequantized weight in
-memory, the grid), and the arithmetic of the in-register conversion against MLC's (numerics of the
-kernels run on the GPU against float64: ``bench/probes/q4_gemv.py``)."""
+"""The quantized GEMV (4-bit weights dequantized in the kernel; ``rules/gemm/dequant.py``, the
+row-streaming template ``rules/gemm/gemv_rows.py`` and the mma template ``rules/gemm/gemv.py``):
+what the analysis recognises and rejects, that the Gemv rule takes MLC-LLM's q4f16_1 decode
+functions (M = 1..16 static, a symbolic batch) and builds kernels for sm_90 that nvcc compiles, the
+kernels' structure (16-byte loads of the packed words, mma instructions, no dequantized weight in
+memory, the grid), the arithmetic of the in-register conversions against MLC's, and that the mma
+template's A and B fragments meet at the same k (numerics of the kernels run on the GPU against
+float64: ``bench/probes/q4_gemv.py``)."""
 
 from __future__ import annotations
 
@@ -16,15 +18,20 @@ import pytest
 tvm = pytest.importorskip("tvm")
 from fuselight.quant_prim_funcs import q4_linear
 from fuselight.rules.gemm import gemv, gemv_rows
+from fuselight.rules.base import with_kernels
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemv import Gemv
 from fuselight.rules.matmul import Matmul
 from fuselight.target import resolve, to_tvm
+import tvm_ffi
 from tvm import te, tirx
 from tvm.script import tirx as T
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 ROWS = gemv.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, rows_per_warp=2)
+# The mma template at M = 1 (the alternative to ROWS) and at 16 (two token tiles).
+MMA1 = gemv.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, lane_run=2)
+MMA16 = gemv.GemvConfig(max_m=16, warps=4, unroll=2, min_blocks_per_sm=2, lane_run=2)
 # Llama-3-8B's decode projections (N x K) and the LM head (symbolic vocabulary).
 LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
@@ -259,15 +266,17 @@ def test_rule_takes_the_lm_head_with_a_symbolic_vocabulary(cuda):
 
 def test_rule_leaves_what_the_template_does_not_serve(cuda):
     assert _scheduled(q4_linear(4096, 4096, layout="KN"), cuda) is None  # KN: not served
-    assert _scheduled(q4_linear(4096, 4096, m=2), cuda) is None  # M = 2..16: DLight for now
-    assert _scheduled(q4_linear(4096, 4096, m=None), cuda) is None  # symbolic batch: DLight
+    assert _scheduled(q4_linear(4096, 4096, m=17), cuda) is None  # static M past 16: DLight
     assert _scheduled(q4_linear(4096, 4096, zero=20.0), cuda) is None  # zero point past 16
     # (A symbolic batch is the Matmul rule's: the quantized GEMM, tests/test_gemm_q4.py.)
     assert Matmul().apply(q4_linear(4096, 4096, m=None).with_attr("target", cuda), cuda, False) is not None
     with pytest.raises(Exception, match="NK"):
         gemv.check_gemv(analyze_matmul(q4_linear(4096, 4096, layout="KN"), dequant=True).operands, ROWS)
-    with pytest.raises(Exception, match="rows_per_warp"):
-        gemv.check_gemv(analyze_matmul(q4_linear(4096, 4096), dequant=True).operands, gemv.GemvConfig(1, 16, 4, 1))
+    # The mma template's K step is 128 values (4 lanes x 4 words), the row template's 32.
+    k96 = analyze_matmul(q4_linear(4096, 4096 - 96), dequant=True).operands
+    gemv.check_gemv(k96, ROWS)
+    with pytest.raises(Exception, match="multiple of 128"):
+        gemv.check_gemv(k96, MMA1)
 
 
 @needs_nvcc
@@ -276,6 +285,13 @@ def test_nvcc_compiles_every_variant(cuda):
 
     funcs = {
         "qkv": mlc_qkv,
+        "m2": q4_linear(6144, 4096, m=2),
+        "m5_res": q4_linear(4096, 4096, m=5, epilogue="residual"),
+        "down16": q4_linear(4096, 14336, m=16),  # 112 steps of 128
+        "batch": q4_linear(28672, 4096, m=None),
+        "head_m8": q4_linear(None, 4096, m=8, epilogue="cast_fp32"),
+        "bf16_m3": q4_linear(4096, 4096, m=3, dtype="bfloat16"),
+        "g128_m4": q4_linear(4096, 4096, m=4, group=128),
         "o_proj": q4_linear(4096, 4096, epilogue="residual"),
         "down": q4_linear(4096, 14336),  # 448 pieces a row: the last round is masked
         "gate_up": q4_linear(28672, 4096),
@@ -284,8 +300,12 @@ def test_nvcc_compiles_every_variant(cuda):
         "g128": q4_linear(4096, 4096, group=128),
     }
     kernels = {name: _scheduled(f, cuda).with_attr("global_symbol", name) for name, f in funcs.items()}
+    mma1 = q4_linear(4096, 14336)
+    kernels["mma1_down"] = with_kernels(mma1, gemv.gemv_body(analyze_matmul(mma1, dequant=True).operands, MMA1)).with_attr(
+        "global_symbol", "mma1_down")
     source = tvm.compile(tvm.IRModule(kernels), target=cuda).mod.imports[0].inspect_source("cuda")
-    assert _kernels(source) == {f"{name}_kernel" for name in funcs}
+    assert {f"{name}_kernel" for name in kernels} <= _kernels(source)
+    assert "fuselight_q4_pair_bf16(" in source and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source
     assert "fuselight_q4_dot32_bf16(" in source and "0x43004300u" in source
     # down: 448 pieces a row, 14 steps of 32 lanes, so the 4th round of 4 steps has 2 (a mask on r).
     assert re.search(r"if \(r < 3\)", _kernel_body(source, "down_kernel"))
@@ -316,12 +336,13 @@ def _bf16_round(x: np.ndarray) -> np.ndarray:
     return b.view(np.float32)
 
 
+@pytest.mark.parametrize("source", [gemv_rows.q4_dot_source, gemv.q4_pair_source], ids=["rows", "mma"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_the_bit_trick_is_mlcs_dequantize_bit_for_bit(dtype):
-    # The constants the CUDA helper uses: magic | nibble is (base + e) exactly; minus (base + zero)
+def test_the_bit_trick_is_mlcs_dequantize_bit_for_bit(dtype, source):
+    # The constants the CUDA helpers use: magic | nibble is (base + e) exactly; minus (base + zero)
     # and times the scale, rounded once, equals MLC's (dtype(e) - dtype(zero)) * scale.
     zero = 7
-    src = gemv_rows.q4_dot_source(dtype, zero)
+    src = source(dtype, zero)
     magic = int(re.search(r"\| (0x[0-9a-f]+)u;", src).group(1), 16)
     bias = int(re.search(r"zb = (0x[0-9a-f]+)u", src).group(1), 16)
     rng = np.random.default_rng(0)
@@ -374,6 +395,131 @@ def test_staged_tokens_meet_their_values():
 
 def test_shipped_config_serves_the_llama_shapes(cuda):
     configs = gemv.load_gemv_configs("sm_90", quantized=True)
-    assert configs and all(c.rows_per_warp is not None and c.max_m == 1 for c in configs)
+    assert configs and all(c.rows_per_warp is None or c.max_m == 1 for c in configs)
+    assert max(c.max_m for c in configs) == 16
     for n, k in LLAMA_SHAPES:
-        assert _scheduled(q4_linear(n, k), cuda) is not None, (n, k)
+        for m in (1, 3, 16):
+            assert _scheduled(q4_linear(n, k, m=m), cuda) is not None, (n, k, m)
+
+
+# ---- the mma template --------------------------------------------------------------------------
+
+# mma.sync.m16n8k16 (f16/bf16; PTX ISA, "Matrix Fragments for mma.m16n8k16"): lane (g, q) holds in A
+# register r, half h, row g + 8 (r % 2) at k slot 2 q + h + 8 (r // 2); in B register r, half h,
+# column g at k slot 2 q + h + 8 r.
+def _a_slot(q, reg, half):
+    return 2 * q + half + 8 * (reg // 2)
+
+
+def _b_slot(q, reg, half):
+    return 2 * q + half + 8 * reg
+
+
+@pytest.mark.parametrize("warps,lane_run,steps", [(8, 2, 4), (4, 1, 8), (1, 2, 2)])
+def test_a_and_b_fragments_meet_the_same_k(warps, lane_run, steps):
+    # Emulate, on indices, what the template feeds every mma of a 4-bit row: lane (g, q) of a warp
+    # at a step owns words piece_word(..) + 0..3 of rows g and g + 8; A register r of mma s is pair
+    # q4_a_pair(s, r) of one of them (values j, j + 4 of the word); B register r is the token pair
+    # q4_b_pair(s, r) of the 8-token chunks loaded for those words. Each k slot of each mma must
+    # meet the same k in A and B, and the mmas of a row must cover each k once.
+    per_word = 8
+    seen = []
+    for warp in range(warps):
+        for step in range(steps):
+            for q in range(4):
+                pw = gemv.piece_word(step, warp, q, warps, lane_run)
+                for s in range(2 * gemv.PIECE_WORDS):
+                    a_k, b_k = {}, {}
+                    for reg in range(4):
+                        word, j = gemv.q4_a_pair(s, reg)
+                        assert 0 <= word < gemv.PIECE_WORDS and 0 <= j < 4
+                        for half in range(2):
+                            k = per_word * (pw + word) + j + 4 * half
+                            a_k.setdefault(_a_slot(q, reg, half), set()).add(k)  # rows g and g + 8 alike
+                    for reg in range(2):
+                        chunk, lo, hi, sel = gemv.q4_b_pair(s, reg)
+                        for half in range(2):
+                            b_k[_b_slot(q, reg, half)] = per_word * (pw + chunk) + 2 * (lo, hi)[half] + sel
+                    assert {slot: {k} for slot, k in b_k.items()} == a_k, (warp, step, q, s)
+                    seen.extend(b_k.values())
+    assert sorted(seen) == list(range(warps * steps * 16 * per_word))
+
+
+def _count_mma(source: str, kernel: str) -> int:
+    return _kernel_body(source, kernel).count("mma.sync.aligned.m16n8k16")
+
+
+@pytest.mark.parametrize("m,cfg", [(1, MMA1), (5, None), (16, MMA16), (None, None)], ids=["m1", "m5", "m16", "batch"])
+def test_mma_kernel_streams_packed_words_into_the_tensor_cores(cuda, m, cfg):
+    n, k = 6144, 4096
+    func = q4_linear(n, k, m=m)
+    ops = analyze_matmul(func, dequant=True).operands
+    if cfg is None and m is not None:
+        kernel = _scheduled(func, cuda)
+        cfg = gemv.config_for(gemv.load_gemv_configs("sm_90", quantized=True), m, n // 16, k)
+    elif cfg is None:
+        kernel = _scheduled(func, cuda)
+    else:
+        kernel = with_kernels(func, gemv.gemv_body(ops, cfg))
+    grid, allocs = _grid_and_allocs(kernel)
+    # No dequantized weight: registers and the warps' partial tiles (not checked with a symbolic
+    # batch: DLight's kernel past 16 rows declares its per-thread weight at full shape).
+    assert m is None or all(int(np.prod([int(d) if isinstance(d, tirx.IntImm) else 1 for d in b.shape])) < n * k // 64 for b in allocs)
+    source = _source(kernel, cuda)
+    if m is None:
+        # A symbolic batch: a kernel per bucket (host branches on M), DLight's past the largest.
+        buckets = gemv.load_gemv_configs("sm_90", quantized=True)
+        assert len(_kernels(source)) == len(buckets) + 1
+        assert re.search(r"if \(\(\(int64_t\)0\) < batch_size\)", source) or "batch_size" in source
+        mma_kernels = [kn for kn in _kernels(source) if "mma.sync" in _kernel_body(source, kn)]
+        assert len(mma_kernels) == sum(c.rows_per_warp is None for c in buckets)
+        return
+    assert [int(g) for g in grid] == [n // 16]
+    (name,) = _kernels(source)
+    body = _kernel_body(source, name)
+    tiles = cfg.token_tiles
+    # Per round: unroll steps of 8 mmas for each token tile, 16-byte loads of both rows' words.
+    assert _count_mma(source, name) == cfg.unroll * 8 * tiles
+    packed = re.findall(r"\*\(uint4\*\)\(w_ptr \+ \d+\) = \*\(uint4\*\)\(W_ptr \+", body)
+    assert len(packed) == 2 * cfg.unroll
+    tokens = re.findall(r"\*\(uint4\*\)\(x_ptr \+ \d+\) = \*\(uint4\*\)\(X_ptr \+", body)
+    assert len(tokens) == 4 * tiles * cfg.unroll
+    assert body.count("fuselight_q4_pair_fp16(") == 4 * 8 * cfg.unroll  # 4 A registers an mma
+    assert f"__launch_bounds__({block_threads(ops, cfg)}, {cfg.min_blocks_per_sm})" in source
+
+
+def block_threads(ops, cfg):
+    return gemv.block_warps(ops, cfg) * 32
+
+
+def test_mma_lm_head_grid_follows_the_vocabulary(cuda):
+    func = q4_linear(None, 4096, m=4, epilogue="cast_fp32")
+    kernel = _scheduled(func, cuda)
+    grid, _ = _grid_and_allocs(kernel)
+    vocab = next(v for v in tirx.analysis.undefined_vars(grid[0]) if v.name == "vocab_size")
+    for size in (128256, 32000, 1, 17):
+        assert int(tvm.arith.Analyzer().simplify(tirx.stmt_functor.substitute(grid[0], {vocab: tirx.IntImm("int64", size)}))) == -(-size // 16)
+    source = _source(kernel, cuda)
+    assert "mma.sync.aligned.m16n8k16" in source and "(float)" in source
+
+
+def test_batch_lm_head_with_a_symbolic_vocabulary(cuda):
+    # Two symbolic sizes: the buckets' grids follow the vocabulary; past 16 rows a DLight rule that
+    # takes it (its Matmul and LowBatchGEMV do not).
+    kernel = _scheduled(q4_linear(None, 4096, m=None, epilogue="cast_fp32"), cuda)
+    assert kernel is not None
+    grid, _ = _grid_and_allocs(kernel)
+    buckets = gemv.load_gemv_configs("sm_90", quantized=True)
+    assert len(grid) >= len(buckets) + 1
+    assert all(any(v.name == "vocab_size" for v in tirx.analysis.undefined_vars(g)) for g in grid[:len(buckets)])
+
+
+def test_batch_decode_is_scheduled_before_low_batch_gemv_specialize(cuda):
+    # The pipeline runs fuselight's rules first; what they schedule, LowBatchGemvSpecialize skips.
+    from fuselight.baseline.low_batch_gemv_specialize import LowBatchGemvSpecialize
+
+    scheduled = _scheduled(q4_linear(4096, 4096, m=None), cuda)
+    assert scheduled.attrs["tirx.is_scheduled"]
+    with cuda:
+        after = LowBatchGemvSpecialize()(tvm.IRModule({"main": scheduled}))["main"]
+    assert tvm_ffi.structural_equal(after, scheduled)

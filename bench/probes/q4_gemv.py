@@ -1,22 +1,25 @@
-"""Probe: the quantized (q4f16_1) decode GEMVs, fuselight's kernel vs DLight's, on Llama-3-8B shapes.
+"""Probe: the quantized (q4f16_1) GEMVs of decode and batch decode, fuselight's kernels vs DLight's, on Llama-3-8B shapes.
 
 Two halves, one file:
 
   build (CPU host, full TVM + nvcc; from the project root, fuselight's rules importable):
       python3 bench/probes/q4_gemv.py build .build/q4_gemv [--no-sweep]
-  writes ``ours.so`` (the Gemv rule's kernel of each case with the shipped config, plus a sweep of
-  row-template configs), ``dlight.so`` (DLight's schedule of the same PrimFuncs, as MLC-LLM builds
-  them), their AOT cubins and ``manifest.json``.
+  writes ``ours.so`` (the Gemv rule's kernels of each case: the decode function, M = 1 static, and
+  the batch-decode function, M symbolic, with the shipped configs; plus a sweep of configs at
+  M = 1, the row and the mma template, and at M = 16), ``dlight.so`` (DLight's schedules of the same
+  PrimFuncs as MLC-LLM builds them: its GEMV rule for M = 1, LowBatchGemvSpecialize's LowBatchGEMV
+  buckets for the batch), their AOT cubins, CUDA sources and ``manifest.json``.
 
   run (GPU host, runtime-only TVM: ``source .gpu/setup.sh`` first):
-      python3 bench/probes/q4_gemv.py run .build/q4_gemv/manifest.json -o q4_gemv.json [--cases qkv ...]
+      python3 bench/probes/q4_gemv.py run .build/q4_gemv/manifest.json -o q4_gemv.json [--cases qkv ...] [--ms 1 16]
   fills random packed words, scales and tokens (never zeros), checks every kernel against a float64
   reference of the function (the weight dequantized as the function computes it, in fp16/bf16, then
-  the product in float64; relative error of the whole output), and times each kernel, DLight's,
-  torch's fp16 matmul of the same weight and ``torch.ops.aten._weight_int4pack_mm`` (tinygemm, bf16)
-  with L2 flushed between calls (``fuselight.bench.timing``: medians). Prints a table and writes JSON.
+  the product in float64; relative error of the whole output), and times each kernel at each M of
+  ``MS``, DLight's, torch's fp16 matmul of the same weight and ``torch.ops.aten._weight_int4pack_mm``
+  (tinygemm, bf16) with L2 flushed between calls (``fuselight.bench.timing``: medians). Prints a
+  table and writes JSON.
 
-The cases are MLC-LLM's decode functions (``fuselight.quant_prim_funcs.q4_linear``): dequantize in two
+The cases are MLC-LLM's functions (``fuselight.quant_prim_funcs.q4_linear``): dequantize in two
 stages, NT_matmul accumulating in float32, the cast epilogue (o_proj and down also the residual add,
 the LM head the second cast to float32 and a symbolic vocabulary, run at 128256).
 """
@@ -33,6 +36,8 @@ from typing import Any
 COPY_RATE_GBPS = 3000.0  # H100 device-to-device copy (bytes read + written), shared/device/README.md
 TARGET = {"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024, "max_shared_memory_per_block": 49152,
           "thread_warp_size": 32}
+# Token rows timed: decode (1) and batch decode up to the GEMV buckets' 16.
+MS = (1, 2, 3, 4, 5, 7, 8, 11, 13, 16)
 
 # name -> q4_linear arguments (n None: symbolic, run at ``vocab``)
 CASES: dict[str, dict[str, Any]] = {
@@ -45,19 +50,61 @@ CASES: dict[str, dict[str, Any]] = {
     "o_proj_g128": dict(n=4096, k=4096, group=128),
 }
 SWEPT = ("qkv", "o_proj", "gate_up", "down", "lm_head")
-# Row-template configs tried besides the shipped one: (warps, rows_per_warp, unroll, min_blocks_per_sm).
-SWEEP = [
-    (4, 1, 4, 4), (4, 2, 4, 4), (4, 4, 4, 4), (4, 2, 8, 4),
-    (8, 1, 4, 2), (8, 1, 8, 2), (8, 2, 4, 2), (8, 2, 8, 2), (8, 4, 4, 2),
-    (16, 1, 4, 1), (16, 2, 4, 1), (16, 1, 8, 1),
-]
+# Configs tried besides the shipped ones, by M: (warps, rows_per_warp or None for the mma template,
+# unroll, min_blocks_per_sm, lane_run).
+SWEEP = {
+    1: [(4, 4, 4, 4, 1), (16, 2, 4, 1, 1), (8, 4, 4, 2, 1), (8, 1, 8, 2, 1),
+        (4, None, 4, 4, 2), (8, None, 4, 2, 2), (16, None, 4, 1, 2), (8, None, 8, 2, 2), (8, None, 2, 2, 2),
+        (4, None, 8, 2, 1)],
+    16: [(4, None, 2, 4, 2), (8, None, 2, 2, 2), (16, None, 2, 1, 2), (8, None, 1, 2, 1), (4, None, 4, 2, 2),
+         (8, None, 4, 1, 2)],
+}
 
 
 def _args(case: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in case.items() if k != "vocab"}
 
 
+def _cfg_dict(cfg: Any) -> dict[str, Any]:
+    return {"warps": cfg.warps, "rows_per_warp": cfg.rows_per_warp, "unroll": cfg.unroll,
+            "min_blocks_per_sm": cfg.min_blocks_per_sm, "lane_run": cfg.lane_run}
+
+
+def _vname(w: int, r: int | None, u: int, b: int, lr: int) -> str:
+    return f"w{w}_r{r}_u{u}_b{b}" if r is not None else f"mma_w{w}_u{u}_b{b}_l{lr}"
+
+
 # ---- build ------------------------------------------------------------------------------------
+
+
+# DLight's batch-decode schedules (MLC-LLM's LowBatchGemvSpecialize), by the largest M each serves.
+DLIGHT_BATCH = (("lb2", 2), ("lb4", 8), ("gemm", None))
+
+
+def _dlight_batch(func: Any, target: Any) -> dict[str, tuple[Any, str]]:
+    """DLight's schedules of a batch-decode function as MLC-LLM's LowBatchGemvSpecialize picks them:
+    LowBatchGEMV(2) for M <= 2, LowBatchGEMV(4) for M <= 8, its Matmul above (``DLIGHT_BATCH``), as
+    separate functions (the run picks one by M, as the pass's host branch would); where a rule fails
+    on the function (Matmul's tensor-core path asserts on the fp32-accumulating form with a cast; the
+    low-batch rule takes no symbolic vocabulary), the first of LowBatchGEMV(4), GEMV, Fallback that
+    applies instead. Returns key -> (scheduled function, the rule used)."""
+    import tvm
+    import tvm_ffi
+    from tvm.s_tir import dlight as dl
+
+    def sched(*rules: Any) -> tuple[Any, str]:
+        for rule in rules:
+            try:
+                with target:
+                    out = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({"main": func}))["main"]
+            except Exception:  # noqa: BLE001 - the rule fails on this function
+                continue
+            if not tvm_ffi.structural_equal(out, func):
+                return out, type(rule).__name__ + (f"({rule.bucket})" if hasattr(rule, "bucket") else "")
+        raise SystemExit("no DLight rule schedules the batch function")
+
+    rest = (dl.gpu.LowBatchGEMV(4), dl.gpu.GEMV(), dl.gpu.Fallback())
+    return {"lb2": sched(dl.gpu.LowBatchGEMV(2), *rest), "lb4": sched(*rest), "gemm": sched(dl.gpu.Matmul(), *rest)}
 
 
 def build(out: Path, sweep: bool) -> None:
@@ -68,7 +115,7 @@ def build(out: Path, sweep: bool) -> None:
     from fuselight.rules.base import with_kernels
     from fuselight.rules.gemm import gemv
     from fuselight.rules.gemm.analysis import analyze_matmul
-    from fuselight.rules.gemv import Gemv, gemv_config
+    from fuselight.rules.gemv import Gemv, gemv_config, symbolic_m_buckets
     from fuselight.runtime import cuda_sources
     from fuselight.target import resolve
     from tvm.s_tir import dlight as dl
@@ -76,35 +123,47 @@ def build(out: Path, sweep: bool) -> None:
     spec = resolve("cuda", "sm_90")
     target = tvm.target.Target(dict(TARGET, host={"kind": "llvm"}))
     assert {k: str(v) for k, v in TARGET.items()}.items() <= {k: str(v) for k, v in spec.options.items()}.items(), spec.options
-    ours, base, manifest = {}, {}, {"cases": {}, "target": TARGET}
+    ours, base, base_batch, manifest = {}, {}, {}, {"cases": {}, "target": TARGET, "ms": list(MS)}
     for name, case in CASES.items():
-        func = q4_linear(**_args(case)).with_attr("target", target)
-        sch = Gemv().apply(func, target, False)
-        if sch is None:
-            raise SystemExit(f"{name}: the Gemv rule does not take it")
-        ops = analyze_matmul(func, dequant=True).operands
-        cfg = gemv_config(ops, 1, target)
-        ours[name] = sch.mod["main"].with_attr("global_symbol", name)
-        variants = {}
+        entry: dict[str, Any] = {**case, "functions": {"decode": f"{name}__m1", "batch": f"{name}__batch"}, "variants": {}}
+        funcs = {m: q4_linear(**_args(case), m=m).with_attr("target", target) for m in (1, None)}
+        for m, fname in ((1, f"{name}__m1"), (None, f"{name}__batch")):
+            sch = Gemv().apply(funcs[m], target, False)
+            if sch is None:
+                raise SystemExit(f"{name}: the Gemv rule does not take M = {m or 'batch_size'}")
+            ours[fname] = sch.mod["main"].with_attr("global_symbol", fname)
+        entry["params"] = [p.name for p in funcs[1].params]
+        ops1 = analyze_matmul(funcs[1], dequant=True).operands
+        entry["config"] = _cfg_dict(gemv_config(ops1, 1, target))
+        ops_b = analyze_matmul(funcs[None], dequant=True).operands
+        entry["batch_buckets"] = {str(top): _cfg_dict(c) for top, c in symbolic_m_buckets(ops_b, target)}
         if sweep and name in SWEPT:
-            for w, r, u, b in SWEEP:
-                c = gemv.GemvConfig(max_m=1, warps=w, unroll=u, min_blocks_per_sm=b, rows_per_warp=r)
-                if (w, r, u, b) == (cfg.warps, cfg.rows_per_warp, cfg.unroll, cfg.min_blocks_per_sm):
-                    continue
-                vname = f"{name}__w{w}_r{r}_u{u}_b{b}"
-                ours[vname] = with_kernels(func, gemv.gemv_body(ops, c)).with_attr("global_symbol", vname)
-                variants[vname] = {"warps": w, "rows_per_warp": r, "unroll": u, "min_blocks_per_sm": b}
-        base[name] = func.with_attr("global_symbol", name)
-        manifest["cases"][name] = {
-            **case, "function": name, "params": [p.name for p in func.params],
-            "config": {"warps": cfg.warps, "rows_per_warp": cfg.rows_per_warp, "unroll": cfg.unroll,
-                       "min_blocks_per_sm": cfg.min_blocks_per_sm},
-            "variants": variants,
-        }
+            for m, configs in SWEEP.items():
+                f = funcs[1] if m == 1 else q4_linear(**_args(case), m=m).with_attr("target", target)
+                ops = analyze_matmul(f, dequant=True).operands
+                shipped = gemv_config(ops, m, target)
+                for w, r, u, b, lr in configs:
+                    c = gemv.GemvConfig(max_m=m, warps=w, unroll=u, min_blocks_per_sm=b, rows_per_warp=r, lane_run=lr)
+                    if _cfg_dict(c) == _cfg_dict(shipped):
+                        continue
+                    vname = f"{name}__m{m}__{_vname(w, r, u, b, lr)}"
+                    ours[vname] = with_kernels(f, gemv.gemv_body(ops, c)).with_attr("global_symbol", vname)
+                    entry["variants"].setdefault(str(m), {})[vname] = _cfg_dict(c)
+                if m != 1:  # the shipped bucket at this static M, for reference beside the sweep
+                    vname = f"{name}__m{m}__shipped"
+                    ours[vname] = with_kernels(f, gemv.gemv_body(ops, shipped)).with_attr("global_symbol", vname)
+                    entry["variants"][str(m)][vname] = _cfg_dict(shipped)
+        base[f"{name}__m1"] = funcs[1].with_attr("global_symbol", f"{name}__m1")
+        entry["dlight_batch"] = {}
+        for key, (f, rule) in _dlight_batch(funcs[None], target).items():
+            base_batch[f"{name}__batch_{key}"] = f.with_attr("global_symbol", f"{name}__batch_{key}")
+            entry["dlight_batch"][key] = {"function": f"{name}__batch_{key}", "rule": rule}
+        manifest["cases"][name] = entry
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with target:
         base_mod = dl.ApplyDefaultSchedule(*dlight_defaults(target))(tvm.IRModule(base))
+    base_mod.update(tvm.IRModule(base_batch))
     for fname, mod in (("ours.so", tvm.IRModule(ours)), ("dlight.so", base_mod)):
         lib = tvm.compile(mod, target=target)
         meta = library_metadata(spec, "fuselight" if fname == "ours.so" else "dlight", "dlight (MLC-LLM's GPU rules)",
@@ -120,29 +179,34 @@ def build(out: Path, sweep: bool) -> None:
 # ---- run --------------------------------------------------------------------------------------
 
 
-def _data(case: dict[str, Any], torch: Any, seed: int) -> dict[str, Any]:
-    """Random inputs (never zeros), the float64 reference and the fp16 weight for torch."""
+def _weights(case: dict[str, Any], torch: Any, seed: int) -> dict[str, Any]:
+    """Random packed words and scales (never zeros) and the function's fp16/bf16 weight."""
     n, k = case["n"] or case["vocab"], case["k"]
     dtype = getattr(torch, case.get("dtype", "float16"))
     group = case.get("group", 32)
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda", generator=g)
     scale = (torch.rand((n, k // group), device="cuda", generator=g) * 0.018 + 0.002).to(dtype)
-    x = (torch.randn((1, 1, k), device="cuda", generator=g)).to(dtype)
     shifts = torch.arange(0, 32, 4, device="cuda", dtype=torch.int32)
     values = ((q[:, :, None] >> shifts) & 15).reshape(n, k)  # element e of a word in bits 4e..4e+3
     # The function's weight: (dtype(e) - dtype(7)) * scale, each op rounded in dtype (torch rounds
     # half/bfloat16 arithmetic once per op, as the CUDA of the dequantize does).
     w = (values.to(dtype) - torch.tensor(7, dtype=dtype, device="cuda")) * scale.repeat_interleave(group, dim=1)
-    ref = (x.reshape(1, k).double() @ w.double().T).reshape(1, 1, n)
-    data = {"q": q.view(torch.uint32), "scale": scale, "x": x, "w": w, "ref": ref, "n": n, "k": k}
+    return {"q": q.view(torch.uint32), "scale": scale, "w": w, "n": n, "k": k, "dtype": dtype, "gen": g}
+
+
+def _tokens(case: dict[str, Any], wd: dict[str, Any], m: int, torch: Any) -> dict[str, Any]:
+    """M token rows, the residual where the epilogue adds one, and the float64 reference."""
+    n, k, dtype, g = wd["n"], wd["k"], wd["dtype"], wd["gen"]
+    x = torch.randn((m, 1, k), device="cuda", generator=g).to(dtype)
+    ref = (x.reshape(m, k).double() @ wd["w"].double().T).reshape(m, 1, n)
+    data = {"x": x, "ref": ref, "m": m}
     epilogue = case.get("epilogue", "cast")
     if epilogue == "residual":
-        r = torch.randn((1, 1, n), device="cuda", generator=g).to(dtype)
+        r = torch.randn((m, 1, n), device="cuda", generator=g).to(dtype)
         data["r"] = r
         data["ref"] = ref.to(dtype).double() + r.double()  # cast, then the add in dtype (ref: exact add)
-    out_dtype = torch.float32 if epilogue == "cast_fp32" else dtype
-    data["out_dtype"] = out_dtype
+    data["out_dtype"] = torch.float32 if epilogue == "cast_fp32" else dtype
     return data
 
 
@@ -151,7 +215,7 @@ def _rel(out: Any, ref: Any) -> float:
     return float((out - ref).norm() / ref.norm())
 
 
-def run(manifest_path: Path, out_json: Path, only: list[str] | None) -> None:
+def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[int] | None) -> None:
     import torch
     from fuselight.bench.timing import device_name, time_fn
     from fuselight.runtime import load_module
@@ -169,92 +233,115 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None) -> None:
                 return tvm.runtime.from_dlpack(t.view(torch.int32))._create_view(tuple(t.shape), "uint32")
         return tvm.runtime.from_dlpack(t)
 
-    def tvm_args(case: dict[str, Any], data: dict[str, Any], out: Any) -> list[Any]:
-        by_name = {"q_weight": data["q"], "q_scale": data["scale"], "x": data["x"], "r": data.get("r")}
-        tensors = [by_name[p] for p in case["params"][:-1]] + [out]
-        return [to_tvm(t) for t in tensors]
-
     results = {"device": device_name("cuda"), "torch": torch.__version__, "manifest": str(manifest_path),
                "copy_rate_gbps": COPY_RATE_GBPS, "cases": {}}
     rows = []
     for idx, (name, case) in enumerate(manifest["cases"].items()):
         if only and name not in only:
             continue
-        data = _data(case, torch, seed=1234 + idx)
-        n, k = data["n"], data["k"]
+        wd = _weights(case, torch, seed=1234 + idx)
+        n, k = wd["n"], wd["k"]
         group = case.get("group", 32)
         weight_bytes = n * k // 2 + n * (k // group) * 2  # packed words + scales
         # The output's rounding dominates (float32 sums): fp16 ~1.5e-4, bf16 ~1.2e-3 relative (rms).
         tolerance = 1e-3 if case.get("dtype", "float16") == "float16" else 8e-3
+        quant = "q4f16_1" if case.get("dtype", "float16") == "float16" else "q4bf16_1"
         rec: dict[str, Any] = {"n": n, "k": k, "dtype": case.get("dtype", "float16"), "group": group,
                                "epilogue": case.get("epilogue", "cast"), "weight_bytes": weight_bytes,
-                               "shape": {"n": n, "k": k, "m": 1, "quantization": "q4f16_1" if case.get("dtype", "float16") == "float16" else "q4bf16_1"},
-                               "config": case["config"], "kernels": {}}
-
-        def measure(label: str, fn: Any, out: Any | None) -> None:
-            entry: dict[str, Any] = {}
-            try:
-                fn()
-                torch.cuda.synchronize()
-                if out is not None:
-                    entry["rel_err"] = _rel(out, data["ref"])
-                    entry["correct"] = bool(entry["rel_err"] < tolerance)
-                st = time_fn(fn)
-                entry.update(median_us=st.median_us, p10_us=st.p10_us, p90_us=st.p90_us, n=st.n,
-                             gbps=weight_bytes / st.median_us / 1e3)
-                entry["copy_rate_pct"] = 100 * entry["gbps"] / COPY_RATE_GBPS
-            except Exception as err:  # noqa: BLE001 - record and go on
-                entry["error"] = f"{type(err).__name__}: {err}"[:500]
-            rec["kernels"][label] = entry
-
-        def tvm_kernel(lib_key: str, fname: str) -> tuple[Any, Any]:
-            out = torch.full((1, 1, n), float("nan"), dtype=data["out_dtype"], device="cuda")
-            f = libs[lib_key][fname]
-            args = tvm_args(case, data, out)
-            return (lambda: f(*args)), out
-
-        fn, out = tvm_kernel("ours", case["function"])
-        measure("fuselight", fn, out)
-        ours_out = out.clone()
-        fn, out = tvm_kernel("dlight", case["function"])
-        measure("dlight", fn, out)
-        if "error" not in rec["kernels"]["dlight"]:
-            rec["kernels"]["dlight"]["rel_to_fuselight"] = _rel(ours_out, out)
-        for vname, vcfg in case.get("variants", {}).items():
-            fn, out = tvm_kernel("ours", vname)
-            measure(vname, fn, out)
-            rec["kernels"][vname]["config"] = vcfg
-        # Anchors: torch's fp16 matmul of the dequantized weight, tinygemm's int4 matmul (bf16).
-        w16 = data["w"]
-        x2 = data["x"].reshape(1, k)
-        measure("torch_fp16_linear", lambda: torch.nn.functional.linear(x2, w16), None)
+                               "config": case["config"], "batch_buckets": case.get("batch_buckets"),
+                               "dlight_batch": case.get("dlight_batch"), "m": {}}
+        # tinygemm's packed weight (timing only: its own random words, bf16 tokens, group 32).
         try:
             packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
             w4 = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
             sz = torch.rand((k // 32, n, 2), device="cuda").to(torch.bfloat16) + 0.01
-            xb = x2.to(torch.bfloat16)
-            measure("torch_int4pack_mm", lambda: torch.ops.aten._weight_int4pack_mm(xb, w4, 32, sz), None)
-            rec["kernels"]["torch_int4pack_mm"]["note"] = "tinygemm, bf16 tokens, group 32 (timing only)"
         except Exception as err:  # noqa: BLE001
-            rec["kernels"]["torch_int4pack_mm"] = {"error": f"{type(err).__name__}: {err}"[:300]}
-        del data, w16
+            w4 = err
+        for m in ms or manifest.get("ms", [1]):
+            data = _tokens(case, wd, m, torch)
+            mrec: dict[str, Any] = {"shape": {"n": n, "k": k, "m": m, "quantization": quant}, "kernels": {}}
+
+            def measure(label: str, fn: Any, out: Any | None) -> None:
+                entry: dict[str, Any] = {}
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    if out is not None:
+                        entry["rel_err"] = _rel(out, data["ref"])
+                        entry["correct"] = bool(entry["rel_err"] < tolerance)
+                    st = time_fn(fn)
+                    entry.update(median_us=st.median_us, p10_us=st.p10_us, p90_us=st.p90_us, n=st.n,
+                                 gbps=weight_bytes / st.median_us / 1e3)
+                    entry["copy_rate_pct"] = 100 * entry["gbps"] / COPY_RATE_GBPS
+                except Exception as err:  # noqa: BLE001 - record and go on
+                    entry["error"] = f"{type(err).__name__}: {err}"[:500]
+                mrec["kernels"][label] = entry
+
+            def tvm_kernel(lib_key: str, fname: str) -> tuple[Any, Any]:
+                out = torch.full((m, 1, n), float("nan"), dtype=data["out_dtype"], device="cuda")
+                f = libs[lib_key][fname]
+                by_name = {"q_weight": wd["q"], "q_scale": wd["scale"], "x": data["x"], "r": data.get("r")}
+                args = [to_tvm(by_name[p]) for p in case["params"][:-1]] + [to_tvm(out)]
+                return (lambda: f(*args)), out
+
+            kinds = [("fuselight", "batch"), ("dlight", "batch")]
+            if m == 1:
+                kinds = [("fuselight_decode", "decode"), ("dlight_decode", "decode")] + kinds
+            dl_key = next(key for key, top in DLIGHT_BATCH if top is None or m <= top)
+            for label, fkey in kinds:
+                if label == "dlight":  # the batch schedule LowBatchGemvSpecialize's branch picks at this M
+                    fn, out = tvm_kernel("dlight", case["dlight_batch"][dl_key]["function"])
+                else:
+                    fn, out = tvm_kernel("ours" if label.startswith("fuselight") else "dlight", case["functions"][fkey])
+                measure(label, fn, out)
+            if "dlight" in mrec["kernels"]:
+                mrec["kernels"]["dlight"]["rule"] = case["dlight_batch"][dl_key]["rule"]
+            for vname, vcfg in case.get("variants", {}).get(str(m), {}).items():
+                fn, out = tvm_kernel("ours", vname)
+                measure(vname.split("__")[-1], fn, out)
+                mrec["kernels"][vname.split("__")[-1]]["config"] = vcfg
+            # Anchors: torch's fp16 matmul of the dequantized weight, tinygemm's int4 matmul (bf16).
+            x2 = data["x"].reshape(m, k)
+            measure("torch_fp16_linear", lambda: torch.nn.functional.linear(x2, wd["w"]), None)
+            if isinstance(w4, Exception):
+                mrec["kernels"]["torch_int4pack_mm"] = {"error": f"{type(w4).__name__}: {w4}"[:300]}
+            else:
+                xb = x2.to(torch.bfloat16)
+                measure("torch_int4pack_mm", lambda: torch.ops.aten._weight_int4pack_mm(xb, w4, 32, sz), None)
+                mrec["kernels"]["torch_int4pack_mm"]["note"] = "tinygemm, bf16 tokens, group 32 (timing only)"
+            rec["m"][str(m)] = mrec
+            ks = mrec["kernels"]
+            best = min(((lbl, e["median_us"]) for lbl, e in ks.items() if lbl.startswith(("w", "mma_", "shipped"))
+                        and e.get("correct")), key=lambda t: t[1], default=(None, None))
+            rows.append((name, m, *(ks.get(lbl, {}) for lbl in
+                         ("fuselight_decode", "fuselight", "dlight_decode", "dlight", "torch_fp16_linear", "torch_int4pack_mm")),
+                         best[0], best[1]))
+            del data
+        del wd, w4
         torch.cuda.empty_cache()
         results["cases"][name] = rec
-        best = min(((lbl, e["median_us"]) for lbl, e in rec["kernels"].items()
-                    if lbl.startswith(name + "__") and e.get("correct")), key=lambda t: t[1], default=(None, None))
-        for lbl in ("fuselight", "dlight", "torch_fp16_linear", "torch_int4pack_mm"):
-            e = rec["kernels"].get(lbl, {})
-            rows.append((name, lbl, e.get("median_us"), e.get("copy_rate_pct"), e.get("rel_err"), e.get("error")))
-        if best[0]:
-            e = rec["kernels"][best[0]]
-            rows.append((name, best[0].split("__")[1] + " (best sweep)", e["median_us"], e["copy_rate_pct"], e["rel_err"], None))
         print(f"{name} done", file=sys.stderr, flush=True)
-    print(f"{'case':<13} {'kernel':<26} {'us':>9} {'%copy':>7} {'rel_err':>9}")
-    for name, lbl, us, pct, err, error in rows:
-        if error:
-            print(f"{name:<13} {lbl:<26} error: {error[:80]}")
-            continue
-        print(f"{name:<13} {lbl:<26} {us:9.2f} {pct:7.1f} {'' if err is None else f'{err:9.2e}'}")
+
+    def cell(e: dict[str, Any]) -> str:
+        if not e:
+            return f"{'':>9}"
+        if "error" in e:
+            return f"{'error':>9}"
+        bad = "" if e.get("correct", True) else "!"
+        return f"{e['median_us']:8.2f}{bad or ' '}"
+
+    print(f"{'case':<12} {'M':>3} {'ours dec':>9} {'ours':>9} {'DL dec':>9} {'DLight':>9} {'torch16':>9} {'int4pk':>9}  "
+          f"{'%copy':>6}  best sweep")
+    for name, m, *cells, best, best_us in rows:
+        ours = cells[1]
+        pct = f"{ours['copy_rate_pct']:6.1f}" if "copy_rate_pct" in ours else f"{'':>6}"
+        sweep = f"{best} {best_us:.2f}" if best else ""
+        print(f"{name:<12} {m:>3} " + " ".join(cell(c) for c in cells) + f"  {pct}  {sweep}")
+    errs = [(name, m, lbl, e.get("rel_err"), e.get("error")) for name, rec in results["cases"].items()
+            for m, mrec in rec["m"].items() for lbl, e in mrec["kernels"].items()
+            if "error" in e or e.get("correct") is False]
+    for err in errs:
+        print("NOT CORRECT / ERROR:", *err)
     out_json.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {out_json}")
 
@@ -269,11 +356,12 @@ def main() -> None:
     r.add_argument("manifest", type=Path)
     r.add_argument("-o", "--output", type=Path, required=True)
     r.add_argument("--cases", nargs="*")
+    r.add_argument("--ms", nargs="*", type=int, help=f"token rows to time (default: the manifest's, {MS})")
     a = ap.parse_args()
     if a.cmd == "build":
         build(a.out, not a.no_sweep)
     else:
-        run(a.manifest, a.output, a.cases)
+        run(a.manifest, a.output, a.cases, a.ms)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,18 @@ kernel rounds them, to shared memory, where the token fragments are then read fr
 one piece, so rows g of a fragment load sit in different banks). The rows are read from L2 by
 every block (a few percent of the weight bytes); ``x + r`` is written out in slices, one per block.
 
+With 4-bit weights (``ops.dequant``: 8 values packed in a uint32 word along K, a scale per group of
+a multiple of 32) a lane's 16 bytes of a row are 4 words, 32 values: a K step is 128 values and
+feeds 8 mmas. Each A register of an mma is converted from a word in registers (``Q4_PAIR``:
+``((w >> 4 j) & 0x000F000F) | magic`` is the pair ``(e_j, e_{j+4})`` offset by an exact constant,
+subtracted, then multiplied by the row's group scale in fp16: bit for bit MLC-LLM's dequantized
+value); word i of the piece feeds mmas 2 i and 2 i + 1 (``q4_a_pair``). The lane loads the 32 tokens
+of each token row those words meet (four 16-byte chunks) and pairs their halves the same way
+(``q4_b_pair``: tokens (j, j + 4), (j + 1, j + 5) of a chunk), so A and B meet at the same k. The
+scale is applied before the mma because the four lanes of an mma's k carry four different groups
+of 32 (a group's words are one lane's piece); N may be symbolic (the LM head: the grid is computed
+at launch). No prologue.
+
 A bucket that sets ``rows_per_warp`` (M = 1) runs the row-streaming template of ``gemv_rows``
 instead, with the same prologue (``norm_prologue``).
 """
@@ -67,6 +79,49 @@ CONFIG_NAME_Q4 = "gemv_q4"
 # group of a multiple of 32 (a lane's 16-byte piece of words is 32 values, within one group), an
 # integer zero point the float dtype subtracts exactly.
 Q4_BITS, Q4_PIECE = 4, 32
+# The in-register conversion of 4-bit values (both templates): ``((w >> 4 j) & 0x000F000F) | magic``
+# read as a pair of ``dtype`` is ``(base + e_j, base + e_{j+4})`` exactly (values j and j + 4 of the
+# word); minus ``base + zero`` (exact) it is ``(e - zero)``, times the scale rounded once: bit for bit
+# the dequantize's ``(dtype(e) - dtype(zero)) * scale``. dtype -> (scalar, pair type, magic, base,
+# pair -> float2, scalar -> pair).
+Q4_DTYPES = {
+    "float16": ("half", "half2", 0x64006400, 0x6400, "__half22float2", "__half2half2"),
+    "bfloat16": ("nv_bfloat16", "nv_bfloat162", 0x43004300, 0x4300, "__bfloat1622float2", "__bfloat162bfloat162"),
+}
+# The mma template's converter: register j of a word, scaled (a pair of the A fragment).
+Q4_PAIR = {"float16": "fuselight_q4_pair_fp16", "bfloat16": "fuselight_q4_pair_bf16"}
+_Q4_PAIR_SOURCE = """
+__forceinline__ __device__ unsigned int {name}(unsigned int w, int j, {scalar} s) {{
+  unsigned int b = ((w >> (4 * j)) & 0x000F000Fu) | {magic}u;
+  unsigned int zb = {bias}u | ({bias}u << 16);
+  const {v2} v = __hmul2(__hsub2(*reinterpret_cast<const {v2}*>(&b), *reinterpret_cast<const {v2}*>(&zb)), {dup}(s));
+  return *reinterpret_cast<const unsigned int*>(&v);
+}}
+"""
+
+
+def q4_pair_source(dtype: str, zero: int) -> str:
+    """The CUDA device function ``Q4_PAIR[dtype]`` for a zero point ``zero``: the scaled pair
+    ``(e_j, e_{j+4})`` of a packed word as one 32-bit register (see ``Q4_DTYPES``)."""
+    scalar, v2, magic, base, _, dup = Q4_DTYPES[dtype]
+    return _Q4_PAIR_SOURCE.format(name=Q4_PAIR[dtype], scalar=scalar, v2=v2, magic=hex(magic), bias=hex(base + zero), dup=dup)
+
+
+def q4_a_pair(s: int, reg: int) -> tuple[int, int]:
+    """(word, j) of the A register ``reg`` of mma ``s`` (of the 8 a 4-bit step): register ``reg`` of
+    an m16n8k16 A fragment holds k slots (2 q, 2 q + 1) for reg 0 (row g) and 1 (row g + 8), and
+    (2 q + 8, 2 q + 9) for reg 2 and 3; here they are values (j, j + 4) of word ``word`` of the lane's
+    16-byte piece of that row (``Q4_PAIR``). Mmas 2 i and 2 i + 1 use word i."""
+    return s // 2, 2 * (s % 2) + reg // 2
+
+
+def q4_b_pair(s: int, reg: int) -> tuple[int, int, int, int]:
+    """(chunk, lo, hi, half) of the B register ``reg`` of mma ``s``: the token pair meeting A's
+    (``q4_a_pair``): half ``half`` of 32-bit word ``lo`` of the lane's 16-byte chunk ``chunk`` of
+    8 tokens (tokens 2 lo + half) below, the same half of word ``hi`` above. Register 0 holds slots
+    (2 q, 2 q + 1), register 1 slots (2 q + 8, 2 q + 9): for mma 2 i + h, tokens (2 h, 2 h + 4) and
+    (2 h + 1, 2 h + 5) of chunk i, which are values (j, j + 4) and (j + 1, j + 5) of word i."""
+    return s // 2, s % 2, s % 2 + 2, reg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +237,28 @@ def grid_blocks(ops: GemmOperands) -> int | None:
     return -(-ops.out_n // _block_cols(ops))
 
 
+def launch_blocks(out_n: Any, cols: int) -> Any:
+    """Blocks of ``cols`` output columns each covering ``out_n`` columns: an int, or an int32
+    expression computed at launch where N is symbolic (the LM head's vocabulary)."""
+    if isinstance(out_n, int):
+        return -(-out_n // cols)
+    from tvm import tirx
+
+    return tirx.Cast("int32", tirx.floordiv(out_n + (cols - 1), cols))
+
+
+def tokens_per_word(ops: GemmOperands) -> int:
+    """32-bit words of token values (pairs of fp16/bf16) that one 32-bit word of weights meets:
+    1 for float weights, 4 for 4-bit values packed 8 to a word."""
+    return 1 if ops.dequant is None else ops.dequant.per_word // 2
+
+
+def step_k(ops: GemmOperands) -> int:
+    """K elements a warp covers in one step of the mma template: its 4 lanes of a row load 16 bytes
+    each, 8 float values (32) or 32 4-bit values (128)."""
+    return STEP_K * tokens_per_word(ops)
+
+
 def check_gemv(ops: GemmOperands, cfg: GemvConfig, max_shared_bytes: int | None = None) -> None:
     """FuselightError where the template cannot compute ``ops`` with ``cfg`` (in at most
     ``max_shared_bytes`` of shared memory a block, if given)."""
@@ -192,8 +269,9 @@ def check_gemv(ops: GemmOperands, cfg: GemvConfig, max_shared_bytes: int | None 
         check_dequant(ops, cfg)
     elif not isinstance(ops.n, int):
         raise FuselightError(f"GEMV: N must be static, got {ops.n}")
-    if ops.k % STEP_K:
-        raise FuselightError(f"GEMV: K ({ops.k}) must be a multiple of {STEP_K}")
+    need = STEP_K if cfg.rows_per_warp is not None else step_k(ops)  # a K step of the template
+    if ops.k % need:
+        raise FuselightError(f"GEMV: K ({ops.k}) must be a multiple of {need}")
     m = _static_m(ops)
     if m is not None and not 1 <= m <= cfg.max_m:
         raise FuselightError(f"GEMV: M ({m}) must be 1..{cfg.max_m} (the config's max_m)")
@@ -206,8 +284,6 @@ def check_gemv(ops: GemmOperands, cfg: GemvConfig, max_shared_bytes: int | None 
 def check_dequant(ops: GemmOperands, cfg: GemvConfig) -> None:
     """FuselightError where the templates cannot dequantize ``ops``' weights (see ``Q4_BITS``)."""
     d = ops.dequant
-    if cfg.rows_per_warp is None:
-        raise FuselightError("GEMV: dequantized weights need the row-streaming template (rows_per_warp)")
     if ops.prologue is not None:
         raise FuselightError("GEMV: dequantized weights with a norm prologue are not served")
     if d.bits != Q4_BITS or d.storage_dtype != "uint32" or d.per_word != 32 // Q4_BITS:
@@ -236,7 +312,7 @@ def shared_bytes(ops: GemmOperands, cfg: GemvConfig) -> int:
 def block_warps(ops: GemmOperands, cfg: GemvConfig) -> int:
     """Warps a block splits its K steps over: ``cfg.warps``, halved until they divide the steps."""
     warps = cfg.warps
-    while (ops.k // STEP_K) % warps:
+    while (ops.k // step_k(ops)) % warps:
         warps //= 2
     return warps
 
@@ -277,6 +353,7 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
 
     FuselightError if the template cannot serve ``ops`` (see ``check_gemv``).
     """
+    from tvm.backend.cuda import op as cuda_op
     from tvm.script import tirx as T
 
     check_gemv(ops, cfg)
@@ -285,19 +362,30 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
 
         return rows_body(ops, cfg)
     n, k, dtype = ops.n, ops.k, ops.dtype
-    norm = ops.prologue
+    norm, deq = ops.prologue, ops.dequant
     ab = DTYPE_ABBREV[dtype]
     tiles, unroll = cfg.token_tiles, cfg.unroll
     warps = block_warps(ops, cfg)
     threads = warps * WARP
-    steps = k // STEP_K // warps  # a warp's K steps
+    steps = k // step_k(ops) // warps  # a warp's K steps
+    # Per step a lane loads 16 bytes of rows g and g + 8 and the token words they meet: ``tpw``
+    # 16-byte chunks a token row (1 for float weights; 4 for 4-bit words: 32 tokens), and runs
+    # ``mmas`` k16 mmas on them (2; 8).
+    tpw = tokens_per_word(ops)
+    mmas = 2 * tpw
     rounds = -(-steps // unroll)
     ragged = steps % unroll != 0
     outputs = MMA_M * MMA_N * tiles  # accumulators of a block (per warp: 4 a lane per tile)
     m_dtype = index_dtype(ops)
     m = T.Cast("int32", ops.m) if not isinstance(ops.m, int) else ops.m
-    words = k // 2  # a row of K elements in 32-bit words
+    words = k // 2  # a token row of K elements in 32-bit words
+    w_words = words // tpw  # a weight row in 32-bit words (float pairs, or packed 4-bit values)
     pair = ops.out.pair_offset
+    # The last weight row (int32; N may be symbolic where the weights are dequantized)
+    last = n - 1 if isinstance(n, int) else T.Cast("int32", n) - 1
+    groups = 1 if deq is None else k // deq.group
+    if deq is not None:
+        pair_fn, pair_source = Q4_PAIR[dtype], q4_pair_source(dtype, int(deq.zero))
     # Weight rows g and g + 8 of block bx (rows past N read row N - 1 and are never stored); paired:
     # gate row c and up row c + pair of output column c = 8 bx + g (c clamped to pair - 1 likewise).
     block_cols = _block_cols(ops)
@@ -305,7 +393,7 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
 
     def weight_rows(bx, g):
         if pair is None:
-            return T.min(bx * MMA_M + g, n - 1), T.min(bx * MMA_M + g + 8, n - 1)
+            return T.min(bx * MMA_M + g, last), T.min(bx * MMA_M + g + 8, last)
         c = T.min(bx * block_cols + g, pair - 1)
         return c, c + pair
 
@@ -319,7 +407,8 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
         # Paired: the lane's gate accumulators (e < 2) write; e + 2 holds the up row.
         return True if pair is None else o % 4 < 2
 
-    blocks = grid_blocks(ops)
+    blocks = launch_blocks(out_n, block_cols)
+    out_n = out_n if isinstance(out_n, int) else T.Cast("int32", out_n)
     # Token rows: in global memory (``words`` apart), or normed into shared memory by the
     # prologue (one piece of padding a row). Prologue: a thread's pieces of a row, and the pieces
     # of x + r a block writes.
@@ -333,18 +422,25 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
         return piece_word(rr * unroll + u, warp, 0, warps, run)
 
     @T.macro
-    def load_weights(w, W, w_lo, w_hi, warp, rr, u):
-        # 16 bytes of weight rows g and g + 8 at step (rr, u) of this warp.
+    def load_weights(w, W, w_lo, w_hi, sc, S, s_lo, s_hi, lane, warp, rr, u):
+        # 16 bytes of weight rows g and g + 8 at step (rr, u) of this warp (4-bit: and their scales).
         kw: T.let[T.int32] = step_word(rr, u, warp)
         for e in T.vectorized(PIECE_WORDS):
             w[(u * 2) * PIECE_WORDS + e] = W[w_lo + kw + e]
         for e in T.vectorized(PIECE_WORDS):
             w[(u * 2 + 1) * PIECE_WORDS + e] = W[w_hi + kw + e]
+        if deq is not None:
+            # The piece's 32 values lie in one group (``Q4_PIECE``).
+            grp: T.let[T.int32] = (piece_word(0, 0, lane % 4, warps, run) + kw) * deq.per_word // deq.group
+            sc[u * 2] = S[s_lo + grp]
+            sc[u * 2 + 1] = S[s_hi + grp]
 
     # fmt: off
     @T.prim_func(s_tir=True, check_well_formed=False)
     def body():
-        W = T.decl_buffer((n * words,), "uint32", data=ops.b.data)
+        W = T.decl_buffer((n * w_words,), "uint32", data=ops.b.data)
+        if deq is not None:
+            S = T.decl_buffer((n * groups,), dtype, data=deq.scale.data)
         if norm is None:
             X = T.decl_buffer((ops.m * words,), "uint32", data=ops.a.data)
         for bx in T.thread_binding(blocks, thread="blockIdx.x"):
@@ -353,27 +449,32 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                     T.reads()
                     T.writes()
                     w = T.sblock_alloc_buffer((unroll * 2 * PIECE_WORDS,), "uint32", scope="local")
-                    x = T.sblock_alloc_buffer((unroll * tiles * PIECE_WORDS,), "uint32", scope="local")
-                    # The fragments of one mma, copied out of the loaded pieces: registers, once
-                    # compiled; the copies also keep TVM from retyping the pieces into vectors
-                    # (which the mma's offsets would not follow).
-                    a = T.sblock_alloc_buffer((2 * PIECE_WORDS,), "uint32", scope="local")
-                    b = T.sblock_alloc_buffer((2 * tiles * 2,), "uint32", scope="local")
+                    x = T.sblock_alloc_buffer((unroll * tiles * tpw * PIECE_WORDS,), "uint32", scope="local")
+                    # The fragments of the step's mmas, copied (4-bit: converted) out of the loaded
+                    # pieces: registers, once compiled; the copies also keep TVM from retyping the
+                    # pieces into vectors (which the mma's offsets would not follow).
+                    a = T.sblock_alloc_buffer((mmas * 4,), "uint32", scope="local")
+                    b = T.sblock_alloc_buffer((mmas * tiles * 2,), "uint32", scope="local")
+                    if deq is not None:
+                        sc = T.sblock_alloc_buffer((unroll * 2,), dtype, scope="local")
                     acc = T.sblock_alloc_buffer((tiles * 4,), "float32", scope="local")
                     red = T.sblock_alloc_buffer((warps * outputs,), "float32", scope="shared")
                     total = T.sblock_alloc_buffer((1 if pair is None else 2,), "float32", scope="local")
                     warp: T.let[T.int32] = T.Cast("int32", tid) // WARP
                     lane: T.let[T.int32] = T.Cast("int32", tid) % WARP
                     # Offsets are 64-bit until TVM proves they fit in 32 (2^31 words: the largest weights).
-                    w_lo: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[0]) * words + piece_word(0, 0, lane % 4, warps, run)
-                    w_hi: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[1]) * words + piece_word(0, 0, lane % 4, warps, run)
+                    w_lo: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[0]) * w_words + piece_word(0, 0, lane % 4, warps, run)
+                    w_hi: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[1]) * w_words + piece_word(0, 0, lane % 4, warps, run)
+                    # The rows' scales (4-bit weights; else unused).
+                    s_lo: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[0]) * groups
+                    s_hi: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[1]) * groups
                     for i in T.unroll(tiles * 4):
                         acc[i] = T.float32(0)
                     if norm is not None:
                         # The first round's weights are in flight while the rows are normed.
                         for u in T.unroll(unroll):
                             if not ragged or u < steps:
-                                load_weights(w, W, w_lo, w_hi, warp, 0, u)
+                                load_weights(w, W, w_lo, w_hi, w, W, s_lo, s_hi, lane, warp, 0, u)
                         xs = T.sblock_alloc_buffer((rows_p * x_stride * 2,), dtype, scope="shared")
                         X = T.decl_buffer((rows_p * x_stride,), "uint32", data=xs.data, scope="shared")
                         norm_rows(xs, tid, bx)
@@ -384,23 +485,48 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                             if not ragged or r * unroll + u < steps:
                                 k0: T.let[T.int32] = step_word(r, u, warp)
                                 if norm is None or r > 0:  # with a prologue, round 0's are loaded
-                                    load_weights(w, W, w_lo, w_hi, warp, r, u)
+                                    if deq is None:
+                                        load_weights(w, W, w_lo, w_hi, w, W, s_lo, s_hi, lane, warp, r, u)
+                                    else:
+                                        load_weights(w, W, w_lo, w_hi, sc, S, s_lo, s_hi, lane, warp, r, u)
                                 for t in T.unroll(tiles):
-                                    for e in T.vectorized(PIECE_WORDS):
-                                        x[(u * tiles + t) * PIECE_WORDS + e] = X[
-                                            T.min(t * MMA_N + lane // 4, m - 1) * x_stride + piece_word(0, 0, lane % 4, warps, run) + k0 + e]
+                                    for c in T.unroll(tpw):
+                                        # Chunk c of the tokens meeting the weight piece (words tpw x its words).
+                                        for e in T.vectorized(PIECE_WORDS):
+                                            x[((u * tiles + t) * tpw + c) * PIECE_WORDS + e] = X[
+                                                T.min(t * MMA_N + lane // 4, m - 1) * x_stride
+                                                + (piece_word(0, 0, lane % 4, warps, run) + k0) * tpw + c * PIECE_WORDS + e]
                         for u in T.unroll(unroll):
                             if not ragged or r * unroll + u < steps:
-                                for s in T.unroll(2):
-                                    # A fragment of k16 step s: words 2s, 2s+1 of rows g and g + 8.
-                                    a[s * 4 + 0] = w[u * 2 * PIECE_WORDS + 2 * s]
-                                    a[s * 4 + 1] = w[(u * 2 + 1) * PIECE_WORDS + 2 * s]
-                                    a[s * 4 + 2] = w[u * 2 * PIECE_WORDS + 2 * s + 1]
-                                    a[s * 4 + 3] = w[(u * 2 + 1) * PIECE_WORDS + 2 * s + 1]
+                                for s in T.unroll(mmas):
+                                    if deq is None:
+                                        # A fragment of k16 step s: words 2s, 2s+1 of rows g and g + 8.
+                                        a[s * 4 + 0] = w[u * 2 * PIECE_WORDS + 2 * s]
+                                        a[s * 4 + 1] = w[(u * 2 + 1) * PIECE_WORDS + 2 * s]
+                                        a[s * 4 + 2] = w[u * 2 * PIECE_WORDS + 2 * s + 1]
+                                        a[s * 4 + 3] = w[(u * 2 + 1) * PIECE_WORDS + 2 * s + 1]
+                                    else:
+                                        # Converted and scaled pairs of the rows' words (``q4_a_pair``).
+                                        for reg in T.unroll(4):
+                                            a[s * 4 + reg] = cuda_op.cuda_func_call(
+                                                pair_fn, w[(u * 2 + reg % 2) * PIECE_WORDS + q4_a_pair(s, reg)[0]],
+                                                q4_a_pair(s, reg)[1], sc[u * 2 + reg % 2],
+                                                source_code=pair_source, return_type="uint32")
                                     for t in T.unroll(tiles):
-                                        # B fragment: words 2s, 2s+1 of the token piece.
-                                        b[(s * tiles + t) * 2 + 0] = x[(u * tiles + t) * PIECE_WORDS + 2 * s]
-                                        b[(s * tiles + t) * 2 + 1] = x[(u * tiles + t) * PIECE_WORDS + 2 * s + 1]
+                                        if deq is None:
+                                            # B fragment: words 2s, 2s+1 of the token piece.
+                                            b[(s * tiles + t) * 2 + 0] = x[(u * tiles + t) * PIECE_WORDS + 2 * s]
+                                            b[(s * tiles + t) * 2 + 1] = x[(u * tiles + t) * PIECE_WORDS + 2 * s + 1]
+                                        else:
+                                            # The token pairs meeting them (``q4_b_pair``): halves of two words.
+                                            for reg in T.unroll(2):
+                                                b[(s * tiles + t) * 2 + reg] = T.bitwise_or(
+                                                    T.bitwise_and(T.shift_right(
+                                                        x[((u * tiles + t) * tpw + q4_b_pair(s, reg)[0]) * PIECE_WORDS + q4_b_pair(s, reg)[1]],
+                                                        T.Cast("uint32", 16 * q4_b_pair(s, reg)[3])), T.uint32(0xFFFF)),
+                                                    T.shift_left(T.shift_right(
+                                                        x[((u * tiles + t) * tpw + q4_b_pair(s, reg)[0]) * PIECE_WORDS + q4_b_pair(s, reg)[2]],
+                                                        T.Cast("uint32", 16 * q4_b_pair(s, reg)[3])), T.uint32(16)))
                                         T.ptx.mma.legacy(
                                             "m16n8k16", "row", "col", ab, ab, "fp32",
                                             a.data, s * 4, b.data, (s * tiles + t) * 2,
