@@ -20,7 +20,12 @@ sets for scheduled (``s_tir``) functions.
   The fuselight pipeline's builds use it on sm_90 and later (``programmatic_launch_supported``).
 
 Launched normally (any other pipeline) the wait returns at once, so the kernels stay correct; only
-the overlap is lost. Compile with ``tvm.compile(..., tir_pipeline=register(...))``;
+the overlap is lost.
+
+Both pipelines also guard TVM's TIR common-subexpression elimination: on TVM 0.26 it makes some
+kernels ill-formed ("cse_v22 has been used before definition": the KV cache's ``batch_tree_attn`` of
+head-dim-64 models such as Llama-3.2-1B). Where the module fails so, the kernels that fail alone are
+lowered again without it (``tirx.disable_cse_tir``), and every other kernel keeps it. Compile with ``tvm.compile(..., tir_pipeline=register(...))``;
 ``fuselight.compile`` and the benchmarks' builds do.
 """
 
@@ -119,6 +124,46 @@ def programmatic_launch_supported(kind: str, arch: str | None) -> bool:
         return False
 
 
+_CSE_CONFIG = "tirx.disable_cse_tir"
+_CSE_FAILURE = "has been used before definition"
+
+
+def _cse_guarded(pipeline: Any) -> Any:
+    """``pipeline`` (TVM's TIR lowering), with CSE left out only for the PrimFuncs it breaks."""
+    import tvm
+    from tvm import tirx
+
+    def lower(mod: Any, cse: bool) -> Any:
+        ctx = tvm.transform.PassContext.current()
+        config = {**{str(k): v for k, v in ctx.config.items()}, _CSE_CONFIG: not cse}
+        with tvm.transform.PassContext(opt_level=ctx.opt_level, config=config):
+            return pipeline(mod)
+
+    def broken(mod: Any, gv: Any) -> bool:
+        try:
+            lower(mod.__class__({gv: mod[gv]}, attrs=mod.attrs), cse=True)
+        except tvm.error.InternalError as err:
+            return _CSE_FAILURE in str(err)
+        return False
+
+    @tvm.transform.module_pass(opt_level=0, name="fuselight.CSEGuardedLowering")
+    def run(mod: Any, ctx: Any) -> Any:
+        if bool(ctx.config.get(_CSE_CONFIG, False)):
+            return pipeline(mod)
+        try:
+            return pipeline(mod)
+        except tvm.error.InternalError as err:
+            if _CSE_FAILURE not in str(err):
+                raise
+        bad = {gv for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc) and broken(mod, gv)}
+        rest = mod.__class__({gv: f for gv, f in mod.functions.items() if gv not in bad}, attrs=mod.attrs)
+        lowered = lower(rest, cse=True)
+        lowered.update(lower(mod.__class__({gv: mod[gv] for gv in bad}, attrs=mod.attrs), cse=False))
+        return lowered
+
+    return run
+
+
 def register(every_kernel: bool = False) -> str:
     """Register ``NAME_EVERY_KERNEL`` if ``every_kernel``, else ``NAME`` (once; idempotent); return its name."""
     import tvm
@@ -135,7 +180,7 @@ def register(every_kernel: bool = False) -> str:
             waits = [wait_at_kernel_entry()] if every_kernel else []
             return tvm.ir.transform.Sequential([finalize_device(), *waits, mark_programmatic_launch()])
 
-        return pipeline, finalize_host, device_passes
+        return _cse_guarded(pipeline), finalize_host, device_passes
 
     compilation_pipeline.register_tir_pipeline(name, factory)
     return name
