@@ -511,12 +511,14 @@ def run_e2e(
             f"e2e needs {max_len} positions, model {config.name!r} has {config.max_position_embeddings}"
         )
     metas = [read_metadata(Path(path)) for path in libs.values()]
-    # The weight scheme is the libraries' (the preset has float weights); all must agree.
-    schemes = {(m.get("model") or {}).get("quantization") for m in metas}
-    if len(schemes) > 1:
-        raise FuselightError(f"the libraries differ in quantization: {sorted(map(str, schemes))}")
-    if schemes:
-        config = config.with_quantization(schemes.pop())
+    # The weight scheme and the dtype are the libraries' (a preset names its checkpoint's dtype and
+    # float weights; `fuselight compile --dtype/--quantization` may build others); all must agree.
+    for field, apply in (("dtype", config.with_dtype), ("quantization", config.with_quantization)):
+        values = {(m.get("model") or {}).get(field) for m in metas}
+        if len(values) > 1:
+            raise FuselightError(f"the libraries differ in {field}: {sorted(map(str, values))}")
+        if values and (value := values.pop()) is not None:
+            config = apply(value)
     for meta, path in zip(metas, libs.values()):
         _check_library(meta, config, Path(path))
     # The GPU host's copy of the tree may have no git history: prefer the commit each build recorded
