@@ -16,6 +16,7 @@ from typing import Any
 
 from . import tir_pipeline
 from .config import ModelConfig
+from .device import device_model
 from .errors import FuselightError
 from .target import TargetSpec
 
@@ -34,6 +35,11 @@ _ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
 _CUDA_GRAPH_BUILTIN = "vm.builtin.cuda_graph.run_or_capture"
 # The pass config RewriteCUDAGraph reads.
 CUDA_GRAPH_CONFIG = "relax.backend.use_cuda_graph"
+# The fuselight pipeline's kernel launches in a decode step (``kernel_stats``; tests/test_compile.py
+# keeps these true): a layer's, float and 4-bit weights (no norm or SiLU-mul fusion with a
+# dequantize yet), and those outside the layers (the final norm and the LM head).
+DECODE_LAUNCHES_PER_LAYER = {"float": 6, "quantized": 9}
+DECODE_LAUNCHES_OUTSIDE_LAYERS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,16 +131,37 @@ def lower(
     )
 
 
-def graphs_by_default(target: TargetSpec, programmatic_launch: bool) -> bool:
-    """Whether a build for ``target`` captures CUDA graphs when not told: on CUDA, unless every kernel
-    launches programmatically there (``tir_pipeline.NAME_EVERY_KERNEL``). A graph ends at each call
-    it leaves out, the KV cache's attention in every layer, and the kernel after a graph or after
-    such a call then starts only when the one before has finished (2.4-2.6 us idle at each of the
-    two boundaries a layer on an H100: about 160 us a decode step, ``bench/results/README.md``),
-    while kernels launched one by one from the stream each overlap the one before."""
+def graphs_by_default(target: TargetSpec, programmatic_launch: bool, config: ModelConfig | None = None) -> bool:
+    """Whether a build for ``target`` captures CUDA graphs when not told (the decode form).
+
+    On CUDA, graphs unless every kernel launches programmatically there
+    (``tir_pipeline.NAME_EVERY_KERNEL``): a graph ends at each call it leaves out, the KV cache's
+    attention in every layer, and the kernel after a graph or after such a call then starts only
+    when the one before has finished (2.4-2.6 us idle at each of the two boundaries a layer on an
+    H100: about 160 us a decode step, ``bench/results/README.md``), while kernels launched one by
+    one from the stream each overlap the one before. Launched one by one, though, the host sets the
+    pace where it launches a step's kernels more slowly than the GPU runs them: so with
+    programmatic launch, graphs exactly when the host's time to launch ``config``'s decode step
+    (``DECODE_LAUNCHES_PER_LAYER`` a layer, at the device's ``host_launch_us`` each;
+    ``fuselight.device``) exceeds ``decode_graph_factor`` (``configs/runtime.json``) times the
+    step's weight-streaming floor (``num_weight_bytes(decode=True)`` at the device's DRAM rate): the
+    factor allows for kernels streaming below the copy rate. Measured on the H100
+    (docs/experiments/decode-form.md), greedy generation at context 128 without / with graphs:
+    SmolLM2-135M (launches ~12x the floor) 1.26 / 0.83 ms/token; Llama-3.2-1B (0.7x) 1.05 / 1.13;
+    Llama-3-8B q4f16_1 (1.2x) 2.51 / 2.60."""
     if target.kind != "cuda":
         return False
-    return not (programmatic_launch and tir_pipeline.programmatic_launch_supported(target.kind, target.arch))
+    if not (programmatic_launch and tir_pipeline.programmatic_launch_supported(target.kind, target.arch)):
+        return True
+    from .engine import runtime_config  # as build() does: engine imports the compiled model's weights
+
+    device = device_model(target.arch)
+    if config is None or device is None:
+        return False
+    per_layer = DECODE_LAUNCHES_PER_LAYER["quantized" if config.quantization else "float"]
+    launches_us = (per_layer * config.num_hidden_layers + DECODE_LAUNCHES_OUTSIDE_LAYERS) * device.host_launch_us
+    weights_us = config.num_weight_bytes(decode=True) / (device.dram_gbps * 1e3)
+    return launches_us > float(runtime_config()["decode_graph_factor"]) * weights_us
 
 
 def kv_cache_kernels(mod: Any) -> int:
@@ -234,7 +261,7 @@ def build(
     # The baseline launches its kernels as MLC-LLM's builds do.
     pdl = pipeline != "baseline" and (options or Options()).programmatic_launch
     if cuda_graph is None:
-        cuda_graph = graphs_by_default(target, pdl)
+        cuda_graph = graphs_by_default(target, pdl, config)
     lowered, executable = lower(mod, tvm_target, seq, cuda_graph=cuda_graph, programmatic_launch=pdl)
     return Built(
         config=config,

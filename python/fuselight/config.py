@@ -130,10 +130,14 @@ class ModelConfig:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         return shapes
 
-    def num_weight_bytes(self) -> int:
-        """Bytes of all parameters as stored (packed words and scales when quantized)."""
+    def num_weight_bytes(self, decode: bool = False) -> int:
+        """Bytes of all parameters as stored (packed words and scales when quantized); ``decode``:
+        those a decode step reads in full (all but the embedding, which it gathers a row of,
+        unless the LM head is the embedding)."""
         total = 0
         for name, shape in self.weight_shapes().items():
+            if decode and name.startswith("model.embed_tokens.") and not self.tie_word_embeddings:
+                continue
             n = 4 if self.weight_dtype(name) in ("float32", STORAGE_DTYPE) else 2
             for d in shape:
                 n *= d

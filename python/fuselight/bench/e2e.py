@@ -184,16 +184,13 @@ def _accuracy(logits: dict[str, list[Any]], refs: list[Any], prompt: int) -> dic
 
 
 def _costs(config: ModelConfig) -> tuple[int, int, int, int]:
-    """(weight elements in the layers, lm_head elements, bytes of those weights as stored (packed
-    words and scales when quantized), bytes per activation element)."""
+    """(weight elements in the layers, lm_head elements, bytes of the weights a step reads as stored
+    (packed words and scales when quantized), bytes per activation element)."""
     head = "model.embed_tokens." if config.tie_word_embeddings else "lm_head."
     dense = config.dense_weight_shapes()
     layers = sum(math.prod(s) for name, s in dense.items() if name.startswith("model.layers."))
-    stored = sum(
-        math.prod(s) * (2 if config.weight_dtype(name) in ("float16", "bfloat16") else 4)
-        for name, s in config.weight_shapes().items() if name.startswith(("model.layers.", head))
-    )
-    return layers, math.prod(dense[head + "weight"]), stored, (4 if config.dtype == "float32" else 2)
+    return layers, math.prod(dense[head + "weight"]), config.num_weight_bytes(decode=True), \
+        (4 if config.dtype == "float32" else 2)
 
 
 def prefill_cost(config: ModelConfig, tokens: int) -> tuple[int, int]:
