@@ -21,7 +21,15 @@ from fuselight.quant_prim_funcs import q4_linear
 from fuselight.rules.gemm import dispatch
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemm.mma_sync import Q4_DEQUANT, mma_sync_gemm, q4_dequant_source
-from fuselight.rules.gemm.plan import GemmPlan, check_plan, q4_smem, shared_bytes
+from fuselight.rules.gemm.plan import GemmPlan, GemmTile, check_plan, q4_smem, shared_bytes
+from fuselight.rules.gemm.wgmma import (
+    MAX_DYNAMIC_SMEM,
+    Q4_STAGING,
+    WgmmaPlan,
+    check_tile,
+    q4_staging_bytes,
+)
+from fuselight.rules.gemm.wgmma import smem_bytes as wgmma_smem_bytes
 from fuselight.rules.gemv import symbolic_m_buckets
 from fuselight.rules.matmul import Matmul
 from fuselight.target import resolve, to_tvm
@@ -84,6 +92,28 @@ def _assert_one_barrier_a_slice(body: str) -> None:
         assert first_mma < wait < first_deq < barrier
 
 
+def _assert_wgmma_producer_dequantizes(body: str) -> None:
+    """The wgmma kernel of a 4-bit B: the producer warpgroup streams the packed words and scales by
+    cp.async (A alone by TMA, no B tensor map), waits for its own copies, dequantizes into the
+    slot, fences for the async proxy and arrives on the slot's full barrier (count 1 + 128)."""
+    assert "wgmma_mma_async_ss_" in body
+    assert "CUtensorMap a_map" in body and "b_map" not in body
+    assert re.search(r"fuselight_cp_async_16\(buf_dyn_shmem_ptr, [^;]*q_weight_ptr", body)
+    assert re.search(r"fuselight_cp_async_4\(buf_dyn_shmem_ptr, [^;]*q_scale_ptr", body)
+    assert re.search(r"tvm_builtin_ptx_mbarrier_init\([^;]*, 129\);", body)
+    producer = body[body.index("tvm_builtin_ptx_setmaxnreg_dec_"): body.index("tvm_builtin_ptx_setmaxnreg_inc_")]
+    loop = producer[producer.index("for (int kt"):]
+    assert "__syncthreads" not in producer  # mbarriers only past the setup
+    wait = loop.index("fuselight_cp_async_wait_")
+    deq = loop.index("fuselight_q4_dequant32_")
+    fence = loop.index("tvm_builtin_ptx_fence_proxy_async_shared_cta()")
+    arrive = loop.index("tvm_builtin_ptx_mbarrier_arrive_shared(")
+    assert loop.index("tvm_builtin_ptx_mbarrier_try_wait(") < deq  # the slot is free
+    assert wait < deq < fence < arrive
+    assert "ptx_cp_async_bulk_tensor_g2s_cta_tile_2d" in loop  # A's TMA
+    assert "tvm_builtin_ptx_setmaxnreg_dec_64" in body and "tvm_builtin_ptx_setmaxnreg_inc_224" in body
+
+
 # ---- the rule and its plans ------------------------------------------------------------------
 
 
@@ -95,11 +125,19 @@ def test_q4_ranges_cover_every_m_with_valid_plans(n, k):
     uppers = [u for u, _ in ranges]
     assert uppers == sorted(uppers) and len(set(uppers)) == len(uppers)
     for _, plan in ranges:
-        check_plan(plan, ops)
-        assert shared_bytes(plan.main, ops) == max(q4_smem(plan.main, 32).halves * 2, plan.main.epilogue_floats * 4)
+        if isinstance(plan, WgmmaPlan):
+            check_tile(plan.tile, ops, plan.split_k)
+            assert wgmma_smem_bytes(plan.tile, ops) == plan.tile.smem_bytes + Q4_STAGING * q4_staging_bytes(plan.tile)
+            assert wgmma_smem_bytes(plan.tile, ops) <= MAX_DYNAMIC_SMEM
+        else:
+            check_plan(plan, ops)
+            assert shared_bytes(plan.main, ops) == max(q4_smem(plan.main, 32).halves * 2, plan.main.epilogue_floats * 4)
     assert ranges[-1][1].split_k == 1  # every larger M: never split
     if n is None:
         assert all(plan.split_k == 1 for _, plan in ranges)  # a symbolic N: no split-K
+        assert not any(isinstance(plan, WgmmaPlan) for _, plan in ranges)  # wgmma needs a static N
+    else:
+        assert isinstance(ranges[-1][1], WgmmaPlan)  # large M: the wgmma template
     assert dispatch.q4_plan_ranges(ops, "sm_42") == []
 
 
@@ -118,7 +156,11 @@ def test_rule_takes_mlcs_prefill_projection(cuda):
     assert len(names) == len(gemv) + sum(2 if plan.split_k > 1 else 1 for _, plan in kept)
     gemm = [nm for nm in names if "fuselight_q4_dequant32_fp16(" in _kernel_body(src, nm)]
     assert len(gemm) == len(kept)
-    for nm in gemm:
+    wgmma = [nm for nm in gemm if "wgmma_mma_async_ss_" in _kernel_body(src, nm)]
+    assert len(wgmma) == sum(isinstance(plan, WgmmaPlan) for _, plan in kept)
+    for nm in wgmma:
+        _assert_wgmma_producer_dequantizes(_kernel_body(src, nm))
+    for nm in set(gemm) - set(wgmma):
         body = _kernel_body(src, nm)
         assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in body
         assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in body
@@ -185,7 +227,7 @@ def test_rule_leaves_a_zero_point_buffer(cuda):
 
 def test_plan_checks_name_the_problem():
     ops = analyze_matmul(q4_linear(4096, 4096, m=None), dequant=True).operands
-    tile = dispatch.q4_plan_ranges(ops, "sm_90")[-1][1].main
+    tile = GemmTile(128, 128, 64, 2, 2, 4)  # (the 4096 x 4096 plans at M 257..1024 before wgmma)
     bad_k = dataclasses.replace(tile, block_k=16)
     with pytest.raises(Exception, match="whole pieces of 32 packed values"):
         check_plan(GemmPlan(bad_k), ops)
@@ -196,6 +238,13 @@ def test_plan_checks_name_the_problem():
     head = analyze_matmul(q4_linear(None, 4096, m=None, epilogue="cast_fp32"), dequant=True).operands
     with pytest.raises(Exception, match="split_k needs a static n"):
         check_plan(GemmPlan(tile, split_k=2), head)
+    wg = next(plan.tile for _, plan in dispatch.q4_plan_ranges(ops, "sm_90") if isinstance(plan, WgmmaPlan))
+    with pytest.raises(Exception, match="needs a static n"):
+        check_tile(wg, head)
+    with pytest.raises(Exception, match="shared memory"):
+        check_tile(dataclasses.replace(wg, block_n=256, stages=4), ops)  # the staging ring does not fit
+    g16 = analyze_matmul(q4_linear(4096, 4096, m=None, group=128), dequant=True).operands
+    check_tile(wg, g16)
     fp16 = dataclasses.replace(ops, dequant=None)
     with pytest.raises(Exception, match="must be static"):
         check_plan(GemmPlan(tile), dataclasses.replace(fp16, n=tirx.Var("n", "int64")))

@@ -42,11 +42,13 @@ SWIZZLE_GROUPS = 8
 DTYPE_ABBREV = {"float16": "fp16", "bfloat16": "bf16"}
 
 # Dequantizes one 16-byte piece of packed words (4 uint32, 32 4-bit values of one group) into the
-# 4 swizzled 16-byte chunks of its B row (offsets in elements of the shared buffer): ``((w >> 4 j) & 0x000F000F) | magic`` read as a half2 is
+# 4 swizzled 16-byte chunks of its B row (offsets in fp16/bf16 elements from ``smem_v``, the
+# dynamic shared buffer's start, whatever its declared type): ``((w >> 4 j) & 0x000F000F) | magic`` read as a half2 is
 # (bias + e_j, bias + e_{j+4}); minus (bias + zero), exact, then times the scale: bit for bit the
 # function's ``(dtype(e) - dtype(zero)) * scale``. byte_perm puts the 8 values of a word in order.
 Q4_DEQUANT = {"float16": "fuselight_q4_dequant32_fp16", "bfloat16": "fuselight_q4_dequant32_bf16"}
 _Q4_DEQUANT_BODY = """
+  {scalar}* smem = static_cast<{scalar}*>(smem_v);
   const uint4 w4 = *reinterpret_cast<const uint4*>(smem + packed);
   const unsigned int w[4] = {{w4.x, w4.y, w4.z, w4.w}};
   const {scalar} s = smem[scale];
@@ -80,7 +82,7 @@ def q4_dequant_source(dtype: str, zero: int) -> str:
     else:
         scalar, v2, magic, base = "nv_bfloat16", "nv_bfloat162", 0x43004300, 0x4300
     body = _Q4_DEQUANT_BODY.format(scalar=scalar, v2=v2, bias=hex(base + zero), magic=hex(magic))
-    return (f"\n__forceinline__ __device__ void {Q4_DEQUANT[dtype]}({scalar}* smem, int packed, int scale, "
+    return (f"\n__forceinline__ __device__ void {Q4_DEQUANT[dtype]}(void* smem_v, int packed, int scale, "
             f"int out_row, int c0, int sw) {{{body}}}\n")
 
 
