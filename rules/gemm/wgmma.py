@@ -196,7 +196,7 @@ def check_tile(tile: WgmmaTile, ops: GemmOperands, split_k: int = 1) -> None:
             f"wgmma tile: warpgroups {tile.warpgroups} unsupported (supported: {sorted(CONSUMER_REGS)})"
         )
     if not isinstance(ops.n, int) or ops.n % tile.block_n:
-        raise FuselightError(f"wgmma gemm: n {ops.n} is not a static multiple of block_n {tile.block_n}")
+        raise FuselightError(f"wgmma gemm: n {ops.n} is not a multiple of block_n {tile.block_n}")
     if not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1:
         raise FuselightError(f"wgmma plan: split_k must be a positive integer, got {split_k!r}")
     if ops.k % (BLOCK_K * split_k):
