@@ -112,6 +112,12 @@ def _assert_wgmma_producer_dequantizes(body: str) -> None:
     assert wait < deq < fence < arrive
     assert "ptx_cp_async_bulk_tensor_g2s_cta_tile_2d" in loop  # A's TMA
     assert "tvm_builtin_ptx_setmaxnreg_dec_64" in body and "tvm_builtin_ptx_setmaxnreg_inc_224" in body
+    # The epilogue is the fp16 template's: every accumulator it reads exists (a regression: the
+    # producer's piece count once shadowed the epilogue's, which then read past the accumulators).
+    n_acc = int(re.search(r"float acc_ptr\[(\d+)\];", body).group(1))
+    used = [int(i) for i in re.findall(r"acc_ptr \+ (\d+)\)", body) + re.findall(r"acc_ptr\[(\d+)\]", body)]
+    assert max(used) == n_acc  # (the declaration)
+    assert sorted(set(used))[-2] == n_acc - 1
 
 
 # ---- the rule and its plans ------------------------------------------------------------------

@@ -281,9 +281,9 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
         # The staging ring after the barriers (16-byte aligned: stages x 2 barriers of 8 bytes).
         staging_base = tile.stages * (tile.slot_bytes + 2 * MBAR_BYTES) + tile.epilogue_bytes
         staging_bytes = q4_staging_bytes(tile)
-        pieces = bn * BLOCK_K // Q4_PIECE  # of a slice
-        packed_bytes = pieces * 16
-        thread_pieces = pieces // WARPGROUP
+        slice_pieces = bn * BLOCK_K // Q4_PIECE  # of packed words in a slice (not the epilogue's ``pieces``)
+        packed_bytes = slice_pieces * 16
+        thread_pieces = slice_pieces // WARPGROUP
         words_row, groups_row = k // deq.per_word, k // deq.group
         deq_fn, deq_src = Q4_DEQUANT[dtype], q4_dequant_source(dtype, int(deq.zero))
     full_count = 1 if deq is None else 1 + WARPGROUP
