@@ -12,9 +12,11 @@ the dispatch config) and targets without a config are left to the next rule. A p
 (``passes.fuse_gate_up_silu``: ``silu(gate) * up`` of a gate+up projection) is priced as the plain
 GEMM of the same N and K, among the plans whose template takes one (wgmma; mma.sync does not yet).
 A B computed by a 4-bit group dequantize (MLC-LLM's ``q4f16_1``: ``rules.gemm.dequant``) runs the
-mma.sync template, which loads the packed words and scales and dequantizes them in shared memory,
-with the plans of ``configs/gemm/mma_sync_q4.json`` (a symbolic N too: the quantized LM head); one
-it cannot serve (another packing, a zero-point buffer, a group no multiple of 32) is left to DLight.
+plans of ``configs/gemm/mma_sync_q4.json``: at large M the wgmma template, whose producer warpgroup
+streams the packed words and scales and dequantizes them into the slots' B tiles (static N), else
+(and for a symbolic N: the quantized LM head) the mma.sync template, which dequantizes them in
+shared memory between its mmas; one neither can serve (another packing, a zero-point buffer, a
+group no multiple of 32) is left to DLight.
 """
 
 from __future__ import annotations

@@ -21,7 +21,15 @@ from fuselight.quant_prim_funcs import q4_linear
 from fuselight.rules.gemm import dispatch
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemm.mma_sync import Q4_DEQUANT, mma_sync_gemm, q4_dequant_source
-from fuselight.rules.gemm.plan import GemmPlan, check_plan, q4_smem, shared_bytes
+from fuselight.rules.gemm.plan import GemmPlan, GemmTile, check_plan, q4_smem, shared_bytes
+from fuselight.rules.gemm.wgmma import (
+    MAX_DYNAMIC_SMEM,
+    Q4_STAGING,
+    WgmmaPlan,
+    check_tile,
+    q4_staging_bytes,
+)
+from fuselight.rules.gemm.wgmma import smem_bytes as wgmma_smem_bytes
 from fuselight.rules.gemv import symbolic_m_buckets
 from fuselight.rules.matmul import Matmul
 from fuselight.target import resolve, to_tvm
@@ -56,6 +64,62 @@ def _kernel_body(src: str, name: str) -> str:
     return src[start: nxt if nxt >= 0 else len(src)]
 
 
+def _main_loops(body: str) -> list[str]:
+    """The K-slice loops (``for (int kt...``) of a kernel body, each up to its closing brace."""
+    loops = []
+    for match in re.finditer(r"for \(int kt\w* = 0;", body):
+        depth, i = 0, body.index("{", match.start())
+        for j in range(i, len(body)):
+            depth += {"{": 1, "}": -1}.get(body[j], 0)
+            if depth == 0:
+                loops.append(body[match.start(): j + 1])
+                break
+    return loops
+
+
+def _assert_one_barrier_a_slice(body: str) -> None:
+    """The 4-bit mainloop's pipeline: one barrier a K slice (none from TVM's sync planner); each
+    thread waits for its own copies (a wait with a memory clobber) before it dequantizes, and the
+    dequantize of the next slice sits between the mmas of this one, before the barrier."""
+    loops = _main_loops(body)
+    assert loops
+    for loop in loops:
+        assert loop.count("__syncthreads()") == 1
+        wait = loop.index("fuselight_cp_async_wait_")
+        first_deq = loop.index("fuselight_q4_dequant32_")
+        barrier = loop.index("__syncthreads()")
+        first_mma = loop.index("mma.sync.aligned")
+        assert first_mma < wait < first_deq < barrier
+
+
+def _assert_wgmma_producer_dequantizes(body: str) -> None:
+    """The wgmma kernel of a 4-bit B: the producer warpgroup streams the packed words and scales by
+    cp.async (A alone by TMA, no B tensor map), waits for its own copies, dequantizes into the
+    slot, fences for the async proxy and arrives on the slot's full barrier (count 1 + 128)."""
+    assert "wgmma_mma_async_ss_" in body
+    assert "CUtensorMap a_map" in body and "b_map" not in body
+    assert re.search(r"fuselight_cp_async_16\(buf_dyn_shmem_ptr, [^;]*q_weight_ptr", body)
+    assert re.search(r"fuselight_cp_async_4\(buf_dyn_shmem_ptr, [^;]*q_scale_ptr", body)
+    assert re.search(r"tvm_builtin_ptx_mbarrier_init\([^;]*, 129\);", body)
+    producer = body[body.index("tvm_builtin_ptx_setmaxnreg_dec_"): body.index("tvm_builtin_ptx_setmaxnreg_inc_")]
+    loop = producer[producer.index("for (int kt"):]
+    assert "__syncthreads" not in producer  # mbarriers only past the setup
+    wait = loop.index("fuselight_cp_async_wait_")
+    deq = loop.index("fuselight_q4_dequant32_")
+    fence = loop.index("tvm_builtin_ptx_fence_proxy_async_shared_cta()")
+    arrive = loop.index("tvm_builtin_ptx_mbarrier_arrive_shared(")
+    assert loop.index("tvm_builtin_ptx_mbarrier_try_wait(") < deq  # the slot is free
+    assert wait < deq < fence < arrive
+    assert "ptx_cp_async_bulk_tensor_g2s_cta_tile_2d" in loop  # A's TMA
+    assert "tvm_builtin_ptx_setmaxnreg_dec_64" in body and "tvm_builtin_ptx_setmaxnreg_inc_224" in body
+    # The epilogue is the fp16 template's: every accumulator it reads exists (a regression: the
+    # producer's piece count once shadowed the epilogue's, which then read past the accumulators).
+    n_acc = int(re.search(r"float acc_ptr\[(\d+)\];", body).group(1))
+    used = [int(i) for i in re.findall(r"acc_ptr \+ (\d+)\)", body) + re.findall(r"acc_ptr\[(\d+)\]", body)]
+    assert max(used) == n_acc  # (the declaration)
+    assert sorted(set(used))[-2] == n_acc - 1
+
+
 # ---- the rule and its plans ------------------------------------------------------------------
 
 
@@ -67,11 +131,19 @@ def test_q4_ranges_cover_every_m_with_valid_plans(n, k):
     uppers = [u for u, _ in ranges]
     assert uppers == sorted(uppers) and len(set(uppers)) == len(uppers)
     for _, plan in ranges:
-        check_plan(plan, ops)
-        assert shared_bytes(plan.main, ops) == max(q4_smem(plan.main, 32).halves * 2, plan.main.epilogue_floats * 4)
+        if isinstance(plan, WgmmaPlan):
+            check_tile(plan.tile, ops, plan.split_k)
+            assert wgmma_smem_bytes(plan.tile, ops) == plan.tile.smem_bytes + Q4_STAGING * q4_staging_bytes(plan.tile)
+            assert wgmma_smem_bytes(plan.tile, ops) <= MAX_DYNAMIC_SMEM
+        else:
+            check_plan(plan, ops)
+            assert shared_bytes(plan.main, ops) == max(q4_smem(plan.main, 32).halves * 2, plan.main.epilogue_floats * 4)
     assert ranges[-1][1].split_k == 1  # every larger M: never split
     if n is None:
         assert all(plan.split_k == 1 for _, plan in ranges)  # a symbolic N: no split-K
+        assert not any(isinstance(plan, WgmmaPlan) for _, plan in ranges)  # wgmma needs a static N
+    else:
+        assert isinstance(ranges[-1][1], WgmmaPlan)  # large M: the wgmma template
     assert dispatch.q4_plan_ranges(ops, "sm_42") == []
 
 
@@ -90,18 +162,27 @@ def test_rule_takes_mlcs_prefill_projection(cuda):
     assert len(names) == len(gemv) + sum(2 if plan.split_k > 1 else 1 for _, plan in kept)
     gemm = [nm for nm in names if "fuselight_q4_dequant32_fp16(" in _kernel_body(src, nm)]
     assert len(gemm) == len(kept)
-    for nm in gemm:
+    wgmma = [nm for nm in gemm if "wgmma_mma_async_ss_" in _kernel_body(src, nm)]
+    assert len(wgmma) == sum(isinstance(plan, WgmmaPlan) for _, plan in kept)
+    for nm in wgmma:
+        _assert_wgmma_producer_dequantizes(_kernel_body(src, nm))
+    for nm in set(gemm) - set(wgmma):
         body = _kernel_body(src, nm)
         assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in body
         assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in body
-        # The packed words stream in by 16-byte cp.async, the scales by 4-byte ones.
-        assert re.search(r"tvm_builtin_ptx_cp_async_cg_16\(\(&\(smem_ptr\[[^;]*q_weight_ptr", body)
-        assert re.search(r"tvm_builtin_ptx_cp_async_ca_4\(\(&\(smem_ptr\[[^;]*q_scale_ptr", body)
+        # The packed words stream in by 16-byte cp.async, the scales by 4-byte ones (through the
+        # template's own copy functions, which TVM's sync planner does not see).
+        assert re.search(r"fuselight_cp_async_16\(smem_ptr, [^;]*q_weight_ptr", body)
+        assert re.search(r"fuselight_cp_async_4\(smem_ptr, [^;]*q_scale_ptr", body)
+        _assert_one_barrier_a_slice(body)
         assert "extern __shared__" in src
     # No dequantized weight anywhere: no N x K buffer, no fp16 weight parameter.
     assert "25165824" not in src
     assert not re.search(r"half\* __restrict__ (dequantize\w*|compute)_ptr", src)
     assert "0x64006400u" in src and "__byte_perm" in src
+    # The waits and copies are compiler memory barriers (no shared load moves above its wait).
+    assert re.search(r'asm volatile\("cp\.async\.wait_group \d+;\\n" ::: "memory"\);', src)
+    assert src.count('"l"(src) : "memory");') >= 2
     # The host branches on M (batch_size): the dispatch's ranges.
     host = kernel.script()
     for upper, _ in kept[:-1]:
@@ -152,7 +233,7 @@ def test_rule_leaves_a_zero_point_buffer(cuda):
 
 def test_plan_checks_name_the_problem():
     ops = analyze_matmul(q4_linear(4096, 4096, m=None), dequant=True).operands
-    tile = dispatch.q4_plan_ranges(ops, "sm_90")[-1][1].main
+    tile = GemmTile(128, 128, 64, 2, 2, 4)  # (the 4096 x 4096 plans at M 257..1024 before wgmma)
     bad_k = dataclasses.replace(tile, block_k=16)
     with pytest.raises(Exception, match="whole pieces of 32 packed values"):
         check_plan(GemmPlan(bad_k), ops)
@@ -163,6 +244,13 @@ def test_plan_checks_name_the_problem():
     head = analyze_matmul(q4_linear(None, 4096, m=None, epilogue="cast_fp32"), dequant=True).operands
     with pytest.raises(Exception, match="split_k needs a static n"):
         check_plan(GemmPlan(tile, split_k=2), head)
+    wg = next(plan.tile for _, plan in dispatch.q4_plan_ranges(ops, "sm_90") if isinstance(plan, WgmmaPlan))
+    with pytest.raises(Exception, match="needs a static n"):
+        check_tile(wg, head)
+    with pytest.raises(Exception, match="shared memory"):
+        check_tile(dataclasses.replace(wg, block_n=256, stages=4), ops)  # the staging ring does not fit
+    g16 = analyze_matmul(q4_linear(4096, 4096, m=None, group=128), dequant=True).operands
+    check_tile(wg, g16)
     fp16 = dataclasses.replace(ops, dequant=None)
     with pytest.raises(Exception, match="must be static"):
         check_plan(GemmPlan(tile), dataclasses.replace(fp16, n=tirx.Var("n", "int64")))

@@ -7,8 +7,12 @@ Two halves, one file:
   writes ``ours.so`` (the Matmul rule's kernels of each case: the dequantize in the mma.sync
   template's mainloop, symbolic M), ``dlight.so`` (DLight's schedule of the same PrimFuncs, as
   MLC-LLM builds them), ``fp16.so`` (the Matmul rule on an fp16 NT matmul of the same N and K:
-  fuselight's fp16 GEMM, the throughput to compare with), their AOT cubins, CUDA sources and
-  ``manifest.json``.
+  fuselight's fp16 GEMM, the throughput to compare with), their AOT cubins, CUDA sources
+  (``*.cu.gz``), ptxas -v reports (``*_ptxas.txt``: registers and spills of every kernel) and ``manifest.json``.
+
+  With the config sweep (``--no-sweep`` leaves it out) also ``sweep.so``: each Llama shape's
+  q4 function under every plan of ``SWEEP_TILES`` (one plan a function, split-K 2 where N is
+  small), for picking ``configs/gemm/mma_sync_q4.json``'s ranges from measurements.
 
   run (GPU host, runtime-only TVM: ``source .gpu/setup.sh`` first):
       python3 bench/probes/q4_gemm.py run .build/q4_gemm/manifest.json -o q4_gemm.json [--cases qkv ...] [--m 512 ...]
@@ -18,6 +22,8 @@ Two halves, one file:
   output; outputs poisoned with NaN first), and times ours, DLight's, our fp16 GEMM and torch's fp16
   matmul of the dequantized weight with L2 flushed between calls (``fuselight.bench.timing``:
   medians). Prints a table (TFLOP/s, ours / fp16 GEMM) and writes JSON.
+      python3 bench/probes/q4_gemm.py run .build/q4_gemm/manifest.json --sweep -o q4_sweep.json [--cases ...] [--m ...]
+  checks and times every sweep plan at M 512..4095 and marks the fastest correct one per case and M.
 
 The cases are MLC-LLM's prefill functions (``fuselight.quant_prim_funcs.q4_linear``, ``prefill``:
 tokens ``x[1, seq_len, k]``): dequantize in two stages, NT_matmul accumulating in float32, the cast epilogue (o_proj and
@@ -30,6 +36,7 @@ records ``dlight_error`` for the case and the run reports DLight's kernel as mis
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 import time
@@ -50,6 +57,33 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+# Config sweep of the 4-bit plans at prefill M (the lead's GPU run picks the best plan per M range
+# for configs/gemm/mma_sync_q4.json): every tile below on the static-N Llama shapes (fp16, group
+# 32), one plan a function (symbolic M, the last tile row predicated), split-K 2 too for a few
+# tiles where N is small (4096, 6144: few column tiles at M 512). Kept small: the library holds each
+# function's CUDA source (~0.4 MB), and the folder stays under 40 MB. Left out: the LM head (a
+# symbolic N: mma.sync only, its plans those of the static shapes) and the mma.sync tiles that
+# spill (256 x 128 with 64 x 64 warp tiles; 128 x 128 with 4 warps spills on the LM head).
+SWEEP_CASES = ("qkv", "o_proj", "gate_up", "down")
+SWEEP_M = (512, 1024, 2048, 4095)
+SWEEP_TILES = (
+    # mma.sync: block_m, block_n, block_k, warps_m, warps_n, stages
+    (128, 256, 64, 2, 4, 4),
+    (128, 128, 64, 2, 4, 4),
+    (64, 256, 64, 2, 4, 4),
+)
+SWEEP_WGMMA_TILES = (
+    # wgmma: block_n, warpgroups, stages (group_m 8, 132 persistent blocks)
+    (256, 2, 3),
+    (128, 2, 5),
+    (192, 2, 4),
+    (256, 1, 4),
+    (128, 1, 6),
+)
+SWEEP_SPLIT_N = 6144  # split-K 2 is swept where N is at most this, for these tiles:
+SWEEP_SPLIT_TILES = ((128, 256, 64, 2, 4, 4), (256, 2, 3), (128, 2, 5))
+
+
 def _args(case: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in case.items() if k != "vocab"}
 
@@ -61,7 +95,7 @@ def _fp16_name(n: int, k: int, dtype: str) -> str:
 # ---- build ------------------------------------------------------------------------------------
 
 
-def build(out: Path) -> None:
+def build(out: Path, sweep: bool = True) -> None:
     import tvm
     from fuselight.compile import library_metadata, write_library
     from fuselight.quant_prim_funcs import q4_linear
@@ -96,6 +130,8 @@ def build(out: Path) -> None:
             fp16[fname] = f16_sch.mod["main"].with_attr("global_symbol", fname)
         manifest["cases"][name] = {**case, "function": name, "params": [p.name for p in func.params],
                                    "fp16_function": fname, "ranges": ranges}
+    if sweep:
+        sweep_funcs = _sweep(target, manifest)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     base_funcs = {}
@@ -129,6 +165,8 @@ def build(out: Path) -> None:
         "fp16": ("fp16.so", tvm.IRModule({nm: f for nm, f in fp16.items() if not nm.endswith("bfloat16")})),
         "fp16_bf16": ("fp16_bf16.so", tvm.IRModule({nm: f for nm, f in fp16.items() if nm.endswith("bfloat16")})),
     }
+    if sweep:
+        libs["sweep"] = ("sweep.so", tvm.IRModule(sweep_funcs))
     libs = {key: v for key, v in libs.items() if len(v[1].functions)}
     for nm in manifest["cases"]:
         manifest["cases"][nm]["suffix"] = "_bf16" if nm in bf16 else ""
@@ -137,14 +175,92 @@ def build(out: Path) -> None:
         meta = library_metadata(spec, "dlight" if key == "dlight" else "fuselight", "dlight (MLC-LLM's GPU rules)",
                                 probe="q4_gemm")
         write_library(lib, out / fname, meta, spec)
-        (out / fname.replace(".so", ".cu")).write_text("\n".join(cuda_sources(lib)))  # to read, and ptxas -v
+        source = "\n".join(cuda_sources(lib))
+        if key != "dlight":
+            _ptxas_report(source, out / fname.replace(".so", "_ptxas.txt"))
+        if key != "sweep":  # (the sweep's source is in sweep.so; its ptxas report is written)
+            # To read (zless): gzip keeps the folder small (the libraries hold the sources too).
+            with gzip.open(out / fname.replace(".so", ".cu.gz"), "wt") as f:
+                f.write(source)
         print(f"{fname}: {len(mod.functions)} functions, {time.time() - t0:.0f} s", flush=True)
     manifest["libraries"] = {key: fname for key, (fname, _) in libs.items()}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"wrote {out}/manifest.json")
 
 
+def _ptxas_report(source: str, path: Path) -> None:
+    """ptxas -v of ``source`` for sm_90a (each kernel: registers, spills, shared memory) into ``path``."""
+    import subprocess
+    import tempfile
+
+    from fuselight.cuda_compile import TVM_FLAGS, gencode, nvcc_path
+
+    nvcc = nvcc_path()
+    if nvcc is None:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        cu = Path(tmp, "k.cu")
+        cu.write_text(source)
+        proc = subprocess.run(
+            [nvcc, "-O3", "-cubin", f"-gencode={gencode('sm_90')}", "--use_fast_math", *TVM_FLAGS,
+             "-Xptxas", "-v", "-diag-suppress", "177", str(cu), "-o", str(Path(tmp, "k.cubin"))],
+            capture_output=True, text=True, check=False,
+        )
+    lines = [ln for ln in proc.stderr.splitlines()
+             if "Compiling entry" in ln or "registers" in ln or "spill" in ln or "error" in ln]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _sweep(target: Any, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The sweep's functions (one plan each, no GEMV buckets, no M ranges), recorded in ``manifest``."""
+    from fuselight.quant_prim_funcs import q4_linear
+    from fuselight.rules.base import host_branch, with_kernels
+    from fuselight.rules.gemm import gemm_body
+    from fuselight.rules.gemm.analysis import analyze_matmul
+    from fuselight.rules.gemm.plan import GemmPlan, GemmTile, check_plan
+    from fuselight.rules.gemm.wgmma import WgmmaPlan, WgmmaTile, check_tile
+
+    funcs: dict[str, Any] = {}
+    manifest["sweep"] = {"m": list(SWEEP_M), "cases": {}}
+    for name in SWEEP_CASES:
+        case = CASES[name]
+        func = q4_linear(**_args(case), m=None, prefill=True)
+        ops = analyze_matmul(func, dequant=True).operands
+        plans = []
+        for fields in SWEEP_TILES + SWEEP_WGMMA_TILES:
+            for split in (1, 2):
+                if split > 1 and (not isinstance(ops.n, int) or ops.n > SWEEP_SPLIT_N or fields not in SWEEP_SPLIT_TILES):
+                    continue
+                if len(fields) == 3:
+                    plan = WgmmaPlan(WgmmaTile(*fields, group_m=8, max_blocks=132), split)
+                else:
+                    plan = GemmPlan(main=GemmTile(*fields), split_k=split)
+                try:
+                    if isinstance(plan, WgmmaPlan):
+                        check_tile(plan.tile, ops, plan.split_k)
+                    else:
+                        check_plan(plan, ops)
+                except Exception as err:  # noqa: BLE001 - a tile this shape cannot take: recorded
+                    print(f"sweep {name} {_q4_name(plan)}: {err}", flush=True)
+                    continue
+                plans.append(plan)
+        entries = []
+        for plan in plans:
+            fname = f"sweep_{name}_{_q4_name(plan).replace('/', '_').replace('-', '_')}"
+            body = host_branch(ops.m > 0, gemm_body(ops, plan))
+            funcs[fname] = with_kernels(func, body).with_attr("target", target).with_attr("global_symbol", fname)
+            entries.append({"plan": _q4_name(plan), "function": fname})
+        manifest["sweep"]["cases"][name] = entries
+    return funcs
+
+
 def _q4_name(plan: Any) -> str:
+    from fuselight.rules.gemm.wgmma import WgmmaPlan
+
+    if isinstance(plan, WgmmaPlan):
+        t = plan.tile
+        return f"wgmma-m{t.block_m}n{t.block_n}s{t.stages}" + (f"/sk{plan.split_k}" if plan.split_k > 1 else "")
+
     def tile(t: Any) -> str:
         return f"m{t.block_m}n{t.block_n}k{t.block_k}w{t.warps_m}x{t.warps_n}s{t.stages}"
 
@@ -283,19 +399,97 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
     print(f"wrote {out_json}")
 
 
+def run_sweep(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[int] | None) -> None:
+    """Time every sweep plan (checked against float64 first) at each M; the best plan per case and M."""
+    import torch
+    import tvm
+    from fuselight.bench.timing import device_name, time_fn
+    from fuselight.runtime import load_module
+
+    root = manifest_path.parent
+    manifest = json.loads(manifest_path.read_text())
+    if "sweep" not in manifest.get("libraries", {}):
+        raise SystemExit(f"{manifest_path}: built without the sweep")
+    lib = load_module(root / manifest["libraries"]["sweep"])[0]
+    fp16 = load_module(root / manifest["libraries"]["fp16"])[0]
+
+    def to_tvm(t: Any) -> Any:
+        if t.dtype == torch.uint32:
+            try:
+                return tvm.runtime.from_dlpack(t)
+            except Exception:  # noqa: BLE001 - a torch without uint32 DLPack: same bits as int32
+                return tvm.runtime.from_dlpack(t.view(torch.int32))._create_view(tuple(t.shape), "uint32")
+        return tvm.runtime.from_dlpack(t)
+
+    results: dict[str, Any] = {"device": device_name("cuda"), "manifest": str(manifest_path), "cases": {}}
+    lines = []
+    for idx, (name, entries) in enumerate(manifest["sweep"]["cases"].items()):
+        if only and name not in only:
+            continue
+        case = manifest["cases"][name]
+        results["cases"][name] = {}
+        for m in ms or manifest["sweep"]["m"]:
+            data = _data(case, m, torch, seed=4321 + idx * 10007 + m)
+            n, k = data["n"], data["k"]
+            flop = 2 * m * n * k
+            by_name = {"q_weight": data["q"], "q_scale": data["scale"], "x": data["x"], "r": data.get("r")}
+            o16 = torch.empty((1, m, n), dtype=data["w"].dtype, device="cuda")
+            f16 = fp16[case["fp16_function"]]
+            a16 = [to_tvm(data["x"].reshape(1, m, k)), to_tvm(data["w"]), to_tvm(o16)]
+            f16_us = time_fn(lambda: f16(*a16)).median_us
+            rows = []
+            for entry in entries:
+                out = torch.full((1, m, n), float("nan"), dtype=data["out_dtype"], device="cuda")
+                args = [to_tvm(by_name[p]) for p in case["params"][:-1]] + [to_tvm(out)]
+                f = lib[entry["function"]]
+                rec: dict[str, Any] = {"plan": entry["plan"]}
+                try:
+                    f(*args)
+                    torch.cuda.synchronize()
+                    rec["rel_err"] = _rel(out, data["ref"])
+                    rec["correct"] = bool(rec["rel_err"] < 1e-3)
+                    st = time_fn(lambda: f(*args))
+                    rec.update(median_us=st.median_us, tflops=flop / st.median_us / 1e6, over_fp16=f16_us / st.median_us)
+                except Exception as err:  # noqa: BLE001 - record and go on
+                    rec["error"] = f"{type(err).__name__}: {err}"[:300]
+                rows.append(rec)
+            ok = [r for r in rows if r.get("correct")]
+            best = min(ok, key=lambda r: r["median_us"]) if ok else None
+            results["cases"][name][str(m)] = {"fp16_gemm_us": f16_us, "plans": rows,
+                                              "best": best["plan"] if best else None}
+            for r in sorted(rows, key=lambda r: r.get("median_us", 1e30)):
+                mark = "*" if best is r else " "
+                if "error" in r:
+                    lines.append(f"{name:<8} {m:>5} {r['plan']:<26} error: {r['error'][:70]}")
+                else:
+                    lines.append(f"{name:<8} {m:>5} {r['plan']:<26}{mark}{r['median_us']:9.2f} {r['tflops']:7.1f} "
+                                 f"{r['over_fp16']:6.2f} {r['rel_err']:9.2e}{'' if r['correct'] else ' WRONG'}")
+            del data, o16, a16
+            torch.cuda.empty_cache()
+            print(f"sweep {name} m={m} done", file=sys.stderr, flush=True)
+    print(f"{'case':<8} {'m':>5} {'plan':<26} {'us':>9} {'TFLOP/s':>7} {'/fp16':>6} {'rel_err':>9}   (* best correct)")
+    print("\n".join(lines))
+    out_json.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {out_json}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("out", type=Path)
+    b.add_argument("--no-sweep", action="store_true", help="leave out the config sweep (sweep.so)")
     r = sub.add_parser("run")
     r.add_argument("manifest", type=Path)
     r.add_argument("-o", "--output", type=Path, required=True)
     r.add_argument("--cases", nargs="*")
     r.add_argument("--m", nargs="*", type=int)
+    r.add_argument("--sweep", action="store_true", help="time the config sweep (sweep.so) instead")
     a = ap.parse_args()
     if a.cmd == "build":
-        build(a.out)
+        build(a.out, sweep=not a.no_sweep)
+    elif a.sweep:
+        run_sweep(a.manifest, a.output, a.cases, a.m)
     else:
         run(a.manifest, a.output, a.cases, a.m)
 

@@ -287,11 +287,13 @@ def _static(m: Any) -> bool:
     return isinstance(m, (int, tirx.IntImm))
 
 
-def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, GemmPlan]]:
+def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, Plan]]:
     """``(largest M, plan)`` in increasing M for a matmul whose B is dequantized in the kernel
     (``ops.dequant``), from ``configs/gemm/mma_sync_q4.json``; the last range also serves every
-    larger M. Empty: the arch has no entry, or a plan cannot serve ``ops`` (the function is left
-    to the next rule). A static M gets the one range holding it."""
+    larger M. A range names a plan or a list of plans, the first that can serve ``ops`` taken (a
+    wgmma plan first, an mma.sync one where wgmma cannot: a symbolic N, the LM head). Empty: the
+    arch has no entry, or no plan of a range can serve ``ops`` (the function is left to the next
+    rule). A static M gets the one range holding it."""
     path = config_dir() / "gemm" / "mma_sync_q4.json"
     node: Any = read_json_object(path, missing=f"gemm config not found: {path}")
     if ops.dequant is None or arch not in node:
@@ -301,28 +303,38 @@ def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, GemmPlan]]:
         tiles = {str(name): GemmTile(**fields) for name, fields in cfg["tiles"].items()}
         for name, tile in tiles.items():
             check_gemm_tile(tile, name)
-        table = [(None if upper is None else int(upper), str(name)) for upper, name in cfg["ranges"]]
+        wgmma = {_wgmma_name(str(name)): WgmmaTile(**fields) for name, fields in cfg.get("wgmma_tiles", {}).items()}
+        table = [
+            (None if upper is None else int(upper), [str(n) for n in (names if isinstance(names, list) else [names])])
+            for upper, names in cfg["ranges"]
+        ]
         splits = [int(s) for s in cfg["split_k"]]
         min_blocks = int(cfg["min_blocks"])
         if not table or table[-1][0] is not None or any(u is None for u, _ in table[:-1]):
             raise ValueError("ranges must end with one [null, plan]")
+        if any(not names for _, names in table):
+            raise ValueError("a range names no plan")
+        for _, names in table:
+            for name in names:
+                _plan(tiles, wgmma, name)
     except (KeyError, TypeError, ValueError) as err:
         raise FuselightError(f"{path}[{arch!r}]: malformed config ({err!r})") from None
-    ranges: list[tuple[int, GemmPlan]] = []
-    for i, (upper, name) in enumerate(table):
-        plan = _plan(tiles, {}, name)
+    ranges: list[tuple[int, Plan]] = []
+    for i, (upper, names) in enumerate(table):
+        plan = next((p for p in (_plan(tiles, wgmma, name) for name in names) if _fits(p, ops)), None)
+        if plan is None:
+            return []
         if i == len(table) - 1:
             upper = 2**31 - 1  # every larger M
-        elif isinstance(ops.n, int):
+        elif isinstance(ops.n, int) and plan.split_k == 1:
             # Split K until the range's largest M fills the GPU (where K allows it).
+            tile = plan.tile if isinstance(plan, WgmmaPlan) else plan.main
             for split in splits:
-                blocks = -(-upper // plan.main.block_m) * (ops.n // plan.main.block_n) * split
+                blocks = -(-upper // tile.block_m) * (ops.n // tile.block_n) * split
                 if _fits(dataclasses.replace(plan, split_k=split), ops):
                     plan = dataclasses.replace(plan, split_k=split)
                     if blocks >= min_blocks:
                         break
-        if not _fits(plan, ops):
-            return []
         ranges.append((upper, plan))
     if _static(ops.m):
         m = int(ops.m)

@@ -42,11 +42,13 @@ SWIZZLE_GROUPS = 8
 DTYPE_ABBREV = {"float16": "fp16", "bfloat16": "bf16"}
 
 # Dequantizes one 16-byte piece of packed words (4 uint32, 32 4-bit values of one group) into the
-# 4 swizzled 16-byte chunks of its B row (offsets in elements of the shared buffer): ``((w >> 4 j) & 0x000F000F) | magic`` read as a half2 is
+# 4 swizzled 16-byte chunks of its B row (offsets in fp16/bf16 elements from ``smem_v``, the
+# dynamic shared buffer's start, whatever its declared type): ``((w >> 4 j) & 0x000F000F) | magic`` read as a half2 is
 # (bias + e_j, bias + e_{j+4}); minus (bias + zero), exact, then times the scale: bit for bit the
 # function's ``(dtype(e) - dtype(zero)) * scale``. byte_perm puts the 8 values of a word in order.
 Q4_DEQUANT = {"float16": "fuselight_q4_dequant32_fp16", "bfloat16": "fuselight_q4_dequant32_bf16"}
 _Q4_DEQUANT_BODY = """
+  {scalar}* smem = static_cast<{scalar}*>(smem_v);
   const uint4 w4 = *reinterpret_cast<const uint4*>(smem + packed);
   const unsigned int w[4] = {{w4.x, w4.y, w4.z, w4.w}};
   const {scalar} s = smem[scale];
@@ -80,8 +82,43 @@ def q4_dequant_source(dtype: str, zero: int) -> str:
     else:
         scalar, v2, magic, base = "nv_bfloat16", "nv_bfloat162", 0x43004300, 0x4300
     body = _Q4_DEQUANT_BODY.format(scalar=scalar, v2=v2, bias=hex(base + zero), magic=hex(magic))
-    return (f"\n__forceinline__ __device__ void {Q4_DEQUANT[dtype]}({scalar}* smem, int packed, int scale, "
+    return (f"\n__forceinline__ __device__ void {Q4_DEQUANT[dtype]}(void* smem_v, int packed, int scale, "
             f"int out_row, int c0, int sw) {{{body}}}\n")
+
+
+# The 4-bit path's copies into shared memory and its wait, as device functions the mainloop calls
+# with the dynamic shared buffer's data pointer and an element offset: TVM's shared-memory sync
+# planner does not see them (it would put a block-wide barrier at the top of every K slice), so the
+# template's own barriers are all there is (one a slice, see ``compute``); the "memory" clobbers
+# keep the compiler from moving shared-memory loads and stores across them.
+Q4_CP_ASYNC = {
+    "fuselight_cp_async_16": """
+__forceinline__ __device__ void fuselight_cp_async_16(void* smem, int off, const void* src) {
+  const unsigned int dst = static_cast<unsigned int>(__cvta_generic_to_shared(static_cast<char*>(smem) + 2 * off));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" :: "r"(dst), "l"(src) : "memory");
+}
+""",
+    "fuselight_cp_async_16_zfill": """
+__forceinline__ __device__ void fuselight_cp_async_16_zfill(void* smem, int off, const void* src, bool pred) {
+  const unsigned int dst = static_cast<unsigned int>(__cvta_generic_to_shared(static_cast<char*>(smem) + 2 * off));
+  const int bytes = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+""",
+    "fuselight_cp_async_4": """
+__forceinline__ __device__ void fuselight_cp_async_4(void* smem, int off, const void* src) {
+  const unsigned int dst = static_cast<unsigned int>(__cvta_generic_to_shared(static_cast<char*>(smem) + 2 * off));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\\n" :: "r"(dst), "l"(src) : "memory");
+}
+""",
+}
+
+
+def cp_async_wait_source(pending: int) -> tuple[str, str]:
+    """``cp.async.wait_group pending`` with a memory clobber: (function name, source)."""
+    name = f"fuselight_cp_async_wait_{pending}"
+    return name, (f"\n__forceinline__ __device__ void {name}() {{\n"
+                  f'  asm volatile("cp.async.wait_group {pending};\\n" ::: "memory");\n}}\n')
 
 
 def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool):
@@ -115,9 +152,7 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
         b_base = q4.half_base  # the two dequantized B tiles
         pieces_row = bk // Q4_PIECE  # 16-byte pieces of packed words in a row of a slice
         p_loads = bn * pieces_row // threads
-        s_loads = -(-bn // threads)
         words_row, groups_row = ops.k // deq.per_word, ops.k // deq.group
-        pair = 2 * q4.scale_words  # scales a row's slice loads, from an aligned index
         deq_fn, deq_src = Q4_DEQUANT[dtype], q4_dequant_source(dtype, int(deq.zero))
     n_static = isinstance(n, int)
     n32 = n if n_static else T.Cast("int32", n)
@@ -125,10 +160,6 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
     def b_row(row):
         # A symbolic N (the LM head's vocabulary) is no multiple of the tile: clamp, never store.
         return row if n_static else T.min(row, n32 - 1)
-
-    def b_slot(kt):
-        # The B tile slice kt's fragments read: its stage buffer, or one of the two dequantized tiles.
-        return kt % stages if deq is None else kt % 2
 
     def in_rows(row):
         # Python True (no branch at all) where every row of the tile is below M.
@@ -158,52 +189,71 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
                     ops.a.access_ptr("r", offset=ops.a_offset(wide(row0 + row), k0 + c * CHUNK)),
                     16,
                 )
-        if deq is None:
-            for it in T.unroll(b_loads):
-                row = (it * threads + tid) // chunks
-                c = (it * threads + tid) % chunks
-                T.ptx.cp_async(
-                    smem.access_ptr("w", offset=b_base + slot * b_stage + swz(row, c)),
-                    ops.b.access_ptr("r", offset=ops.b_offset(col0 + row, k0 + c * CHUNK)),
-                    16,
-                )
-        else:
-            # The packed words (a quarter of the fp16 tile's bytes) and the slice's scales, unswizzled.
-            for it in T.unroll(p_loads):
-                row = (it * threads + tid) // pieces_row
-                c = (it * threads + tid) % pieces_row
-                T.ptx.cp_async(
-                    smem.access_ptr("w", offset=q4.packed_base + slot * q4.packed_stage + (row * pieces_row + c) * CHUNK),
-                    ops.b.access_ptr("r", offset=wide(b_row(col0 + row)) * words_row + (k0 + c * Q4_PIECE) // deq.per_word),
-                    16,
-                )
-            for it in T.unroll(s_loads):
-                if bn % threads == 0 or it * threads + tid < bn:
-                    T.ptx.cp_async(
-                        smem.access_ptr("w", offset=q4.scale_base + slot * q4.scale_stage + (it * threads + tid) * pair),
-                        deq.scale.access_ptr(
-                            "r", offset=wide(b_row(col0 + it * threads + tid)) * groups_row + k0 // deq.group // pair * pair
-                        ),
-                        2 * pair,
-                    )
+        for it in T.unroll(b_loads):
+            row = (it * threads + tid) // chunks
+            c = (it * threads + tid) % chunks
+            T.ptx.cp_async(
+                smem.access_ptr("w", offset=b_base + slot * b_stage + swz(row, c)),
+                ops.b.access_ptr("r", offset=ops.b_offset(col0 + row, k0 + c * CHUNK)),
+                16,
+            )
+
+    def cp_async(name, *args):
+        return T.evaluate(cuda_op.cuda_func_call(name, *args, source_code=Q4_CP_ASYNC[name]))
+
+    def cp_async_wait(pending):
+        name, src = cp_async_wait_source(pending)
+        return T.evaluate(cuda_op.cuda_func_call(name, source_code=src))
 
     @T.macro
-    def dequant_slice(smem, slot, hslot, k0, tid):
-        # Each thread's pieces of the packed slice into the B tile ``hslot``, in fp16/bf16.
+    def load_slice_q4(smem, slot, k0, row0, col0, tid):
+        # The A slice as load_slice's; the packed words (a quarter of the fp16 tile's bytes),
+        # unswizzled; for each piece, the aligned pair of scales holding its scale, loaded by the
+        # thread that loads the piece (and dequantizes it). Planner-invisible copies (Q4_CP_ASYNC).
+        for it in T.unroll(a_loads):
+            row = (it * threads + tid) // chunks
+            c = (it * threads + tid) % chunks
+            if predicated:
+                cp_async(
+                    "fuselight_cp_async_16_zfill", smem.data, slot * a_stage + swz(row, c),
+                    ops.a.access_ptr("r", offset=ops.a_offset(wide(T.min(row0 + row, m - 1)), k0 + c * CHUNK)),
+                    row0 + row < m,
+                )  # fmt: skip
+            else:
+                cp_async(
+                    "fuselight_cp_async_16", smem.data, slot * a_stage + swz(row, c),
+                    ops.a.access_ptr("r", offset=ops.a_offset(wide(row0 + row), k0 + c * CHUNK)),
+                )  # fmt: skip
         for it in T.unroll(p_loads):
             row = (it * threads + tid) // pieces_row
             c = (it * threads + tid) % pieces_row
-            # (Offsets in elements of the shared buffer, the data pointer passed as it is: the
-            # barriers around the dequantize are the template's, not TVM's sync planner's.)
-            T.evaluate(cuda_op.cuda_func_call(
-                deq_fn, smem.data,
+            cp_async(
+                "fuselight_cp_async_16", smem.data,
                 q4.packed_base + slot * q4.packed_stage + (row * pieces_row + c) * CHUNK,
-                q4.scale_base + slot * q4.scale_stage + row * pair
-                + (k0 + c * Q4_PIECE) // deq.group - k0 // deq.group // pair * pair,
-                b_base + hslot * b_stage + row * bk,
-                c * (Q4_PIECE // CHUNK), (row // rows_per_line) % chunks,
-                source_code=deq_src,
-            ))  # fmt: skip
+                ops.b.access_ptr("r", offset=wide(b_row(col0 + row)) * words_row + (k0 + c * Q4_PIECE) // deq.per_word),
+            )  # fmt: skip
+            cp_async(
+                "fuselight_cp_async_4", smem.data,
+                q4.scale_base + slot * q4.scale_stage + (it * threads + tid) * 2,
+                deq.scale.access_ptr(
+                    "r", offset=wide(b_row(col0 + row)) * groups_row + (k0 + c * Q4_PIECE) // deq.group // 2 * 2
+                ),
+            )  # fmt: skip
+
+    @T.macro
+    def dequant_piece(smem, slot, hslot, k0, tid, it):
+        # This thread's piece ``it`` of the packed slice (its own cp.async's, waited for by this
+        # thread) into the B tile ``hslot``, in fp16/bf16.
+        row = (it * threads + tid) // pieces_row
+        c = (it * threads + tid) % pieces_row
+        T.evaluate(cuda_op.cuda_func_call(
+            deq_fn, smem.data,
+            q4.packed_base + slot * q4.packed_stage + (row * pieces_row + c) * CHUNK,
+            q4.scale_base + slot * q4.scale_stage + (it * threads + tid) * 2 + (k0 + c * Q4_PIECE) // deq.group % 2,
+            b_base + hslot * b_stage + row * bk,
+            c * (Q4_PIECE // CHUNK), (row // rows_per_line) % chunks,
+            source_code=deq_src,
+        ))  # fmt: skip
 
     @T.macro
     def ldmatrix_x4(frag, frag_offset, smem, smem_offset):
@@ -228,6 +278,27 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
             )  # fmt: skip
 
     @T.macro
+    def mma_step(Af, Bf, acc, kk):
+        for i in T.unroll(mi):
+            for j in T.unroll(nj):
+                T.ptx.mma.legacy(
+                    "m16n8k16", "row", "col", ab, ab, "fp32",
+                    Af.data, (kk % 2 * mi + i) * 8, Bf.data, (kk % 2 * nj + j) * 4, acc.data,
+                    (i * nj + j) * 4, False, dtype="float32",
+                )  # fmt: skip
+
+    @T.macro
+    def stage_accumulators(smem, acc, warp_row, warp_col, lane):
+        # Stage the fp32 tile (thread holds rows lane / 4 and + 8, columns 2 (lane % 4) and + 1).
+        C_smem = T.decl_buffer((tile.epilogue_floats,), "float32", data=smem.data, scope="shared.dyn")
+        for i in T.unroll(mi):
+            for j in T.unroll(nj):
+                for h in T.unroll(2):
+                    for e in T.vectorized(2):
+                        C_smem[(warp_row + i * MMA_M + lane // 4 + h * 8) * ld_c + warp_col + j * MMA_N + (lane % 4) * 2 + e] = acc[(i * nj + j) * 4 + h * 2 + e]  # fmt: skip
+        T.tvm_storage_sync("shared")
+
+    @T.macro
     def compute(smem, Af, Bf, acc, row0, col0, k_begin, tid):
         # acc = this warp's piece of A[row0:, k range] x B[col0:, k range]^T, staged in shared memory.
         warp: T.let[T.int32] = tid // WARP
@@ -243,9 +314,6 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
             T.ptx.cp_async.commit_group()
         T.ptx.cp_async.wait_group(stages - 2)
         T.tvm_storage_sync("shared")
-        if deq is not None:
-            dequant_slice(smem, 0, 0, k_begin, tid)
-            T.tvm_storage_sync("shared")
         load_fragments(smem, 0, 0, 0, Af, Bf, 0, warp_row, warp_col, lane)
         for kt in T.serial(k_tiles):
             for kk in T.unroll(k_steps):
@@ -257,42 +325,73 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
                             smem, (kt + (stages - 1)) % stages, k_begin + (kt + (stages - 1)) * bk, row0, col0, tid
                         )
                     T.ptx.cp_async.commit_group()
-                    if deq is not None:
-                        # Slice kt + 1 has landed: dequantize it into the B tile slice kt - 1 used
-                        # (every warp is past its last read of it, at the barrier of slice kt - 1).
-                        T.ptx.cp_async.wait_group(stages - 2)
-                        T.tvm_storage_sync("shared")
-                        if kt + 1 < k_tiles:
-                            dequant_slice(smem, (kt + 1) % stages, (kt + 1) % 2, k_begin + (kt + 1) * bk, tid)
                 if kk == k_steps - 1:
-                    # Slice kt + 1 has landed (and is dequantized) and is visible to all warps.
-                    if deq is None:
-                        T.ptx.cp_async.wait_group(stages - 2)
+                    # Slice kt + 1 has landed and is visible to all warps.
+                    T.ptx.cp_async.wait_group(stages - 2)
                     T.tvm_storage_sync("shared")
                 # Operands of the next k step (the next slice's first) load while this one multiplies.
                 if kk + 1 < k_steps:
-                    load_fragments(smem, kt % stages, b_slot(kt), kk + 1, Af, Bf, (kk + 1) % 2, warp_row, warp_col, lane)
+                    load_fragments(smem, kt % stages, kt % stages, kk + 1, Af, Bf, (kk + 1) % 2, warp_row, warp_col, lane)
                 elif kt + 1 < k_tiles:
                     load_fragments(
-                        smem, (kt + 1) % stages, b_slot(kt + 1), 0, Af, Bf, (kk + 1) % 2, warp_row, warp_col, lane
+                        smem, (kt + 1) % stages, (kt + 1) % stages, 0, Af, Bf, (kk + 1) % 2, warp_row, warp_col, lane
                     )
-                for i in T.unroll(mi):
-                    for j in T.unroll(nj):
-                        T.ptx.mma.legacy(
-                            "m16n8k16", "row", "col", ab, ab, "fp32",
-                            Af.data, (kk % 2 * mi + i) * 8, Bf.data, (kk % 2 * nj + j) * 4, acc.data,
-                            (i * nj + j) * 4, False, dtype="float32",
-                        )  # fmt: skip
+                mma_step(Af, Bf, acc, kk)
         T.ptx.cp_async.wait_group(0)
         T.tvm_storage_sync("shared")
-        # Stage the fp32 tile (thread holds rows lane / 4 and + 8, columns 2 (lane % 4) and + 1).
-        C_smem = T.decl_buffer((tile.epilogue_floats,), "float32", data=smem.data, scope="shared.dyn")
-        for i in T.unroll(mi):
-            for j in T.unroll(nj):
-                for h in T.unroll(2):
-                    for e in T.vectorized(2):
-                        C_smem[(warp_row + i * MMA_M + lane // 4 + h * 8) * ld_c + warp_col + j * MMA_N + (lane % 4) * 2 + e] = acc[(i * nj + j) * 4 + h * 2 + e]  # fmt: skip
+        stage_accumulators(smem, acc, warp_row, warp_col, lane)
+
+    @T.macro
+    def compute_q4(smem, Af, Bf, acc, row0, col0, k_begin, tid):
+        # ``compute`` with B dequantized in the kernel, software-pipelined with one barrier a slice.
+        # Iteration kt: (k step 0) refill the buffers of slice kt - 1 with slice kt + stages - 1;
+        # multiply slice kt from B tile kt % 2 while, between the k steps' mmas, each thread waits
+        # for its own copies of slice kt + 1 (cp.async.wait_group: visible to the thread itself, no
+        # barrier needed) and dequantizes its pieces of it into B tile (kt + 1) % 2, which every warp
+        # finished reading before the barrier of iteration kt - 1; (last k step) the one barrier:
+        # slice kt + 1's A and dequantized B are visible to all, slice kt's buffers are free.
+        warp: T.let[T.int32] = tid // WARP
+        lane: T.let[T.int32] = tid % WARP
+        warp_row: T.let[T.int32] = warp // tile.warps_n * wm
+        warp_col: T.let[T.int32] = warp % tile.warps_n * wn
+        for i in T.unroll(mi * nj * 4):
+            acc[i] = T.float32(0)
+        # Always stages - 1 groups (empty past the last slice): the waits below count on it.
+        for s in T.unroll(stages - 1):
+            if s < k_tiles:
+                load_slice_q4(smem, s, k_begin + s * bk, row0, col0, tid)
+            T.ptx.cp_async.commit_group()
+        cp_async_wait(stages - 2)
+        for it in T.unroll(p_loads):
+            dequant_piece(smem, 0, 0, k_begin, tid, it)
         T.tvm_storage_sync("shared")
+        load_fragments(smem, 0, 0, 0, Af, Bf, 0, warp_row, warp_col, lane)
+        for kt in T.serial(k_tiles):
+            for kk in T.unroll(k_steps):
+                if kk == 0:
+                    if kt + (stages - 1) < k_tiles:
+                        load_slice_q4(
+                            smem, (kt + (stages - 1)) % stages, k_begin + (kt + (stages - 1)) * bk, row0, col0, tid
+                        )
+                    T.ptx.cp_async.commit_group()
+                if kk == k_steps - 1:
+                    T.tvm_storage_sync("shared")
+                if kk + 1 < k_steps:
+                    load_fragments(smem, kt % stages, kt % 2, kk + 1, Af, Bf, (kk + 1) % 2, warp_row, warp_col, lane)
+                elif kt + 1 < k_tiles:
+                    load_fragments(smem, (kt + 1) % stages, (kt + 1) % 2, 0, Af, Bf, (kk + 1) % 2, warp_row, warp_col, lane)
+                # The tensor cores get this step's mmas before the thread waits and converts.
+                mma_step(Af, Bf, acc, kk)
+                if kk == 0:
+                    cp_async_wait(stages - 2)  # this thread's copies of slice kt + 1 have landed
+                if kk + 1 < k_steps:
+                    if kt + 1 < k_tiles:
+                        for it in T.unroll(p_loads):
+                            if it % (k_steps - 1) == kk:
+                                dequant_piece(smem, (kt + 1) % stages, (kt + 1) % 2, k_begin + (kt + 1) * bk, tid, it)
+        T.ptx.cp_async.wait_group(0)
+        T.tvm_storage_sync("shared")
+        stage_accumulators(smem, acc, warp_row, warp_col, lane)
 
     @T.macro
     def store(smem, row0, col0, tid, out_buf):
@@ -331,7 +430,7 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
                 for e in T.vectorized(CHUNK):
                     part[wide(split * m + row0 + row) * n + col0 + col + e] = C_smem[row * ld_c + col + e]
 
-    return compute, store, store_partial
+    return (compute if deq is None else compute_q4), store, store_partial
 
 
 def _fragments(tile: GemmTile, dtype: str):

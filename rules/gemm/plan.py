@@ -148,14 +148,16 @@ Q4_MAX_ZERO = 127
 class Q4Smem:
     """Shared memory of a tile whose B is dequantized in the kernel, in halves from the start: the
     A stages, then ``stages`` buffers of packed words (``block_n`` rows of ``block_k / 8`` words) and
-    of scales (``scale_words`` 4-byte words a row: the aligned pairs of scales covering the slice),
-    then two fp16/bf16 B tiles the pieces are dequantized into (swizzled like the A tiles)."""
+    of scales (one aligned 4-byte pair of scales per 16-byte piece of packed words: the thread that
+    loads a piece also loads the scale it needs, so it can dequantize it after its own
+    ``cp.async.wait_group``, no barrier between), then two fp16/bf16 B tiles the pieces are
+    dequantized into (swizzled like the A tiles)."""
 
     packed_base: int
     packed_stage: int
     scale_base: int
     scale_stage: int
-    scale_words: int
+    scale_words: int  # 4-byte scale words per piece (always 1: the aligned pair holding its scale)
     half_base: int
     halves: int
 
@@ -164,9 +166,9 @@ def q4_smem(tile: GemmTile, group: int) -> Q4Smem:
     """The shared-memory layout of ``tile`` for a dequantized B of scale group ``group``."""
     packed_base = tile.stages * tile.block_m * tile.block_k
     packed_stage = tile.block_n * tile.block_k // 4  # block_k / 8 words of 2 halves a row
-    scale_words = max(1, tile.block_k // (2 * group))
+    scale_words = 1
     scale_base = packed_base + tile.stages * packed_stage
-    scale_stage = tile.block_n * 2 * scale_words
+    scale_stage = tile.block_n * tile.block_k // Q4_PIECE * 2 * scale_words  # a pair a piece
     half_base = scale_base + tile.stages * scale_stage
     return Q4Smem(packed_base, packed_stage, scale_base, scale_stage, scale_words, half_base,
                   half_base + 2 * tile.block_n * tile.block_k)
@@ -208,10 +210,9 @@ def check_dequant(plan: GemmPlan, ops: GemmOperands) -> None:
                 f"gemm plan {what} tile: block_n x block_k {tile.block_n}x{tile.block_k} is not "
                 f"{tile.threads} threads' whole pieces of {Q4_PIECE} packed values"
             )
-        words = q4_smem(tile, deq.group).scale_words
-        if (ops.k // deq.group) % (2 * words):
+        if (ops.k // deq.group) % 2:
             raise FuselightError(
-                f"gemm plan {what} tile: {ops.k // deq.group} scales a row are no whole {4 * words}-byte loads"
+                f"gemm plan {what} tile: {ops.k // deq.group} scales a row are no whole 4-byte loads"
             )
         if shared_bytes(tile, ops) > MAX_SHARED_BYTES:
             raise FuselightError(

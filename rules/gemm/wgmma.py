@@ -28,6 +28,12 @@ and up alike, at its own GEMM column) and a second launch (``split_k.reduction``
 and applies ``ops.out.value``. Needs the arch-specific target (sm_90a): TVM's CUDA compile and
 ``fuselight.cuda_compile`` both build for it. Shared memory is dynamic (up to 227 KiB, opted in at
 launch by TVM's runtime).
+
+A B computed by a 4-bit dequantize (``ops.dequant``: MLC-LLM's q4f16_1, static N) changes only the
+producer (the B-load hook; the consumers and the epilogue are the same): TMA still loads A, while
+all 128 producer threads stream the packed words and scales by cp.async into a staging ring, each
+its own pieces, convert them (bit for bit MLC's dequantize) into the slot's swizzled fp16/bf16 B
+tile, fence for the async proxy and arrive on the slot's full barrier (see ``Q4_STAGING``).
 """
 
 from __future__ import annotations
@@ -77,6 +83,18 @@ MAX_DYNAMIC_SMEM = 232448
 # allocates what the code needs (about 105 at block_n 128), too few to move: no rebalancing (None).
 PRODUCER_REGS = 40
 CONSUMER_REGS = {1: None, 2: 232}
+# A dequantized B (4-bit words, ``ops.dequant``): the whole producer warpgroup works. Each thread
+# streams its pieces of the packed slice (16-byte pieces of 32 values along K, 4 words) and, per
+# piece, the aligned pair of scales holding its scale, by cp.async into a staging ring of
+# Q4_STAGING slices (its own data: after its own wait_group it converts them, no barrier), converts
+# them (half2 bit trick, bit for bit MLC's ``(dtype(q) - dtype(7)) * scale``) into the slot's
+# swizzled fp16/bf16 B tile, fences the generic-proxy writes for wgmma's async proxy and arrives on
+# the slot's "full" barrier (count 1 + 128: the leader's expect_tx for A's TMA, then every producer
+# thread). It needs more registers than TMA alone: 64, the consumers 224 (64 + 2 x 224 = 512).
+Q4_STAGING = 3
+Q4_PIECE = 32  # values of one 16-byte piece of packed words
+Q4_PRODUCER_REGS = 64
+Q4_CONSUMER_REGS = {1: None, 2: 224}
 # Keeps the compiler from reading an accumulator before the wgmma wait above it.
 REGISTER_FENCE = "fuselight_wgmma_register_fence"
 REGISTER_FENCE_SOURCE = f"""
@@ -121,6 +139,20 @@ class WgmmaTile:
         return self.stages * (self.slot_bytes + 2 * MBAR_BYTES) + self.epilogue_bytes
 
 
+def q4_staging_bytes(tile: WgmmaTile) -> int:
+    """Bytes of one staged slice of a dequantized B: packed words (block_n rows of 64 values, 4 bits
+    each) and a 4-byte pair of scales per 16-byte piece."""
+    pieces = tile.block_n * BLOCK_K // Q4_PIECE
+    return pieces * 16 + pieces * 4
+
+
+def smem_bytes(tile: WgmmaTile, ops: GemmOperands) -> int:
+    """Shared memory of ``tile`` computing ``ops`` (a dequantized B adds its staging ring)."""
+    if ops.dequant is None:
+        return tile.smem_bytes
+    return tile.smem_bytes + Q4_STAGING * q4_staging_bytes(tile)
+
+
 @dataclasses.dataclass(frozen=True)
 class WgmmaPlan:
     """A tile with K split over ``split_k`` work units per output tile (> 1: each stores fp32
@@ -148,7 +180,7 @@ def check_tile(tile: WgmmaTile, ops: GemmOperands, split_k: int = 1) -> None:
     if ops.dtype not in DTYPES:
         raise FuselightError(f"wgmma gemm: dtype {ops.dtype!r} unsupported (supported: {', '.join(DTYPES)})")
     if ops.dequant is not None:
-        raise FuselightError("wgmma gemm: a dequantized B is unsupported")
+        check_q4(tile, ops)
     if ops.b_layout != "NT":
         raise FuselightError(
             f"wgmma gemm: B layout {ops.b_layout!r} unsupported (supported: NT of {B_LAYOUTS})"
@@ -163,7 +195,7 @@ def check_tile(tile: WgmmaTile, ops: GemmOperands, split_k: int = 1) -> None:
         raise FuselightError(
             f"wgmma tile: warpgroups {tile.warpgroups} unsupported (supported: {sorted(CONSUMER_REGS)})"
         )
-    if ops.n % tile.block_n:
+    if not isinstance(ops.n, int) or ops.n % tile.block_n:
         raise FuselightError(f"wgmma gemm: n {ops.n} is not a multiple of block_n {tile.block_n}")
     if not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1:
         raise FuselightError(f"wgmma plan: split_k must be a positive integer, got {split_k!r}")
@@ -171,11 +203,37 @@ def check_tile(tile: WgmmaTile, ops: GemmOperands, split_k: int = 1) -> None:
         raise FuselightError(f"wgmma gemm: k {ops.k} is not a multiple of {BLOCK_K} x split_k {split_k}")
     if tile.stages < GROUPS_IN_FLIGHT + 1:
         raise FuselightError(f"wgmma tile: stages {tile.stages} must be at least {GROUPS_IN_FLIGHT + 1}")
-    if tile.smem_bytes > MAX_DYNAMIC_SMEM:
+    if smem_bytes(tile, ops) > MAX_DYNAMIC_SMEM:
         raise FuselightError(
             f"wgmma tile: {tile.stages} stages of {tile.block_m}x{BLOCK_K} + {tile.block_n}x{BLOCK_K} "
-            f"and the epilogue need {tile.smem_bytes} bytes of shared memory (at most {MAX_DYNAMIC_SMEM})"
+            f"and the epilogue{' and the 4-bit staging' if ops.dequant is not None else ''} need "
+            f"{smem_bytes(tile, ops)} bytes of shared memory (at most {MAX_DYNAMIC_SMEM})"
         )
+
+
+def check_q4(tile: WgmmaTile, ops: GemmOperands) -> None:
+    """FuselightError naming the problem if the producer cannot dequantize ``ops``' B for ``tile``:
+    4-bit values 8 to a 32-bit word along K (NK), a group of a multiple of 32, an integer zero point
+    the conversion subtracts exactly, whole 4-byte pairs of scales, a static N, no paired epilogue."""
+    deq = ops.dequant
+    if (deq.bits, deq.per_word) != (4, 8) or deq.storage_dtype not in ("uint32", "int32"):
+        raise FuselightError(f"wgmma gemm: dequantize of {deq.bits}-bit values {deq.per_word} to a word unsupported")
+    if deq.layout != "NK":
+        raise FuselightError(f"wgmma gemm: dequantize layout {deq.layout!r} unsupported (supported: NK)")
+    if deq.group % Q4_PIECE:
+        raise FuselightError(f"wgmma gemm: dequantize group {deq.group} is not a multiple of {Q4_PIECE}")
+    if deq.zero != int(deq.zero) or not 0 <= deq.zero <= 127:
+        raise FuselightError(f"wgmma gemm: zero point {deq.zero} is not an integer in 0..127")
+    if deq.dtype != ops.dtype:
+        raise FuselightError(f"wgmma gemm: dequantized dtype {deq.dtype} differs from A's {ops.dtype}")
+    if not isinstance(ops.n, int):
+        raise FuselightError("wgmma gemm: a dequantized B needs a static n")
+    if (ops.k // deq.group) % 2:
+        raise FuselightError(f"wgmma gemm: {ops.k // deq.group} scales a row are no whole 4-byte pairs")
+    if ops.paired:
+        raise FuselightError("wgmma gemm: a paired epilogue with a dequantized B is unsupported")
+    if tile.block_n * BLOCK_K // Q4_PIECE % WARPGROUP:
+        raise FuselightError(f"wgmma tile: block_n {tile.block_n}: the producer's 128 threads cannot share its pieces")
 
 
 def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx.Stmt:
@@ -213,6 +271,22 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
     out_bn = bn if pair is None else bn // 2
     b_box = out_bn  # B rows one TMA box loads (two boxes a slot when paired)
     reduce_blocks = reduction(ops, split_k) if split_k > 1 else None
+    deq = ops.dequant
+    total_smem = smem_bytes(tile, ops)
+    producer_regs, consumer_regs = PRODUCER_REGS, CONSUMER_REGS[tile.warpgroups]
+    if deq is not None:
+        from .mma_sync import Q4_CP_ASYNC, Q4_DEQUANT, cp_async_wait_source, q4_dequant_source
+
+        producer_regs, consumer_regs = Q4_PRODUCER_REGS, Q4_CONSUMER_REGS[tile.warpgroups]
+        # The staging ring after the barriers (16-byte aligned: stages x 2 barriers of 8 bytes).
+        staging_base = tile.stages * (tile.slot_bytes + 2 * MBAR_BYTES) + tile.epilogue_bytes
+        staging_bytes = q4_staging_bytes(tile)
+        slice_pieces = bn * BLOCK_K // Q4_PIECE  # of packed words in a slice (not the epilogue's ``pieces``)
+        packed_bytes = slice_pieces * 16
+        thread_pieces = slice_pieces // WARPGROUP
+        words_row, groups_row = k // deq.per_word, k // deq.group
+        deq_fn, deq_src = Q4_DEQUANT[dtype], q4_dequant_source(dtype, int(deq.zero))
+    full_count = 1 if deq is None else 1 + WARPGROUP
 
     def desc(base, byte_offset):
         # Start address is the descriptor's low field, in 16-byte units: offsets add to it.
@@ -285,6 +359,44 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
             kt * BLOCK_K, row,
         )  # fmt: skip
 
+    def cp_async(name, *args):
+        return T.evaluate(cuda_op.cuda_func_call(name, *args, source_code=Q4_CP_ASYNC[name]))
+
+    def cp_async_wait(pending):
+        name, src = cp_async_wait_source(pending)
+        return T.evaluate(cuda_op.cuda_func_call(name, source_code=src))
+
+    def q4_load(hsmem, j, ptid, m_tiles, bx, blocks):
+        # This thread's pieces of the block's slice j (work unit j / k_tiles of the block, K slice
+        # j % k_tiles of it) and their scales into staging slot j % Q4_STAGING. (Offsets in halves.)
+        unit = unit_tile(bx + T.truncdiv(j, k_tiles) * blocks, m_tiles)
+        n0 = tile_col(unit, m_tiles)
+        kslice = unit_split(bx + T.truncdiv(j, k_tiles) * blocks, m_tiles) * k_tiles + T.truncmod(j, k_tiles)
+        stage = staging_base + T.truncmod(j, Q4_STAGING) * staging_bytes
+        for p in range(thread_pieces):
+            piece = p * WARPGROUP + ptid
+            row = T.Cast("int64", n0 + piece // 2)
+            kel = kslice * BLOCK_K + piece % 2 * Q4_PIECE
+            cp_async("fuselight_cp_async_16", hsmem, (stage + piece * 16) // 2,
+                     ops.b.access_ptr("r", offset=row * words_row + kel // deq.per_word))
+            cp_async("fuselight_cp_async_4", hsmem, (stage + packed_bytes + piece * 4) // 2,
+                     deq.scale.access_ptr("r", offset=row * groups_row + kel // deq.group // 2 * 2))
+
+    def q4_convert(hsmem, it, kslice, slot, ptid):
+        # This thread's pieces of slice ``it`` (staged by itself, waited for) into the slot's B
+        # tile: row r's 16-byte piece c at c ^ (r % 8), the 128-byte swizzle TMA and wgmma use.
+        stage = staging_base + T.truncmod(it, Q4_STAGING) * staging_bytes
+        for p in range(thread_pieces):
+            piece = p * WARPGROUP + ptid
+            row = piece // 2
+            kel = kslice * BLOCK_K + piece % 2 * Q4_PIECE
+            T.evaluate(cuda_op.cuda_func_call(
+                deq_fn, hsmem, (stage + piece * 16) // 2,
+                (stage + packed_bytes + piece * 4) // 2 + T.truncmod(kel // deq.group, 2),
+                (b_base + slot * b_slot) // ELEM_BYTES + row * BLOCK_K, piece % 2 * (Q4_PIECE // 8), row % 8,
+                source_code=deq_src,
+            ))  # fmt: skip
+
     # fmt: off
     @T.prim_func(s_tir=True, check_well_formed=False)
     def body():
@@ -292,9 +404,10 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
             part = T.alloc_buffer((split_k * ops.m * n,), "float32", scope="global")
         m: T.let[T.int32] = T.Cast("int32", ops.m)
         a_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        b_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.evaluate(encode(a_map, ops.a, m, bm))
-        T.evaluate(encode(b_map, ops.b, n, b_box))
+        if deq is None:
+            b_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+            T.evaluate(encode(b_map, ops.b, n, b_box))
         m_tiles: T.let[T.int32] = T.ceildiv(m, bm)
         units: T.let[T.int32] = m_tiles * n_tiles * split_k
         blocks: T.let[T.int32] = T.min(units, tile.max_blocks)
@@ -305,7 +418,7 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
                     T.writes()
                     # Raw bytes: every kernel of a CUDA source that declares this extern array must
                     # give it the same type (an fp16 and a bf16 GEMM in one module would clash).
-                    buf_dyn_shmem = T.sblock_alloc_buffer((tile.smem_bytes,), "uint8", scope="shared.dyn", align=ATOM_BYTES)
+                    buf_dyn_shmem = T.sblock_alloc_buffer((total_smem,), "uint8", scope="shared.dyn", align=ATOM_BYTES)
                     acc = T.sblock_alloc_buffer((n_acc,), "float32", scope="local")
                     smem_desc = T.sblock_alloc_buffer((1,), "uint64", scope="local")
                     if split_k == 1:
@@ -323,15 +436,44 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
                     )
                     if tid == 0:
                         for s in T.unroll(stages):
-                            T.ptx.mbarrier.init(full(buf_dyn_shmem, s), 1)
+                            T.ptx.mbarrier.init(full(buf_dyn_shmem, s), full_count)
                             T.ptx.mbarrier.init(empty(buf_dyn_shmem, s), consumer_warps)
                         # The barriers are completed by TMA, through the async proxy.
                         T.ptx.fence.proxy_async("shared::cta")
                     T.tvm_storage_sync("shared")
                     if wg == tile.warpgroups:
-                        if CONSUMER_REGS[tile.warpgroups] is not None:
-                            T.ptx.setmaxnreg(False, PRODUCER_REGS)
-                        if tid == consumers:
+                        if consumer_regs is not None:
+                            T.ptx.setmaxnreg(False, producer_regs)
+                        if deq is not None:
+                            # The B-load hook for a dequantized B (see Q4_STAGING): the whole warpgroup.
+                            ptid: T.let[T.int32] = tid - consumers
+                            slices: T.let[T.int32] = my_tiles * k_tiles
+                            # Always Q4_STAGING - 1 groups ahead (empty past the last slice): the waits count on it.
+                            for j in T.unroll(Q4_STAGING - 1):
+                                if j < slices:
+                                    q4_load(buf_dyn_shmem.data, j, ptid, m_tiles, bx, blocks)
+                                T.ptx.cp_async.commit_group()
+                            for ti in T.serial(my_tiles):
+                                m0: T.let[T.int32] = tile_row(unit_tile(bx + ti * blocks, m_tiles), m_tiles)
+                                k0: T.let[T.int32] = unit_split(bx + ti * blocks, m_tiles) * k_tiles
+                                for kt in T.serial(k_tiles):
+                                    it: T.let[T.int32] = ti * k_tiles + kt
+                                    slot: T.let[T.int32] = T.truncmod(it, stages)
+                                    # Staging slot of slice it + Q4_STAGING - 1: converted by this thread at it - 1.
+                                    if it + Q4_STAGING - 1 < slices:
+                                        q4_load(buf_dyn_shmem.data, it + Q4_STAGING - 1, ptid, m_tiles, bx, blocks)
+                                    T.ptx.cp_async.commit_group()
+                                    if it >= stages:
+                                        T.ptx.mbarrier.try_wait(empty(buf_dyn_shmem, slot), T.truncmod(T.truncdiv(it, stages) + 1, 2))
+                                    if tid == consumers:
+                                        T.ptx.mbarrier.arrive.expect_tx(full(buf_dyn_shmem, slot), a_slot)
+                                        T.evaluate(tma_load(buf_dyn_shmem, slot * a_slot, slot, a_map, k0 + kt, m0))
+                                    cp_async_wait(Q4_STAGING - 1)  # this thread's pieces of slice it have landed
+                                    q4_convert(buf_dyn_shmem.data, it, k0 + kt, slot, ptid)
+                                    # The generic-proxy writes, then visible to wgmma's async proxy.
+                                    T.ptx.fence.proxy_async("shared::cta")
+                                    T.ptx.mbarrier.arrive(full(buf_dyn_shmem, slot))
+                        elif tid == consumers:
                             for ti in T.serial(my_tiles):
                                 m0: T.let[T.int32] = tile_row(unit_tile(bx + ti * blocks, m_tiles), m_tiles)
                                 n0: T.let[T.int32] = tile_col(unit_tile(bx + ti * blocks, m_tiles), m_tiles)
@@ -349,8 +491,8 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
                                         T.evaluate(tma_load(buf_dyn_shmem, b_base + slot * b_slot, slot, b_map, k0 + kt, n0 // 2))
                                         T.evaluate(tma_load(buf_dyn_shmem, b_base + slot * b_slot + b_slot // 2, slot, b_map, k0 + kt, pair + n0 // 2))
                     else:
-                        if CONSUMER_REGS[tile.warpgroups] is not None:
-                            T.ptx.setmaxnreg(True, CONSUMER_REGS[tile.warpgroups])
+                        if consumer_regs is not None:
+                            T.ptx.setmaxnreg(True, consumer_regs)
                         for ti in T.serial(my_tiles):
                             m0: T.let[T.int32] = tile_row(unit_tile(bx + ti * blocks, m_tiles), m_tiles)
                             n0: T.let[T.int32] = tile_col(unit_tile(bx + ti * blocks, m_tiles), m_tiles)
