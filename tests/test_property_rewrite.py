@@ -175,9 +175,9 @@ def _step(bb, kind, args, cur, pool, weights, const):
         if len(shape) == 2 and _static_last(cur) in (4, 8):
             return bb.emit(O.reshape(cur, [shape[0], 2, _static_last(cur) // 2]))
         if len(shape) == 3:
-            last = _static_last(cur)
-            mid = shape[1]
-            return bb.emit(O.reshape(bb.emit(O.reshape(cur, [shape[0], mid * shape[2]])), [shape[0], mid, last]))
+            # Back to the input's own dims (IntImms or the symbolic row count), never to None: after a
+            # transpose the last dim may be symbolic, and TVM segfaults building a reshape to None.
+            return bb.emit(O.reshape(bb.emit(O.reshape(cur, [shape[0], shape[1] * shape[2]])), shape))
         return None
     if kind == "softmax":
         axis, ckind, value = args
