@@ -224,7 +224,7 @@ def test_random_graphs_same_results_and_no_more_cost():
     kernel, and the results are the same on the CPU."""
     pairs = []
 
-    @settings(max_examples=RANDOM_GRAPHS, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=RANDOM_GRAPHS, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(_recipes())
     def check_cost(recipe):
