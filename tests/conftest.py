@@ -101,6 +101,18 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return [f"hypothesis seed: --hypothesis-seed={_HYPOTHESIS_SEED[0]}"] if _HYPOTHESIS_SEED else []
 
 
+_SUMMARY = pytest.StashKey[list]()
+
+
+@pytest.fixture
+def summary_line(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """``summary_line(text)``: a line for the end of the run's output, shown with ``-q`` too."""
+    lines = request.config.stash.setdefault(_SUMMARY, [])
+    return lambda text: lines.append(f"{request.node.name}: {text}")
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for line in terminalreporter.config.stash.get(_SUMMARY, []):
+        terminalreporter.write_line(line)
     if _HYPOTHESIS_SEED:
         terminalreporter.write_line(f"hypothesis seed: --hypothesis-seed={_HYPOTHESIS_SEED[0]} (rerun with it to reproduce)")
