@@ -683,6 +683,24 @@ def test_variable_bounds_make_rewrites_provable():
     assert _rewrite(build({"tir_var_upper_bound": {"m": 4}}))[1] == {}  # equal at m = 4: not strictly cheaper
 
 
+def test_rewrites_of_one_round_keep_dead_what_they_free():
+    """y = (x @ W) * 0.5 read twice: scale_into_matmul rewrites y to (x * 0.5) @ W, crediting x @ W
+    as freed, while mul_const_assoc rewrites y * 0.5 to (x @ W) * 0.25, reading x @ W. Both in one
+    round kept x @ W alive next to the new matmul: two matmuls where there was one, more FLOPs at
+    every n and more bytes at n = 1 (found by the random graphs, hypothesis seed 884446261)."""
+    x, w = _x((N, 8)), _x((8, 32), name="w")
+
+    def make(bb, x, w):
+        y = bb.emit(O.multiply(bb.emit(O.matmul(x, w)), _c(0.5)))
+        return O.add(bb.emit(O.tanh(bb.emit(O.multiply(y, _c(0.5))))), y)
+
+    before = _module([x, w], make)
+    after, applied = _rewrite(before)
+    assert Counter(_ops(after))["matmul"] == 1, (applied, after)
+    for n, new, old in zip(COST_AT, _total_costs(after), _total_costs(before)):
+        assert new[0] <= old[0] and new[1] <= old[1], (n, new, old, applied)
+
+
 def test_refusals_are_recorded():
     p = PropertyRewrite()
     after = p(_case("scale_out_costs_more"))
