@@ -489,6 +489,13 @@ def _rewrite_function(
         bounds = func.attrs.get("tir_var_upper_bound") if func.attrs is not None else None
         chosen: dict[relax.Var, relax.Expr] = {}
         left: list[str] = []  # rewrites that matched but were not applied, this round
+        # Each choice is costed on this round's graph, crediting the bindings it frees as dead: a
+        # later choice of the same round must not read those, nor free what an earlier one reads
+        # (both applied, the freed binding would stay alive beside its replacement). Such a
+        # rewrite waits for the next round, costed on the graph the earlier choices made.
+        freed: set[relax.Var] = set()
+        read: set[relax.Var] = set()
+        deferred = False
         for block in func.body.blocks:
             if not isinstance(block, relax.DataflowBlock):
                 continue  # outside dataflow, calls may have effects
@@ -503,13 +510,21 @@ def _rewrite_function(
                     candidates = rewrite.propose(graph, value)
                     best = _cheapest(graph, binding, candidates, rewrite.strict, bounds)
                     if best is not None:
-                        chosen[binding.var] = best
+                        expr, frees = best
+                        reads = set(relax.analysis.free_vars(expr))
+                        if reads & freed or set(frees) & read:
+                            deferred = True
+                            break
+                        chosen[binding.var] = expr
+                        freed.update(frees)
+                        read.update(reads)
                         applied[rewrite.name] += 1
                         break
                     matched += [rewrite.name] if candidates else []
                 else:
                     left += matched
         if not chosen:
+            assert not deferred  # a rewrite waits only for one chosen in its round
             refused.update(left)  # the final state: what stays matched but unapplied
             break
         func = _canonical(relax.analysis.remove_all_unused(_Replace(chosen).visit_expr(func)))
@@ -524,10 +539,12 @@ def _canonical(func: relax.Function) -> relax.Function:
 
 def _cheapest(
     graph: _Graph, binding: relax.VarBinding, candidates: list[Candidate], strict: bool, bounds: Mapping | None
-) -> relax.Expr | None:
+) -> tuple[relax.Expr, list[relax.Var]] | None:
+    """The cheapest candidate no worse than the binding and the bindings it frees, and those."""
     if not candidates:
         return None
-    old = _cost([binding] + [relax.VarBinding(v, graph.value[v]) for v in _freed(graph, binding.var, candidates)])
+    freed = _freed(graph, binding.var, candidates)
+    old = _cost([binding] + [relax.VarBinding(v, graph.value[v]) for v in freed])
     best, best_cost = None, None
     for expr, _through in candidates:
         emitted = emit_bindings(expr)
@@ -536,7 +553,7 @@ def _cheapest(
         new = _cost(emitted)
         if no_worse(new, old, strict, bounds) and (best_cost is None or no_worse(new, best_cost, bounds=bounds)):
             best, best_cost = expr, new
-    return best
+    return (best, freed) if best is not None else None
 
 
 def _freed(graph: _Graph, root: relax.Var, candidates: list[Candidate]) -> list[relax.Var]:

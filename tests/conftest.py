@@ -72,3 +72,48 @@ class FakeTensor:
 
     def data_ptr(self) -> int:
         return self.ptr
+
+
+# ---- hypothesis: a fresh seed each run, printed -------------------------------------------------------
+
+_HYPOTHESIS_SEED: list[int] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """A random ``--hypothesis-seed`` where none is given, set before hypothesis's plugin reads it:
+    every run draws fresh examples, and ``pytest_terminal_summary`` prints the seed to rerun them."""
+    import random
+
+    try:
+        seed = config.getoption("hypothesis_seed")
+    except ValueError:  # hypothesis's plugin not loaded
+        return
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**32)
+        config.option.hypothesis_seed = str(seed)
+    from hypothesis import core
+
+    core.global_force_seed = int(seed) if str(seed).isdigit() else seed
+    _HYPOTHESIS_SEED[:] = [seed]
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [f"hypothesis seed: --hypothesis-seed={_HYPOTHESIS_SEED[0]}"] if _HYPOTHESIS_SEED else []
+
+
+_SUMMARY = pytest.StashKey[list]()
+
+
+@pytest.fixture
+def summary_line(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """``summary_line(text)``: a line for the end of the run's output, shown with ``-q`` too."""
+    lines = request.config.stash.setdefault(_SUMMARY, [])
+    return lambda text: lines.append(f"{request.node.name}: {text}")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for line in terminalreporter.config.stash.get(_SUMMARY, []):
+        terminalreporter.write_line(line)
+    if _HYPOTHESIS_SEED:
+        terminalreporter.write_line(f"hypothesis seed: --hypothesis-seed={_HYPOTHESIS_SEED[0]} (rerun with it to reproduce)")

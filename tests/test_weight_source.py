@@ -15,20 +15,11 @@ from fuselight.passes.fuse_gate_up_silu import PRIMFUNC_NAME as GATE_UP
 from fuselight.passes.fuse_norm_gemv import PRIMFUNC_NAME as NORM_GEMV
 from fuselight.passes.weight_source import loaded_weight, materialized_weights
 from fuselight.target import resolve, to_tvm
+from q4_dequantize import GROUP
+from q4_dequantize import dequantize as _dequantize
 from tvm import relax, te, tirx
 
-K, HALF, GROUP = 128, 64, 32
-
-
-def _dequantize(q: te.Tensor, s: te.Tensor) -> te.Tensor:
-    """q4f16_1: ``(float16((q[n, k // 8] >> 4 (k % 8)) & 15) - 7) * s[n, k // 32]``."""
-    n, words = q.shape
-
-    def value(i, k):
-        nibble = (q[i, k // 8] >> (k % 8 * 4).astype("uint32")) & tirx.const(15, "uint32")
-        return (nibble.astype("float16") - tirx.const(7, "float16")) * s[i, k // GROUP]
-
-    return te.compute((n, words * 8), value, name="dequantize")
+K, HALF = 128, 64
 
 
 def _weight(bb: relax.BlockBuilder, quantized: bool, params: list, rows: int, name: str, cols: int = K) -> relax.Expr:
