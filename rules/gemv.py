@@ -71,12 +71,24 @@ def symbolic_m_buckets(ops: GemmOperands, target: Target) -> list[tuple[int, Gem
 class Gemv(AnalyzeScheduleRule):
     """Swap static few-row matmul functions for the GEMV template (see the module docstring)."""
 
+    family = "gemv"
+
     @staticmethod
     def analyze(func: tirx.PrimFunc) -> MatmulDesc | None:
         """The GEMV and fused epilogue ``func`` computes (a matmul with static M), or None."""
         # The template computes a norm prologue, and dequantizes 4-bit weights as it loads them.
         desc = analyze_matmul(func, prologue=True, dequant=True)
         return desc if desc is not None and desc.m_static is not None else None
+
+    @classmethod
+    def supports(cls, desc: MatmulDesc, target: Target) -> bool:
+        """Whether ``schedule`` builds ``desc`` on ``target``: M below the Matmul rule's and a GEMV
+        bucket that takes the operands."""
+        try:
+            min_static_m = load_dispatch(arch_of(target)).min_static_m
+        except FuselightError:
+            return False
+        return desc.m_static < min_static_m and gemv_config(desc.operands, desc.m_static, target) is not None
 
     def schedule(self, func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:
         """``func`` with its body replaced by the GEMV kernel for ``desc`` on ``target``, or None where

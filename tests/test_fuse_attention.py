@@ -14,11 +14,8 @@ from fuselight import rules
 from fuselight.bench import kernels_build
 from fuselight.bench.kernels import load_suite
 from fuselight.passes import FuseAttention, default
-from fuselight.passes.fuse_attention import (
-    ATTENTION_ATTR,
-    AttentionSpec,
-    attention_prim_func,
-)
+from fuselight.computations import AttentionSpec, attention_prim_func
+from fuselight.contracts import ATTENTION_ATTR
 from fuselight.rules.flash_attention import FlashAttention
 from fuselight.target import resolve, to_tvm
 from relax_module import single_function as _module

@@ -180,7 +180,7 @@ def test_fuselight_stages_add_passes_and_rules(cuda) -> None:
 def test_rules_default_puts_fuselight_rules_first(monkeypatch, llvm, cuda) -> None:
     from tvm.s_tir import dlight as dl
 
-    ours = [type(make()) for make in rules.FUSELIGHT_RULES]
+    ours = [entry.make for entry in rules.RULES.values()]
     assert [type(r) for r in rules.default(llvm)] == ours
     dlight = [dl.gpu.Matmul, dl.gpu.GEMV, dl.gpu.Reduction, dl.gpu.GeneralReduction, dl.gpu.Fallback]
     assert [type(r) for r in rules.default(cuda)] == [*ours, *dlight]
@@ -189,7 +189,7 @@ def test_rules_default_puts_fuselight_rules_first(monkeypatch, llvm, cuda) -> No
         def apply(self, func, target, tunable):
             return None
 
-    monkeypatch.setattr(rules, "FUSELIGHT_RULES", [Mine])
+    monkeypatch.setattr(rules, "RULES", {"mine": rules.ScheduleRuleEntry("mine", Mine)})
     assert [type(r) for r in rules.default(cuda)] == [Mine, *dlight]
 
 

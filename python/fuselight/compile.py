@@ -16,6 +16,9 @@ from typing import Any
 
 from . import tir_pipeline
 from .config import ModelConfig
+from .contracts import FUSED_ROPE_APPEND_ATTR as FUSED_ATTR
+from .contracts import FUSED_ROPE_APPEND_DECODE_ATTR as FUSED_DECODE_ATTR
+from .contracts import KERNEL_LAUNCHES_ATTR
 from .errors import FuselightError
 from .target import TargetSpec
 
@@ -26,7 +29,6 @@ PIPELINES = ("baseline", "fuselight")
 # where fuselight.passes.fuse_rope_append gave it the fused kernel.
 KV_CACHE_KERNELS_PER_DECODE_ATTENTION = 2
 # A kernel PrimFunc that launches more than one kernel says how many in this attribute.
-KERNEL_LAUNCHES_ATTR = "fuselight.kernel_launches"
 # Format of a library's metadata sidecar.
 METADATA_FORMAT = 1
 _ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
@@ -72,9 +74,9 @@ class Options:
     programmatic_launch: bool = True
 
     def describe(self) -> dict[str, Any]:
-        from .passes import default
+        from .pipeline import graph_passes
 
-        return {"passes": list(self.passes if self.passes is not None else default()), "rules": self.rules,
+        return {"passes": graph_passes(self.passes, None if self.rules else []), "rules": self.rules,
                 "programmatic_launch": self.programmatic_launch}
 
 
@@ -141,8 +143,6 @@ def kv_cache_kernels(mod: Any) -> int:
     """The KV cache's kernels around one decode attention call besides attention (see the constants):
     1 with the fused RoPE + append kernel, none where decode attention does that work too."""
     from tvm import tirx
-
-    from .passes.fuse_rope_append import FUSED_ATTR, FUSED_DECODE_ATTR
 
     attrs = [f.attrs for f in mod.functions.values() if isinstance(f, tirx.PrimFunc) and f.attrs is not None]
     if any(FUSED_DECODE_ATTR in a for a in attrs):

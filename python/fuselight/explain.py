@@ -160,12 +160,12 @@ def _untouched_reason(info) -> str | None:
 def compare_pipelines(mod, step: str, prompt_len: int) -> dict[str, Any]:
     """``pipelines`` (baseline and fuselight counts), ``groups`` and ``groups_skipped`` (see the module doc)."""
     from .engine import runtime_config
-    from .passes import default
+    from .passes import DEFAULT
     from .pipeline import baseline_source
 
     bounds = {"seq_len": int(runtime_config()["prefill_chunk_size"])}
     baseline, _ = _run_pipeline(mod, step, prompt_len, None, bounds)
-    fuselight, lowering = _run_pipeline(mod, step, prompt_len, default(), bounds)
+    fuselight, lowering = _run_pipeline(mod, step, prompt_len, DEFAULT, bounds)
     without = [p for p in default() if p != "fusion_plan"]
     unplanned, _ = _run_pipeline(mod, step, prompt_len, without, bounds)
     alone, alone_lowering = _run_pipeline(mod, step, prompt_len, GRAPH_PASSES, bounds)

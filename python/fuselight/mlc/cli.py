@@ -2,7 +2,7 @@
 
 Every argument but ours goes to MLC's compile command unchanged. Ours:
 
-- ``--fuselight-passes a,b`` graph passes (``none``: no passes; default ``fuselight.passes.default()``);
+- ``--fuselight-passes a,b`` graph passes (``none``: no passes; default ``fuselight.passes.DEFAULT``);
 - ``--fuselight-rules fam,...`` rule families (``none``: DLight's rules alone; default all);
 - ``--fuselight-dump DIR`` the module after each of our steps and ``schedule.json``;
 - ``--fuselight-no-programmatic-launch`` each kernel of a ``.so`` launched only after the one before it has finished

@@ -33,9 +33,10 @@ from tvm.s_tir import dlight as dl
 
 from ..baseline.debug_dump import DebugDump
 from ..errors import FuselightError
-from ..passes import default as default_passes
+from ..passes import DEFAULT as DEFAULT_PASSES
 from ..passes import get as get_graph_pass
-from ..rules import FUSELIGHT_RULES
+from ..passes import served
+from ..rules import RULES
 from . import SOURCE_ENV, import_mlc_llm
 from .schedule_log import ScheduleLog
 
@@ -44,8 +45,8 @@ PIPELINE_NAME = "mlc_llm"
 MLC_PIPELINE_MODULE = "mlc_llm.compiler_pass.pipeline"
 GRAPH_ANCHOR = "FuseTransposeMatmul"
 SCHEDULE_ANCHOR = "LowBatchGemvSpecialize"
-# Rule family name -> factory, in the order fuselight tries them ("matmul_rule" -> "matmul").
-RULE_FAMILIES: dict[str, Callable[[], Any]] = {f.__name__.removesuffix("_rule"): f for f in FUSELIGHT_RULES}
+# Rule family name -> factory, in the order fuselight tries them (``fuselight.rules.RULES``).
+RULE_FAMILIES: dict[str, Callable[[], Any]] = {name: entry.make for name, entry in RULES.items()}
 SCHEDULE_LOG_FILE = "schedule.json"
 
 
@@ -53,9 +54,10 @@ SCHEDULE_LOG_FILE = "schedule.json"
 class Options:
     """What fuselight adds to MLC's pipeline.
 
-    passes: graph pass names from ``fuselight.passes`` (None: ``fuselight.passes.default()`` less
+    passes: graph pass names from ``fuselight.passes`` (None: ``fuselight.passes.DEFAULT`` less
     the passes whose libraries call back into the fuselight runtime, which MLC-LLM's engine does not
-    load; () none).
+    load, and those whose rule families (``GraphPass.rules``) are not among ``rules``; () none; a
+    named pass whose rule families are left out is an error: what it emits only they schedule).
     rules: rule families from ``RULE_FAMILIES`` (None: all; () none).
     dump: a folder for the module after each of our steps and ``schedule.json``.
     programmatic_launch: every kernel of a ``.so`` we build may launch while the one before it
@@ -74,12 +76,17 @@ class Options:
         for family in self.rules or ():
             if family not in RULE_FAMILIES:
                 raise FuselightError(f"unknown rule family {family!r}: expected one of {', '.join(RULE_FAMILIES)}")
+        for name in self.passes or ():
+            missing = [f for f in get_graph_pass(name).rules if f not in self.rule_families]
+            if missing:
+                raise FuselightError(f"pass {name!r} needs the rule families {', '.join(missing)}: add them to the rules")
 
     @property
     def pass_names(self) -> list[str]:
         if self.passes is not None:
             return list(self.passes)
-        return [name for name in default_passes() if not get_graph_pass(name).needs_fuselight_runtime]
+        return [name for name in served(DEFAULT_PASSES, self.rule_families)
+                if not get_graph_pass(name).needs_fuselight_runtime]
 
     @property
     def rule_families(self) -> list[str]:
