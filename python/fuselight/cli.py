@@ -57,7 +57,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_build(args: argparse.Namespace) -> int:
-    from .bench.kernels import build_suite
+    from .bench.kernels_build import build_suite
 
     manifest = build_suite(Path(args.out), target_arch=args.arch, cases=args.cases, suite=args.suite)
     print(f"kernel suite built: {manifest}")
@@ -65,7 +65,7 @@ def cmd_bench_build(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_run(args: argparse.Namespace) -> int:
-    from .bench.kernels import run_suite
+    from .bench.kernels_run import run_suite
 
     run_suite(Path(args.manifest), Path(args.output), cases=args.cases, sweep=args.sweep)
     return 0

@@ -8,7 +8,6 @@ config, pipeline, baseline source, versions) and, for CUDA, the ahead-of-time cu
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +19,7 @@ from .contracts import FUSED_ROPE_APPEND_ATTR as FUSED_ATTR
 from .contracts import FUSED_ROPE_APPEND_DECODE_ATTR as FUSED_DECODE_ATTR
 from .contracts import KERNEL_LAUNCHES_ATTR
 from .errors import FuselightError
+from .library import git_commit, write_library
 from .target import TargetSpec
 
 PIPELINES = ("baseline", "fuselight")
@@ -255,8 +255,6 @@ def library_metadata(target: TargetSpec, pipeline: str, baseline_source: str, **
     """The metadata sidecar every library carries (models and kernel-suite cases alike), plus ``extra``."""
     import tvm
 
-    from .bench.results import git_commit
-
     return {
         "format": METADATA_FORMAT,
         "target": target.kind,
@@ -289,28 +287,3 @@ def metadata(built: Built) -> dict[str, Any]:
 def export(built: Built, path: Path, *, aot_cuda: bool = True) -> Path:
     """Write ``path`` (the library), ``path.json`` (metadata) and, for CUDA, ``path.cuda/`` cubins."""
     return write_library(built.executable, path, metadata(built), built.target, aot_cuda=aot_cuda)
-
-
-def write_library(
-    executable: Any, path: Path, meta: dict[str, Any], target: TargetSpec, *, aot_cuda: bool = True
-) -> Path:
-    """Write ``executable`` to ``path``, ``meta`` to ``path.json`` and, for a GPU target with
-    ``aot_cuda``, its cubins to ``path.cuda/`` (``meta["cuda_sources"]``: CUDA source hash -> cubin)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {**meta, "cuda_sources": {}}
-    if target.is_gpu and aot_cuda:
-        from .runtime import aot_compile_cuda
-
-        meta["cuda_sources"] = aot_compile_cuda(executable, aot_dir(path), target.arch)
-    executable.export_library(str(path))
-    metadata_path(path).write_text(json.dumps(meta, indent=1, default=str) + "\n")
-    return path
-
-
-def metadata_path(library: Path) -> Path:
-    return Path(str(library) + ".json")
-
-
-def aot_dir(library: Path) -> Path:
-    return Path(str(library) + ".cuda")

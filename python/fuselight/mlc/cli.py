@@ -11,7 +11,7 @@ Every argument but ours goes to MLC's compile command unchanged. Ours:
 
 Two platform adjustments to MLC's command: the "thrust" library MLC adds to CUDA targets is left out
 where TVM was built without it (TVM would only warn and fall back), and a ``.so`` output for a CUDA
-or llvm target is written by ``fuselight.compile.write_library``: the library, a metadata sidecar
+or llvm target is written by ``fuselight.library.write_library``: the library, a metadata sidecar
 (pipeline ``mlc`` or ``mlc+fuselight``, MLC's version) and, for CUDA, cubins compiled ahead of time,
 so ``fuselight.runtime.load_library`` runs it on a host with the TVM runtime alone.
 """
@@ -136,7 +136,8 @@ def _library_build(mlc_build: Callable[..., Any], name: str, options: Any) -> Ca
         from tvm import relax
 
         from .. import tir_pipeline
-        from ..compile import library_metadata, write_library
+        from ..compile import library_metadata
+        from ..library import write_library
         from ..target import arch_of, resolve
 
         spec = resolve(kind, arch_of(args.target) if kind == "cuda" else None)
