@@ -247,6 +247,32 @@ def test_unknown_pass_is_an_error() -> None:
         pl.fuselight_pipeline(passes=["no_such_pass"], use_mlc=False)
 
 
+def test_registries_have_one_shape() -> None:
+    from fuselight import passes
+
+    # Named entries both; default() gives objects (README's step 2), DEFAULT the names.
+    assert list(passes.DEFAULT) and set(passes.DEFAULT) <= set(passes.PASSES)
+    assert all(isinstance(p, tvm.transform.Pass) for p in passes.default())
+    tvm.transform.Sequential(passes.default())  # as the README composes them
+    assert all(e.name == name and e.make.family == name for name, e in rules.RULES.items())
+    assert [type(r) for r in rules.fuselight_rules(["gemv", "matmul"])] == [rules.Matmul, rules.Gemv]  # RULES order
+    # Every rule family a pass needs exists.
+    assert {f for p in passes.PASSES.values() for f in p.rules} <= set(rules.RULES)
+
+
+def test_passes_need_their_rules() -> None:
+    from fuselight import passes
+
+    # Without the rules a pass fuses for, the defaults leave it out (DLight cannot schedule what it emits)...
+    served = pl.graph_passes(None, [])
+    assert "fuse_gate_up_silu" not in served and "paged_attention" not in served and "fuse_attention" in served
+    assert pl.graph_passes(None, None) == list(passes.DEFAULT)
+    assert "add_rms_norm_kernels" in pl.graph_passes(None, rules.fuselight_rules(["row_reduction"]))
+    # ... and naming it is an error.
+    with pytest.raises(FuselightError, match="pass 'fuse_norm_gemv' needs the rule families gemv"):
+        pl.fuselight_pipeline(passes=["fuse_norm_gemv"], rules=[], use_mlc=False)
+
+
 def test_baseline_source_names_mlc(mlc_llm) -> None:
     assert pl.baseline_source().startswith("mlc-llm@")
     assert pl.baseline_source(use_mlc=False) == "fuselight-equivalents"
