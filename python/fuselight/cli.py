@@ -38,7 +38,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     options = None
     if args.passes is not None or args.no_rules or args.no_programmatic_launch:
         passes = None if args.passes is None else tuple(p for p in args.passes.split(",") if p and p != "none")
-        options = fc.Options(passes=passes, rules=not args.no_rules, programmatic_launch=not args.no_programmatic_launch)
+        options = fc.Options(passes=passes, rules=() if args.no_rules else None,
+                             programmatic_launch=not args.no_programmatic_launch)
     built = fc.build(cfg, spec, args.pipeline, options=options, cuda_graph=args.cuda_graph)
     out = fc.export(built, Path(args.output), aot_cuda=not args.no_aot)
     s = built.stats

@@ -20,6 +20,7 @@ from .contracts import FUSED_ROPE_APPEND_DECODE_ATTR as FUSED_DECODE_ATTR
 from .contracts import KERNEL_LAUNCHES_ATTR
 from .errors import FuselightError
 from .library import git_commit, write_library
+from .options import Options
 from .target import TargetSpec
 
 PIPELINES = ("baseline", "fuselight")
@@ -62,24 +63,6 @@ class Built:
     cuda_graph: bool = False  # static parts captured and replayed as CUDA graphs
 
 
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """What the fuselight pipeline turns on: ``passes`` (names from ``fuselight.passes``; None: its
-    defaults), ``rules`` (False: DLight's rules alone, to measure the passes by themselves) and
-    ``programmatic_launch`` (every kernel may launch while the one before it finishes, on sm_90 and
-    later: ``tir_pipeline.NAME_EVERY_KERNEL``)."""
-
-    passes: tuple[str, ...] | None = None
-    rules: bool = True
-    programmatic_launch: bool = True
-
-    def describe(self) -> dict[str, Any]:
-        from .pipeline import graph_passes
-
-        return {"passes": graph_passes(self.passes, None if self.rules else []), "rules": self.rules,
-                "programmatic_launch": self.programmatic_launch}
-
-
 def pipeline_pass(
     name: str, tvm_target: Any, variable_bounds: Mapping[str, int], options: Options | None = None
 ) -> Any:
@@ -91,6 +74,7 @@ def pipeline_pass(
     if name not in PIPELINES:
         raise FuselightError(f"unknown pipeline {name!r}: expected one of {', '.join(PIPELINES)}")
     from . import pipeline as pl
+    from .rules import fuselight_rules
 
     if name == "baseline":
         if options is not None and options != Options():
@@ -98,7 +82,7 @@ def pipeline_pass(
         return pl.baseline_pipeline(tvm_target, variable_bounds=dict(variable_bounds))
     options = options or Options()
     return pl.fuselight_pipeline(
-        tvm_target, passes=options.passes, rules=None if options.rules else [],
+        tvm_target, passes=options.graph_passes(), rules=fuselight_rules(options.rules),
         variable_bounds=dict(variable_bounds),
     )
 

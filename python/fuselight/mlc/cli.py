@@ -56,8 +56,8 @@ def _names(text: str | None) -> tuple[str, ...] | None:
 
 
 def options_from_args(ours: argparse.Namespace) -> Any:
-    """``fuselight.mlc.pipeline.Options`` from our parsed flags (None with ``--no-fuselight``)."""
-    from .pipeline import Options
+    """``fuselight.options.Options`` from our parsed flags (None with ``--no-fuselight``)."""
+    from ..options import Options
 
     if ours.no_fuselight:
         given = [f for f in ("fuselight_passes", "fuselight_rules", "fuselight_dump") if getattr(ours, f) is not None]
@@ -66,12 +66,14 @@ def options_from_args(ours: argparse.Namespace) -> Any:
         if given:
             raise FuselightError(f"--no-fuselight with --{given[0].replace('_', '-')}: pick one")
         return None
-    return Options(
+    options = Options(
         passes=_names(ours.fuselight_passes),
         rules=_names(ours.fuselight_rules),
         dump=Path(ours.fuselight_dump) if ours.fuselight_dump else None,
         programmatic_launch=not ours.fuselight_no_programmatic_launch,
     )
+    options.check_without_fuselight_runtime()
+    return options
 
 
 def compile_main(argv: Sequence[str]) -> int:
@@ -155,7 +157,7 @@ def _library_build(mlc_build: Callable[..., Any], name: str, options: Any) -> Ca
             "mlc_model_config": _plain_fields(args.config),
         }
         if options is not None:
-            extra["fuselight"] = options.describe()
+            extra["fuselight"] = options.describe(fuselight_runtime=False)
         meta = library_metadata(spec, name, describe(import_mlc_llm()), **extra)
         write_library(executable, Path(args.output), meta, spec)
 
