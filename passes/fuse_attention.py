@@ -4,7 +4,7 @@ Graphs that do not use a KV cache (encoders, ViT, diffusion, a LLaMA written wit
 attention as a chain of Relax ops; lowered op by op, each step writes the S x S score matrix to
 memory. This pass finds the chain and replaces it with a ``call_tir`` to one PrimFunc computing it
 (TE's reference computation, which runs anywhere), tagged with the function attribute
-``fuselight.attention`` (``ATTENTION_ATTR``) so that the schedule rule ``fuselight.rules.FlashAttention``
+``fuselight.attention`` (``contracts.ATTENTION_ATTR``) so that the schedule rule ``fuselight.rules.FlashAttention``
 can swap in a flash-attention kernel that never materialises the scores on the GPU.
 
 What is recognised, walking the dataflow bindings back and forth from each ``R.nn.softmax``:
@@ -39,11 +39,11 @@ import math
 
 import numpy as np
 import tvm
-from tvm import relax, te, tirx
+from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 
 from ..computations import ACCUMULATE_DTYPE, AttentionSpec, attention_prim_func
-from ..contracts import ATTENTION_ATTR, ATTENTION_NAME
+from ..contracts import ATTENTION_NAME
 from ..relax_rewrite import FunctionRewriter
 
 # Additive values at or below this count as "masked out": exp() of them underflows to 0 in float32

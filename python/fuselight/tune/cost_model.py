@@ -24,6 +24,7 @@ import numpy as np
 from ..errors import FuselightError
 from ..jsonfile import read_json_object
 from ..paths import config_dir
+# (load and load_model: the trained model as the dispatcher reads it, reached through here as well)
 from ..rules.gemm.cost_model import ESTIMATE, FEATURES, GemmCostModel, features, load, load_model, model_path
 from ..rules.gemm.dispatch import candidates, load_dispatch, plan_name
 from ..rules.gemm.operands import GemmOperands
