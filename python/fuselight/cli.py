@@ -205,7 +205,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", required=True, help="library path, e.g. llama.so")
     c.add_argument("--no-aot", action="store_true", help="keep CUDA as source (compiled when loaded)")
     c.add_argument("--passes", default=None,
-                   help="fuselight pipeline: comma-separated graph passes ('none': no passes; default: fuselight.passes.default())")
+                   help="fuselight pipeline: comma-separated graph passes ('none': no passes; default: fuselight.passes.DEFAULT, less those needing rules left out)")
     c.add_argument("--no-rules", action="store_true", help="fuselight pipeline: DLight's rules only (measure the passes alone)")
     c.add_argument("--no-programmatic-launch", action="store_true",
                    help="fuselight pipeline: launch each kernel only after the one before it has finished (no PDL)")

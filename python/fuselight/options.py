@@ -12,6 +12,10 @@ dump: a folder for the module after each of our steps and ``schedule.json`` (MLC
 
 Inside MLC-LLM's engine the fuselight runtime is not loaded: ``graph_passes(fuselight_runtime=False)``
 leaves out the passes whose libraries call back into it (``GraphPass.needs_fuselight_runtime``).
+
+The registries (``fuselight.passes``, ``fuselight.rules``) are imported where used: they load TVM's
+compiler, and ``fuselight.compile``, which imports this module, is imported on runtime-only hosts
+(through ``fuselight.bench.results``).
 """
 
 from __future__ import annotations
