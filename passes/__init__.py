@@ -4,8 +4,11 @@
 ``"before_fuse_transpose_matmul"`` for rewrites of ``R.matmul`` itself (MLC's FuseTransposeMatmul
 turns linear layers into TIR kernels), ``"after_graph_passes"`` for the rest, after MLC's graph
 passes; at the start of phase 2, ``"before_legalize"`` for the lowering of the fusion plan (after
-every graph pass, ahead of TVM's LegalizeOps and FuseOps). ``default()`` is the list the fuselight
-pipeline runs when none is given.
+every graph pass, ahead of TVM's LegalizeOps and FuseOps). ``DEFAULT`` names the passes the fuselight
+pipeline runs when none are given, in order; ``default()`` returns them as pass objects (for
+``tvm.transform.Sequential``). ``rules`` names the rule families (``fuselight.rules.RULES``) that
+schedule, in phase 4, what a pass emits unscheduled: a pipeline without them leaves the pass out,
+since DLight's rules cannot schedule those functions.
 
 ``MergeSiblingMatmuls`` and ``FoldNormWeight`` are not among them: they change the weights a
 function takes, so its caller must transform the weights too (``weight_transform``).
@@ -14,7 +17,7 @@ function takes, so its caller must transform the weights too (``weight_transform
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 import tvm
@@ -45,6 +48,9 @@ class GraphPass:
     # The built library calls back into the fuselight runtime (``fuselight.kv_hooks``): it runs only
     # where fuselight is imported, so not in MLC-LLM's engine.
     needs_fuselight_runtime: bool = False
+    # Rule families (``fuselight.rules.RULES``) that must run in phase 4: the pass emits functions
+    # only they schedule.
+    rules: tuple[str, ...] = ()
 
 
 PASSES: dict[str, GraphPass] = {
@@ -54,25 +60,29 @@ PASSES: dict[str, GraphPass] = {
         GraphPass("fuse_attention", "before_fuse_transpose_matmul", FuseAttention),
         GraphPass("accumulate_matmul_fp32", "before_fuse_transpose_matmul", AccumulateMatmulFP32),
         # After accumulate_matmul_fp32: the fused kernel accumulates as the matmul it replaces.
-        GraphPass("fuse_gate_up_silu", "before_fuse_transpose_matmul", FuseGateUpSiLU),
+        GraphPass("fuse_gate_up_silu", "before_fuse_transpose_matmul", FuseGateUpSiLU, rules=("matmul", "gemv")),
         # Moves scales across R.matmul, which FuseTransposeMatmul lowers to TIR.
         GraphPass("property_rewrite", "before_fuse_transpose_matmul", PropertyRewrite),
-        GraphPass("paged_attention", "after_graph_passes", PagedAttentionKernels),
+        GraphPass("paged_attention", "after_graph_passes", PagedAttentionKernels, rules=("paged_attention",)),
         GraphPass("fuse_rope_append", "after_graph_passes", FuseRopeAppend, needs_fuselight_runtime=True),
         # Before add_rms_norm_kernels, which replaces the norm kernels this pass recognises.
-        GraphPass("fuse_norm_gemv", "after_graph_passes", FuseNormIntoGemv),
-        GraphPass("add_rms_norm_kernels", "after_graph_passes", AddRMSNormKernels),
+        GraphPass("fuse_norm_gemv", "after_graph_passes", FuseNormIntoGemv, rules=("gemv",)),
+        GraphPass("add_rms_norm_kernels", "after_graph_passes", AddRMSNormKernels, rules=("row_reduction",)),
         GraphPass("fusion_plan", "before_legalize", ApplyFusionPlan),
     ]
 }
 
 
-def default() -> list[str]:
-    """Names of the passes the fuselight pipeline runs by default, in order."""
-    return [
-        "fuse_attention", "accumulate_matmul_fp32", "fuse_gate_up_silu", "property_rewrite", "paged_attention",
-        "fuse_rope_append", "fuse_norm_gemv", "add_rms_norm_kernels", "fusion_plan",
-    ]  # fmt: skip
+# The passes the fuselight pipeline runs by default, in order.
+DEFAULT: tuple[str, ...] = (
+    "fuse_attention", "accumulate_matmul_fp32", "fuse_gate_up_silu", "property_rewrite", "paged_attention",
+    "fuse_rope_append", "fuse_norm_gemv", "add_rms_norm_kernels", "fusion_plan",
+)  # fmt: skip
+
+
+def default() -> list[tvm.transform.Pass]:
+    """The default passes (``DEFAULT``) as pass objects, in order."""
+    return [get(name).make() for name in DEFAULT]
 
 
 def get(name: str) -> GraphPass:
@@ -81,4 +91,10 @@ def get(name: str) -> GraphPass:
     return PASSES[name]
 
 
-__all__ = ["PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "Classify", "FoldNormWeight", "FuseAttention", "FuseGateUpSiLU", "FuseNormIntoGemv", "FuseRopeAppend", "GraphPass", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "Slot", "classify_module", "default", "get"]
+def served(names: Sequence[str], families: Iterable[str]) -> list[str]:
+    """``names`` less the passes whose rule families (``GraphPass.rules``) are not all in ``families``."""
+    have = set(families)
+    return [name for name in names if set(get(name).rules) <= have]
+
+
+__all__ = ["DEFAULT", "PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "Classify", "FoldNormWeight", "FuseAttention", "FuseGateUpSiLU", "FuseNormIntoGemv", "FuseRopeAppend", "GraphPass", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "Slot", "classify_module", "default", "get", "served"]

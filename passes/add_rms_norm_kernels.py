@@ -1,4 +1,4 @@
-"""Give FuseAddRMSNorm's add+RMSNorm kernels to the RowReduction rule: hand-scheduled -> ``rules.RowReduction``'s.
+"""Give FuseAddRMSNorm's add+RMSNorm kernels to the RowReduction rule: hand-scheduled -> plain, for ``rules.RowReduction``.
 
 MLC-LLM's ``FuseAddRMSNorm`` (and fuselight's equivalent of it, ``fuselight.baseline``) replaces
 ``rms_norm(add(x, r), w)`` with a call to an already scheduled kernel: one block per row, 1024
@@ -7,10 +7,13 @@ these kernels, about two thirds of the norms of a LLaMA decode step, would never
 RowReduction rule. This pass finds them by what they compute (not by name): a scheduled PrimFunc
 ``(x, r, w) -> (out, total)`` that stores ``x + r`` into registers, writes them to ``total``, sums
 their squares in float32 and writes ``cast(rsqrt(sum / hidden + eps) * float32(total) *
-float32(w))`` to ``out``. For each, it writes the same computation plainly (TOPI's add and
-rms_norm, over the kernel's own parameter shapes and ``eps``) and offers it to the rule; where the
-rule schedules it, the kernel is replaced in place (same signature, so the calls stay). Runs on the
-target in scope; elsewhere the module comes back unchanged.
+float32(w))`` to ``out``. For each, it writes the same computation plainly
+(``fuselight.computations.plain_add_rms_norm``: TOPI's add and rms_norm, over the kernel's own
+parameter shapes and ``eps``) and, where the rule takes it (``RowReduction.takes``: analysis and
+configs, nothing built), replaces the kernel in place with it (same signature, so the calls stay;
+not marked scheduled, so phase 4 reaches it; tagged ``RULE_ATTR = "row_reduction"`` and opaque to
+FuseOps): the rule schedules it in phase 4. Runs on the target in scope; elsewhere the module comes
+back unchanged.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from typing import Any
 
 import tvm
 import tvm_ffi
-from tvm import te, tirx, topi
+from tvm import tirx
 from tvm.tirx import stmt_functor
 
-from fuselight.rules.row_reduction import RowReduction
+from ..computations import plain_add_rms_norm
+from ..contracts import IS_SCHEDULED_ATTR, OP_PATTERN_ATTR, OPAQUE_OP_PATTERN, RULE_ATTR
+from ..rules.row_reduction import RowReduction
 
 _HALF = ("float16", "bfloat16")
 
@@ -76,7 +81,7 @@ def _sum_of_squares(value: Any, registers: Any) -> bool:
 
 def add_rms_norm_eps(func: tirx.PrimFunc) -> float | None:
     """``eps`` when ``func`` is a scheduled add+RMSNorm kernel (see the module docstring), else None."""
-    if not isinstance(func, tirx.PrimFunc) or "tirx.is_scheduled" not in (func.attrs or {}) or len(func.params) != 5:
+    if not isinstance(func, tirx.PrimFunc) or IS_SCHEDULED_ATTR not in (func.attrs or {}) or len(func.params) != 5:
         return None
     x, r, w, out, total = func.params
     dtype = str(x.dtype)
@@ -107,34 +112,24 @@ def add_rms_norm_eps(func: tirx.PrimFunc) -> float | None:
     return _norm_eps(to_out[0].value, int(hidden), registers, w)
 
 
-def plain_add_rms_norm(func: tirx.PrimFunc, eps: float) -> tirx.PrimFunc:
-    """``(x, r, w) -> (rms_norm(x + r, w), x + r)`` as TOPI writes it, over ``func``'s parameter shapes."""
-    x, r, w = func.params[:3]
-    xs, rs, ws = (te.placeholder(b.shape, str(b.dtype), b.name) for b in (x, r, w))
-    total = topi.add(xs, rs)
-    norm = topi.nn.rms_norm(total, ws, [len(x.shape) - 1], eps)
-    return te.create_prim_func([xs, rs, ws, norm, total]).with_attr("tirx.noalias", True)
-
-
 @tvm.transform.module_pass(opt_level=0, name="AddRMSNormKernels")
 class AddRMSNormKernels:
-    """Replace FuseAddRMSNorm's scheduled kernels with the RowReduction rule's where it has one."""
+    """Replace FuseAddRMSNorm's scheduled kernels with their plain computation where the RowReduction rule takes it."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         target = tvm.target.Target.current(allow_none=True)
         if target is None:
             return mod
-        rule = RowReduction()
         replaced = {}
         for gv, func in mod.functions_items():
             eps = add_rms_norm_eps(func) if isinstance(func, tirx.PrimFunc) else None
             if eps is None:
                 continue
-            ours = rule.apply(plain_add_rms_norm(func, eps), target, False)
-            if ours is not None:
-                kernel = ours.mod["main"].without_attr("global_symbol")  # te names it "main"
+            plain = plain_add_rms_norm(func, eps).without_attr("global_symbol")  # te names it "main"
+            if RowReduction.takes(plain, target):
+                plain = plain.with_attrs({RULE_ATTR: RowReduction.family, OP_PATTERN_ATTR: OPAQUE_OP_PATTERN})
                 symbol = (func.attrs or {}).get("global_symbol")
-                replaced[gv] = kernel if symbol is None else kernel.with_attr("global_symbol", symbol)
+                replaced[gv] = plain if symbol is None else plain.with_attr("global_symbol", symbol)
         if not replaced:
             return mod
         out = mod.clone()

@@ -4,7 +4,7 @@ Graphs that do not use a KV cache (encoders, ViT, diffusion, a LLaMA written wit
 attention as a chain of Relax ops; lowered op by op, each step writes the S x S score matrix to
 memory. This pass finds the chain and replaces it with a ``call_tir`` to one PrimFunc computing it
 (TE's reference computation, which runs anywhere), tagged with the function attribute
-``fuselight.attention`` (``ATTENTION_ATTR``) so that the schedule rule ``fuselight.rules.FlashAttention``
+``fuselight.attention`` (``contracts.ATTENTION_ATTR``) so that the schedule rule ``fuselight.rules.FlashAttention``
 can swap in a flash-attention kernel that never materialises the scores on the GPU.
 
 What is recognised, walking the dataflow bindings back and forth from each ``R.nn.softmax``:
@@ -39,47 +39,19 @@ import math
 
 import numpy as np
 import tvm
-from tvm import relax, te, tirx
+from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 
+from ..computations import ACCUMULATE_DTYPE, AttentionSpec, attention_prim_func
+from ..contracts import ATTENTION_NAME
 from ..relax_rewrite import FunctionRewriter
 
-ATTENTION_ATTR = "fuselight.attention"
 # Additive values at or below this count as "masked out": exp() of them underflows to 0 in float32
 # against any score of moderate size (Hugging Face uses the dtype's lowest value, -65504 in fp16).
 MASK_FLOOR = -1.0e4
-ACCUMULATE_DTYPE = "float32"
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
-# TVM's op pattern for functions FuseOps must not fuse into (so the rule sees the kernel as built here).
-OPAQUE_OP_PATTERN = 8
 # Ranks of the first matmul's output and the labels of its batch dims.
 _BATCH_LABELS = {2: (), 3: ("H",), 4: ("B", "H")}
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionSpec:
-    """What a fused attention PrimFunc computes (also its ``fuselight.attention`` attribute)."""
-
-    num_qo_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scale: float  # the product of the constant scales on Q, K and the scores
-    causal: bool  # key j is seen by query i iff j <= i
-    additive_mask: bool
-    layout: str  # "BSHD" or "BHSD", for q, k, v and out
-    dtype: str  # of q, k, v and out
-    softmax_dtype: str  # the dtype the graph took the softmax in
-    mask_dtype: str = ""  # "" without an additive mask
-    same_length: bool = False  # Sq == Skv is known (one symbolic value, or equal constants)
-
-    def to_attr(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @staticmethod
-    def from_attr(attr) -> AttentionSpec:
-        """The spec from a ``fuselight.attention`` attribute (TVM's map of TVM values)."""
-        names = [f.name for f in dataclasses.fields(AttentionSpec)]
-        return AttentionSpec(**{name: _plain(attr[name]) for name in names if name in attr})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,15 +182,6 @@ def _equal(a: tirx.PrimExpr, b: tirx.PrimExpr) -> bool:
 
 def _is_one(dim: tirx.PrimExpr) -> bool:
     return isinstance(dim, tirx.IntImm) and dim.value == 1
-
-
-def _plain(value):
-    """A TVM attribute value (IntImm, String, ...) as a Python scalar."""
-    if isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (tirx.IntImm, tirx.FloatImm)):
-        return bool(value.value) if value.dtype == "bool" else value.value
-    return str(value)
 
 
 def _int(expr) -> int | None:
@@ -585,69 +548,6 @@ def _reshape_forward(in_shape: list, out_shape: list | None, labels: tuple[str, 
     return tuple(out)
 
 
-# ---------------------------------------------------------------- the fused PrimFunc
-
-
-def attention_prim_func(spec: AttentionSpec) -> tirx.PrimFunc:
-    """The reference attention PrimFunc for ``spec``: params ``(q, k, v[, mask], out)``, batch and
-    sequence lengths symbolic (int64), scores accumulated and normalised in float32."""
-    batch = tirx.Var("batch_size", "int64")
-    q_len = tirx.Var("q_len", "int64")
-    kv_len = q_len if spec.same_length else tirx.Var("kv_len", "int64")
-    hq, hkv, dim = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
-    group = hq // hkv
-    bshd = spec.layout == "BSHD"
-    acc = ACCUMULATE_DTYPE
-
-    def shape(seq, heads):
-        return (batch, seq, heads, dim) if bshd else (batch, heads, seq, dim)
-
-    def at(t, b, s, h, d):
-        return t[b, s, h, d] if bshd else t[b, h, s, d]
-
-    q = te.placeholder(shape(q_len, hq), spec.dtype, "q")
-    k = te.placeholder(shape(kv_len, hkv), spec.dtype, "k")
-    v = te.placeholder(shape(kv_len, hkv), spec.dtype, "v")
-    # The mask's batch is 1 (shared) or the batch.
-    mask_batch = tirx.Var("mask_batch", "int64")
-    mask = te.placeholder((mask_batch, 1, q_len, kv_len), spec.mask_dtype, "mask") if spec.additive_mask else None
-    rd = te.reduce_axis((0, dim), "rd")
-    score = te.compute(
-        (batch, hq, q_len, kv_len),
-        lambda b, h, i, j: te.sum(at(q, b, i, h, rd).astype(acc) * at(k, b, j, h // group, rd).astype(acc), axis=rd),
-        name="score",
-    )
-
-    def logit_of(b, h, i, j):
-        x = score[b, h, i, j] * tirx.const(spec.scale, acc)
-        if mask is not None:
-            x = x + mask[tirx.if_then_else(mask_batch == 1, tirx.const(0, "int64"), b), 0, i, j].astype(acc)
-        return tirx.if_then_else(j <= i, x, te.min_value(acc)) if spec.causal else x
-
-    logit = te.compute((batch, hq, q_len, kv_len), logit_of, name="logit")
-    rj = te.reduce_axis((0, kv_len), "rj")
-    row_max = te.compute((batch, hq, q_len), lambda b, h, i: te.max(logit[b, h, i, rj], axis=rj), name="row_max")
-    prob = te.compute((batch, hq, q_len, kv_len), lambda b, h, i, j: te.exp(logit[b, h, i, j] - row_max[b, h, i]),
-                      name="prob")
-    rj2 = te.reduce_axis((0, kv_len), "rj2")
-    row_sum = te.compute((batch, hq, q_len), lambda b, h, i: te.sum(prob[b, h, i, rj2], axis=rj2), name="row_sum")
-    rj3 = te.reduce_axis((0, kv_len), "rj3")
-    acc_out = te.compute(
-        (batch, hq, q_len, dim),
-        lambda b, h, i, d: te.sum(prob[b, h, i, rj3] * at(v, b, rj3, h // group, d).astype(acc), axis=rj3),
-        name="acc_out",
-    )
-
-    def out_of(b, x, y, d):
-        h, i = (y, x) if bshd else (x, y)
-        return (acc_out[b, h, i, d] / row_sum[b, h, i]).astype(spec.dtype)
-
-    out = te.compute(shape(q_len, hq), out_of, name="out")
-    params = [q, k, v, *([mask] if mask is not None else []), out]
-    func = te.create_prim_func(params, index_dtype_override="int64").without_attr("global_symbol")
-    return func.with_attr(ATTENTION_ATTR, spec.to_attr()).with_attr("op_pattern", OPAQUE_OP_PATTERN)
-
-
 # ---------------------------------------------------------------- the rewrite
 
 
@@ -719,5 +619,5 @@ class _Rewriter(FunctionRewriter):
 
     def _kernel(self, spec: AttentionSpec) -> tvm.ir.GlobalVar:
         if spec not in self.kernels:
-            self.kernels[spec] = self.builder_.add_func(attention_prim_func(spec), "fused_attention")
+            self.kernels[spec] = self.builder_.add_func(attention_prim_func(spec), ATTENTION_NAME)
         return self.kernels[spec]

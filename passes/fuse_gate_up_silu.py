@@ -7,15 +7,17 @@ rows, then the up rows, and splits the result in two halves::
     gate, up = split(y, 2, axis=-1)
     out = multiply(silu(gate), up)                  # [..., I]    (operands of multiply either way)
 
-This pass replaces that chain by one ``call_tir`` of a PrimFunc (TE) computing the matmul into
-``[..., 2I]`` (accumulating in the matmul's output dtype, then cast where the graph casts) followed
-by one elementwise stage ``out[..., j] = silu(C[..., j]) * C[..., j + I]``, scheduled right away by
-fuselight's GEMM rules (``rules.Matmul`` for dynamic M, ``rules.Gemv`` for decode; their analysis
-sees a "paired" epilogue and writes one kernel whose tiles hold both halves, so the ``[..., 2I]``
-intermediate never reaches memory). Only where a rule schedules it: DLight's Matmul rule cannot
-inline an epilogue that reads two columns (it fails an assertion), so an unscheduled fused
-function must never reach it; elsewhere (other targets, shapes the templates do not take) the
-graph stays as it is. ``FuseGateUpSiLU(schedule=False)`` fuses without scheduling (any target:
+This pass replaces that chain by one ``call_tir`` of a PrimFunc (TE, ``fuselight.computations
+.gate_up_silu_te``) computing the matmul into ``[..., 2I]`` (accumulating in the matmul's output
+dtype, then cast where the graph casts) followed by one elementwise stage ``out[..., j] =
+silu(C[..., j]) * C[..., j + I]``, left unscheduled for fuselight's GEMM rules in phase 4
+(``rules.Matmul`` for dynamic M, ``rules.Gemv`` for decode; their analysis sees a "paired" epilogue
+and writes one kernel whose tiles hold both halves, so the ``[..., 2I]`` intermediate never reaches
+memory): tagged ``RULE_ATTR = "gemm"`` and opaque to FuseOps, so it reaches them as emitted. Only
+where one of those rules takes it (``takes``: its analysis and configs, nothing built): DLight's
+Matmul rule cannot inline an epilogue that reads two columns (it fails an assertion), so the fused
+function must never reach it; elsewhere (other targets, shapes the templates do not take) the graph
+stays as it is. ``FuseGateUpSiLU(schedule=False)`` fuses wherever it matches (any target, untagged:
 the plain TE function, e.g. to check the numbers on the CPU). Runs before ``FuseTransposeMatmul``
 (which lowers linear layers to TIR). Only exact matches change: two equal halves of a static even
 width, SiLU on the first half, every intermediate used by the chain alone, a weight the function
@@ -28,13 +30,20 @@ import dataclasses
 from typing import Any
 
 import tvm
-from tvm import relax, te, tirx
+from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 
+from ..computations import gate_up_silu_prim_func
+from ..contracts import GATE_UP_SILU_NAME as PRIMFUNC_NAME
+from ..contracts import OP_PATTERN_ATTR, OPAQUE_OP_PATTERN, RULE_ATTR
 from ..relax_rewrite import FunctionRewriter, rewrite_for_target
+from ..rules.gemv import Gemv
+from ..rules.matmul import Matmul
 from .weight_source import loaded_weight
 
-PRIMFUNC_NAME = "gate_up_matmul_swiglu"
+# The rules that schedule the fused function, in phase 4's order.
+RULES = (Matmul, Gemv)
+RULE_FAMILY = "gemm"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,44 +143,6 @@ def _match(mul: relax.Call, var2val: Any, uses: dict[relax.Var, int]) -> _Match 
     return None
 
 
-def gate_up_silu_te(x: te.Tensor, w: te.Tensor, acc_dtype: str, out_dtype: str) -> te.Tensor:
-    """``silu(C[..., :I]) * C[..., I:]`` of ``C = cast(x @ w^T)``: the matmul (accumulated in
-    ``acc_dtype``, cast to ``out_dtype``) and the paired elementwise stage."""
-    width, k = w.shape  # static (checked by the match), in the graph's index dtype
-    half = tirx.IntImm(str(width.ty.dtype), int(width) // 2)
-    lead = list(x.shape[:-1])
-    r = te.reduce_axis((tirx.IntImm(str(k.ty.dtype), 0), k), "k")
-
-    def product(*i: Any) -> Any:
-        a, b = x[(*i[:-1], r)], w[i[-1], r]
-        if acc_dtype != str(x.dtype):
-            a, b = a.astype(acc_dtype), b.astype(acc_dtype)
-        return te.sum(a * b, axis=r)
-
-    c = te.compute((*lead, width), product, name="NT_matmul")
-
-    def value(*i: Any) -> Any:
-        gate, up = c[(*i[:-1], i[-1])], c[(*i[:-1], i[-1] + half)]
-        if out_dtype != acc_dtype:
-            gate, up = gate.astype(out_dtype), up.astype(out_dtype)
-        # silu as LegalizeOps writes relax.nn.silu (TOPI: x * sigmoid(x)).
-        return gate * te.sigmoid(gate) * up
-
-    return te.compute((*lead, half), value, name="silu_multiply")
-
-
-def _schedule(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc | None:
-    """``func`` as the first of fuselight's GEMM rules that schedules it (the order of phase 4), or None."""
-    from fuselight.rules.gemv import Gemv
-    from fuselight.rules.matmul import Matmul
-
-    for rule in (Matmul(), Gemv()):
-        scheduled = rule.apply(func, target, False)
-        if scheduled is not None:
-            return scheduled.mod["main"].without_attr("global_symbol")  # te names it "main"
-    return None
-
-
 @tvm.transform.module_pass(opt_level=0, name="FuseGateUpSiLU")
 class FuseGateUpSiLU:
     """Replace ``multiply(silu(gate), up)`` of a split gate+up projection by one fused call (see the module docstring)."""
@@ -187,7 +158,7 @@ class FuseGateUpSiLU:
 class _Rewriter(FunctionRewriter):
     def __init__(self, mod: tvm.IRModule, target: tvm.target.Target | None) -> None:
         super().__init__(mod)
-        self.target = target  # None: fuse without scheduling
+        self.target = target  # None: fuse wherever it matches, untagged
         self.matches: dict[relax.Call, _Match] = {}
         for _, func in mod.functions_items():
             if not isinstance(func, relax.Function):
@@ -203,15 +174,14 @@ class _Rewriter(FunctionRewriter):
         found = self.matches.get(call)
         if found is None:
             return super().visit_call_(call)
-        x = te.placeholder(_shape(found.x), str(found.x.ty.dtype), "x")
-        w = te.placeholder(_shape(found.w), str(found.w.ty.dtype), "w")
-        out = gate_up_silu_te(x, w, found.acc_dtype, found.out_dtype)
-        func = te.create_prim_func([x, w, out]).with_attr("tirx.noalias", True)
+        func = gate_up_silu_prim_func(_shape(found.x), str(found.x.ty.dtype), _shape(found.w), str(found.w.ty.dtype),
+                                      found.acc_dtype, found.out_dtype)
         if self.target is not None:
-            func = _schedule(func, self.target)
-            if func is None:
+            if not any(rule.takes(func, self.target) for rule in RULES):
                 return super().visit_call_(call)
-        gv = self.builder_.add_func(func.without_attr("global_symbol"), PRIMFUNC_NAME)
+            func = func.with_attrs({RULE_ATTR: RULE_FAMILY, OP_PATTERN_ATTR: OPAQUE_OP_PATTERN})
+        gv = self.builder_.add_func(func, PRIMFUNC_NAME)
+        out = func.params[-1]
         return relax.call_tir(
-            gv, [self.visit_expr(found.x), self.visit_expr(found.w)], relax.TensorType(list(out.shape), found.out_dtype)
+            gv, [self.visit_expr(found.x), self.visit_expr(found.w)], relax.TensorType(list(out.ty.shape), found.out_dtype)
         )

@@ -6,21 +6,21 @@ GEMV whose kernel reads the normed row anyway. This pass finds::
 
     normed = rms_norm(x (+ r), w)       # FuseAddRMSNorm's kernel (normed, x + r), or
                                         # R.nn.rms_norm(R.add(x, r), w), or R.nn.rms_norm(x, w)
-    y = call_tir(F, (normed, W))        # F: a matmul PrimFunc (the GEMM analysis recognises it), or
-                                        # FuseGateUpSiLU's kernel (compared with what the GEMV rule makes
-                                        # of its function)
+    y = call_tir(F, (normed, W))        # F: a matmul PrimFunc the GEMM analysis recognises
+                                        # (FuseGateUpSiLU's unscheduled function included)
     z = astype(astype(y ...))           # casts of y, each the only use of the one before (optional)
 
 where ``normed`` has no other use, the token rows are static and ``W`` is a weight the function loads
 (``weight_source``: a dequantized one stays fused with its matmul), and replaces them with one
-``call_tir`` of a PrimFunc ``(x[, r], w, W) -> (z[, x + r])`` written plainly (TOPI's add and
-rms_norm, ``F``'s own stages reading the norm, the casts; spliced by FuseTIR), scheduled right away
-by the GEMV rule, whose template computes the norm in every block (``rules.gemm.gemv``). Only where
-that rule schedules it: the other GEMM templates take no norm prologue, so an unscheduled fused
-function must never reach them (prefill, with its symbolic rows, keeps the separate norm kernel;
-there the norm is a small part of the time). ``FuseNormIntoGemv(schedule=False)`` fuses without
-scheduling (any target: the plain functions, e.g. to check the numbers on the CPU) wherever the
-GEMM analysis recognises the fused function with static rows.
+``call_tir`` of a PrimFunc ``(x[, r], w, W) -> (z[, x + r])`` written plainly
+(``fuselight.computations.fused_norm_matmul``: TOPI's add and rms_norm, ``F``'s own stages reading
+the norm, the casts; spliced by FuseTIR), left unscheduled for the GEMV rule in phase 4 (tagged
+``RULE_ATTR = "gemv"``, opaque to FuseOps), whose template computes the norm in every block
+(``rules.gemm.gemv``). Only where that rule takes it (``Gemv.takes``: analysis and configs, nothing
+built): the other GEMM templates take no norm prologue, so the fused function must never reach them
+(prefill, with its symbolic rows, keeps the separate norm kernel; there the norm is a small part of
+the time). ``FuseNormIntoGemv(schedule=False)`` fuses (untagged) wherever the GEMM analysis
+recognises the fused function with static rows (any target: e.g. to check the numbers on the CPU).
 
 Runs after the graph passes (FuseGateUpSiLU, FuseTransposeMatmul) and before
 ``add_rms_norm_kernels``, which replaces FuseAddRMSNorm's kernels with ones this pass does not read.
@@ -33,17 +33,17 @@ from typing import Any
 
 import tvm
 import tvm_ffi
-from fuselight.rules.gemm.analysis import analyze_matmul
-from tvm import relax, te, tirx, topi
+from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 
+from ..computations import fused_norm_matmul
+from ..contracts import IS_SCHEDULED_ATTR, OP_PATTERN_ATTR, OPAQUE_OP_PATTERN, RULE_ATTR
+from ..contracts import NORM_GEMV_NAME as PRIMFUNC_NAME
 from ..relax_rewrite import FunctionRewriter, rewrite_for_target
+from ..rules.gemm.analysis import analyze_matmul
+from ..rules.gemv import Gemv
 from .add_rms_norm_kernels import add_rms_norm_eps
-from .fuse_gate_up_silu import gate_up_silu_te
 from .weight_source import loaded_weight
-
-PRIMFUNC_NAME = "fused_rms_norm_gemv"
-_HALF = ("float16", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,81 +79,6 @@ def _vars(expr: Any) -> list[relax.Var]:
     found: list[relax.Var] = []
     relax.analysis.post_order_visit(expr, lambda n: found.append(n) if isinstance(n, relax.Var) else None)
     return found
-
-
-def fused_norm_matmul(
-    x_ty: relax.TensorType,
-    residual: bool,
-    weight_ty: relax.TensorType,
-    eps: float,
-    consumer: tirx.PrimFunc,
-    matrix_ty: relax.TensorType,
-    casts: tuple[str, ...] = (),
-) -> tirx.PrimFunc:
-    """``(x[, r], w, W) -> (y[, x + r])``, written plainly: TOPI's add (if ``residual``) and rms_norm
-    of ``x`` over its last axis, ``consumer`` (a PrimFunc ``(A, W) -> y``) reading the norm, then
-    ``casts``; FuseTIR splices the stages into one PrimFunc."""
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", x_ty)
-    r = relax.Var("residual", x_ty)
-    w = relax.Var("norm_weight", weight_ty)
-    mat = relax.Var("weight", matrix_ty)
-    params = [x, *([r] if residual else []), w, mat]
-    out = consumer.params[-1]
-    with bb.function("fused", params, attrs={"Primitive": True}, private=True):
-        with bb.dataflow():
-            src = bb.emit_te(topi.add, x, r) if residual else x
-            normed = bb.emit_te(topi.nn.rms_norm, src, w, [len(x_ty.shape.values) - 1], eps)
-            matmul = bb.add_func(consumer.without_attr("global_symbol"), "matmul")
-            y = bb.emit(relax.call_tir(matmul, [normed, mat], relax.TensorType(list(out.shape), str(out.dtype))))
-            for dtype in casts:
-                y = bb.emit_te(topi.cast, y, dtype)
-            result = bb.emit_output(relax.Tuple([y, src]) if residual else y)
-        bb.emit_func_output(result)
-    fused = bb.get().get_global_var("fused")
-    outer = [relax.Var(p.name, p.ty) for p in params]
-    with bb.function("main", outer):
-        with bb.dataflow():
-            called = bb.emit_output(relax.Call(fused, outer))
-        bb.emit_func_output(called)
-    mod = relax.transform.FuseTIR()(bb.get())
-    calls: list[Any] = []
-    relax.analysis.post_order_visit(mod["main"], lambda n: calls.append(n) if _op(n, "relax.call_tir") else None)
-    return mod[calls[0].args[0]].without_attr("global_symbol")
-
-
-def _gemv(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc | None:
-    """``func`` as the GEMV rule schedules it on ``target``, or None."""
-    from fuselight.rules.gemv import Gemv
-
-    scheduled = Gemv().apply(func, target, False)
-    return None if scheduled is None else scheduled.mod["main"].without_attr("global_symbol")
-
-
-def _gate_up_plain(func: tirx.PrimFunc, target: tvm.target.Target | None) -> tirx.PrimFunc | None:
-    """FuseGateUpSiLU's plain function when scheduled ``func`` is exactly what the GEMV rule makes of
-    it on ``target`` (the scheduled kernel keeps no trace of what it computes), else None."""
-    attrs = func.attrs or {}
-    if target is None or "tirx.is_scheduled" not in attrs or len(func.params) != 3:
-        return None
-    x, w, out = func.params
-    dtype = str(x.dtype)
-    if dtype not in _HALF or str(w.dtype) != dtype or len(w.shape) != 2 or len(x.shape) != len(out.shape):
-        return None
-    if not all(isinstance(d, tirx.IntImm) for d in (*x.shape, *w.shape, *out.shape)):
-        return None
-    if int(w.shape[1]) != int(x.shape[-1]) or int(w.shape[0]) != 2 * int(out.shape[-1]):
-        return None
-    if [int(d) for d in x.shape[:-1]] != [int(d) for d in out.shape[:-1]]:
-        return None
-    for acc in ("float32", dtype):
-        xs, ws = te.placeholder(x.shape, dtype, "x"), te.placeholder(w.shape, dtype, "w")
-        plain = te.create_prim_func([xs, ws, gate_up_silu_te(xs, ws, acc, str(out.dtype))])
-        plain = plain.with_attr("tirx.noalias", True)
-        ours = _gemv(plain, target)
-        if ours is not None and tvm_ffi.structural_equal(ours, func.without_attr("global_symbol")):
-            return plain
-    return None
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseNormIntoGemv")
@@ -262,7 +187,7 @@ class _Finder:
 class _Rewriter(FunctionRewriter):
     def __init__(self, mod: tvm.IRModule, target: tvm.target.Target | None) -> None:
         super().__init__(mod)
-        self.target = target  # None: fuse without scheduling
+        self.target = target  # None: fuse wherever recognised, untagged
         self.consumers: dict[tvm.ir.GlobalVar, tirx.PrimFunc | None] = {}
         self.kernels: dict[tuple, tvm.ir.GlobalVar | None] = {}
         self.anchors: dict[relax.Var, _Site] = {}
@@ -282,21 +207,18 @@ class _Rewriter(FunctionRewriter):
         if gv not in self.consumers:
             func = self.mod[gv]
             plain = None
-            if isinstance(func, tirx.PrimFunc):
-                if "tirx.is_scheduled" in (func.attrs or {}):
-                    plain = _gate_up_plain(func, self.target)
-                else:
-                    desc = analyze_matmul(func)
-                    ops = desc.operands if desc is not None else None
-                    if ops is not None and len(func.params) == 3 and ops.a.same_as(func.params[0]) \
-                            and ops.b.same_as(func.params[1]):
-                        plain = func
+            if isinstance(func, tirx.PrimFunc) and IS_SCHEDULED_ATTR not in (func.attrs or {}):
+                desc = analyze_matmul(func)
+                ops = desc.operands if desc is not None else None
+                if ops is not None and len(func.params) == 3 and ops.a.same_as(func.params[0]) \
+                        and ops.b.same_as(func.params[1]):
+                    plain = func
             self.consumers[gv] = plain
         return self.consumers[gv]
 
     def _kernel(self, site: _Site) -> tvm.ir.GlobalVar | None:
         """The fused function's GlobalVar (added once per distinct computation), or None where it is
-        not made: not recognised with static rows, or not scheduled by the GEMV rule."""
+        not made: not recognised with static rows, or not taken by the GEMV rule."""
         key = (site.residual is not None, site.eps, tuple(site.casts),
                *(tvm_ffi.structural_hash(e.ty) for e in (site.x, site.weight, site.matrix)),
                tvm_ffi.structural_hash(site.consumer))
@@ -307,7 +229,8 @@ class _Rewriter(FunctionRewriter):
             if desc is None or desc.m_static is None:
                 func = None
             elif self.target is not None:
-                func = _gemv(func, self.target)
+                takes = Gemv.takes(func, self.target)
+                func = func.with_attrs({RULE_ATTR: Gemv.family, OP_PATTERN_ATTR: OPAQUE_OP_PATTERN}) if takes else None
             self.kernels[key] = None if func is None else self.builder_.add_func(func, PRIMFUNC_NAME)
         return self.kernels[key]
 

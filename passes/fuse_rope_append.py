@@ -9,9 +9,12 @@ apply_rope, pages, append_positions)``: TVM's split-rotary function whose k and 
 the same values into the pages (where the append position is not -1, as TVM's append skips it).
 Where the cache's decode kernel is fuselight's (``passes.paged_attention`` ran, same heads and
 pages) and the cache cannot transfer k and v between the append and attention (disaggregation off),
-it also builds ``rules.flash.decode.flash_decode_paged_rotary``: the decode kernel whose split blocks
-compute their q heads and the new k / v rows from ``qkv`` by the split-rotary's own expressions, so
-a decode layer launches no kernel for RoPE and the append at all.
+it also asks for ``rules.flash.decode.flash_decode_paged_rotary``: the decode kernel whose split
+blocks compute their q heads and the new k / v rows from ``qkv`` by the split-rotary's own
+expressions, so a decode layer launches no kernel for RoPE and the append at all. The pass adds a
+copy of TVM's split-rotary function tagged ``FUSED_ROPE_APPEND_DECODE_ATTR`` (the page size) under
+that kernel's symbol; the ``PagedAttention`` rule builds the kernel from it in phase 4 (only the
+wrappers call it, so its parameters may change there).
 
 It then hands the cache wrappers of its kernels (``fuselight.kv_hooks``, registered by the
 fuselight runtime): the split-rotary wrapper records its arguments; the append wrapper runs the
@@ -34,27 +37,21 @@ from __future__ import annotations
 import dataclasses
 
 import tvm
-from fuselight.kv_hooks import DECODE_GLOBAL_NAME, GLOBAL_NAME
-from fuselight.rules.flash.decode import GLOBAL_SYMBOL as DECODE_SYMBOL
-from fuselight.rules.flash.decode import ROTARY_GLOBAL_SYMBOL as ROTARY_SYMBOL
-from fuselight.rules.flash.decode import flash_decode_paged_rotary, load_decode_config
-from fuselight.rules.flash.paging import static_dim
-from fuselight.rules.flash.rotary import SplitRotary
-from fuselight.rules.flash.rotary import analyze as analyze_split_rotary
-from fuselight.rules.paged_attention import analyze as analyze_attention
-from fuselight.target import arch_of
 from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 
+from ..contracts import HOOKS_DECODE_FUNC, HOOKS_FUNC, IS_SCHEDULED_ATTR, PAGED_ATTENTION_ATTR
+from ..contracts import FUSED_ROPE_APPEND_ATTR as FUSED_ATTR
+from ..contracts import FUSED_ROPE_APPEND_DECODE_ATTR as FUSED_DECODE_ATTR
+from ..contracts import FUSED_ROPE_APPEND_NAME as FUSED_NAME
+from ..contracts import ROTARY_DECODE_SYMBOL as ROTARY_SYMBOL
 from ..relax_rewrite import FunctionRewriter
+from ..rules.flash.rotary import SplitRotary
+from ..rules.flash.rotary import analyze as analyze_split_rotary
+from ..rules.paged_attention import PagedAttention, RotaryDecodeDesc
+from ..rules.paged_attention import analyze as analyze_attention
 from .paged_attention import create_calls, global_vars
 
-# the wrapper factories the runtime half registers
-HOOKS_FUNC, HOOKS_DECODE_FUNC = GLOBAL_NAME, DECODE_GLOBAL_NAME
-FUSED_NAME = "fused_rope_append"
-# launch counting (fuselight.compile.kv_cache_kernels) reads these
-FUSED_ATTR = "fuselight.fused_rope_append"
-FUSED_DECODE_ATTR = "fuselight.fused_rope_append_decode"
 # Positions among the create call's arguments (after its packed function's name; TVM 0.26's
 # TIRPagedKVCache): enable_disaggregation, f_transpose_append (MHA), f_attention_decode (a
 # ("tirx", kernel) tuple) and f_split_rotary.
@@ -75,6 +72,11 @@ class RopeAppendDesc:
     @property
     def page_size(self) -> int:
         return int(self.pages.ty.shape[3])
+
+
+def static_dim(dim: tvm.ir.PrimExpr) -> int | None:
+    """A buffer dimension's value where it is static, else None."""
+    return int(dim) if isinstance(dim, tirx.IntImm) else None
 
 
 def _buffers(func: tirx.PrimFunc) -> list[tirx.Var]:
@@ -153,14 +155,14 @@ def fuse(rope: tirx.PrimFunc, desc: RopeAppendDesc) -> tirx.PrimFunc:
 
 
 def _fuselight_decode(mod: tvm.IRModule, args: list[relax.Expr], desc: RopeAppendDesc) -> tvm.ir.GlobalVar | None:
-    """The cache's decode attention kernel where it is fuselight's (``passes.paged_attention`` ran)
-    over the split-rotary's heads and the append's pages, else None."""
+    """The cache's decode attention kernel where it is fuselight's (``passes.paged_attention`` handed
+    it to the rule) over the split-rotary's heads and the append's pages, else None."""
     slot = args[DECODE_ARG] if len(args) > DECODE_ARG else None
     if not isinstance(slot, relax.Tuple) or len(slot.fields) != 2 or not isinstance(slot.fields[1], tvm.ir.GlobalVar):
         return None
     gv = slot.fields[1]
     func = mod[gv]
-    if not isinstance(func, tirx.PrimFunc) or func.attrs is None or not str(func.attrs.get("global_symbol", "")).startswith(DECODE_SYMBOL):
+    if not isinstance(func, tirx.PrimFunc) or func.attrs is None or str(func.attrs.get(PAGED_ATTENTION_ATTR, "")) != "decode":
         return None
     attention = analyze_attention(func)
     rotary = desc.rotary
@@ -203,9 +205,10 @@ class FuseRopeAppend:
                 continue
             hooked = _Hooked(rewriter.add(fuse(rope, desc), FUSED_NAME), split_gv, append_gv)
             decode_gv = _fuselight_decode(mod, args, desc)
-            if decode_gv is not None and target is not None and not _disaggregated(args):
-                config = load_decode_config(arch_of(target))
-                fused_decode = flash_decode_paged_rotary(desc.rotary, desc.page_size, config).with_attr(FUSED_DECODE_ATTR, True)
+            if (decode_gv is not None and target is not None and not _disaggregated(args)
+                    and PagedAttention.supports(RotaryDecodeDesc(desc.rotary, desc.page_size), target)):
+                # TVM's split-rotary for the rule, which builds the fused decode kernel from it in phase 4.
+                fused_decode = rope.without_attr(IS_SCHEDULED_ATTR).with_attr(FUSED_DECODE_ATTR, desc.page_size)
                 hooked = dataclasses.replace(hooked, fused_decode=rewriter.add(fused_decode, ROTARY_SYMBOL), decode=decode_gv)
             rewriter.hooked[call] = hooked
         return rewriter.transform() if rewriter.hooked else mod

@@ -2,10 +2,13 @@
 
 ``tvm.relax.frontend.nn.llm.TIRPagedKVCache`` (used by our LLaMA and by MLC-LLM's models) passes its
 attention kernels as PrimFuncs to ``vm.builtin.paged_attention_kv_cache_create``; its runtime calls
-them. This pass offers each PrimFunc named in such a call to the ``PagedAttention`` rule and, where
-the rule returns a kernel (same interface, faster), adds it to the module under its own name and
-points the call at it. The built-in kernel stays wherever the rule declines (other dtypes, head
-dims, sliding window) and is removed from the module otherwise. A cache that applies RoPE inside attention (``RopeMode.INLINE``) is left alone: ours
+them. This pass asks the ``PagedAttention`` rule about each PrimFunc named in such a call
+(``analyze`` + ``PagedAttention.supports``: its interface and the configs, nothing built) and, where
+the rule has a kernel for it (same interface, faster), hands the function to the rule: tagged
+``PAGED_ATTENTION_ATTR`` (its kind), no longer marked scheduled (so phase 4 reaches it), added
+under fuselight's symbol for that kind (``contracts.PAGED_ATTENTION_SYMBOLS``), with the call
+pointed at it. The rule swaps in its kernel in phase 4. TVM's kernel stays wherever the rule
+declines (other dtypes, head dims, sliding window) and is removed from the module otherwise. A cache that applies RoPE inside attention (``RopeMode.INLINE``) is left alone: ours
 expect rotated keys in the cache.
 
 Runs on the target in scope (``tvm.target.Target.current()``); on targets the rule does not serve
@@ -15,12 +18,13 @@ the module comes back unchanged.
 from __future__ import annotations
 
 import tvm
-from fuselight.rules.paged_attention import PagedAttention
 from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
 
+from ..contracts import IS_SCHEDULED_ATTR, PAGED_ATTENTION_ATTR, PAGED_ATTENTION_SYMBOLS
 from ..relax_rewrite import FunctionRewriter
+from ..rules.paged_attention import PagedAttention, analyze
 
 CREATE_FUNC = "vm.builtin.paged_attention_kv_cache_create"
 # Positions in the create call (TVM 0.26's TIRPagedKVCache): rope_mode is the 9th argument.
@@ -70,13 +74,12 @@ def _kernels(call: relax.Call) -> list[tvm.ir.GlobalVar]:
 
 @tvm.transform.module_pass(opt_level=0, name="PagedAttentionKernels")
 class PagedAttentionKernels:
-    """Point the paged KV cache at fuselight's attention kernels where the rule has one."""
+    """Hand the paged KV cache's attention kernels to the PagedAttention rule where it has one."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         target = tvm.target.Target.current(allow_none=True)
         if target is None:
             return mod
-        rule = PagedAttention()
         rewriter = _Repoint(mod)
         for call in create_calls(mod):
             if _rope_inline(call):
@@ -85,11 +88,12 @@ class PagedAttentionKernels:
                 func = mod[gv]
                 if gv in rewriter.replaced or not isinstance(func, tirx.PrimFunc):
                     continue
-                ours = rule.apply(func, target, False)
-                if ours is not None:
+                desc = analyze(func)
+                if desc is not None and PagedAttention.supports(desc, target):
+                    tagged = func.without_attr(IS_SCHEDULED_ATTR).with_attr(PAGED_ATTENTION_ATTR, desc.kind)
                     # the builder picks a unique name; the symbol must match it for the VM to find the kernel
-                    new_gv = rewriter.builder_.add_func(ours, str(ours.attrs["global_symbol"]))
-                    rewriter.builder_.update_func(new_gv, ours.with_attr("global_symbol", new_gv.name_hint))
+                    new_gv = rewriter.builder_.add_func(tagged, PAGED_ATTENTION_SYMBOLS[desc.kind])
+                    rewriter.builder_.update_func(new_gv, tagged.with_attr("global_symbol", new_gv.name_hint))
                     rewriter.replaced[gv] = new_gv
         if not rewriter.replaced:
             return mod

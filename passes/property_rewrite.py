@@ -42,10 +42,10 @@ import tvm
 from tvm import arith, relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ..contracts import REWRITES_REFUSED_ATTR as REFUSED_ATTR
 from .classify import classify_binding
 
 APPLIED_ATTR = "fuselight.rewrites_applied"
-REFUSED_ATTR = "fuselight.rewrites_refused"
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 WIDE_RANGE_DTYPES = ("bfloat16", "float32", "float64")
 # astype(astype(x, wide), dtype) == x: every value of dtype is exact in wide.

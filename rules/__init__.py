@@ -1,61 +1,72 @@
 """fuselight schedule rules (DLight style), tried ahead of DLight's defaults.
 
-``default(target)`` is the rule list to hand to ``tvm.s_tir.dlight.ApplyDefaultSchedule``: each
-PrimFunc is scheduled by the first rule that applies, so fuselight's rules (``FUSELIGHT_RULES``)
-come first and DLight's defaults, the ones MLC-LLM uses, stay as the fallback.
+``RULES`` names every rule family (the shape of ``fuselight.passes.PASSES``): ``ScheduleRuleEntry``
+with its name and the rule class, most specific first. ``DEFAULT`` is that order;
+``fuselight_rules(families)`` makes the rule objects, ``default(target)`` is the rule list to hand to
+``tvm.s_tir.dlight.ApplyDefaultSchedule``: each PrimFunc is scheduled by the first rule that
+applies, so fuselight's rules come first and DLight's defaults, the ones MLC-LLM uses, stay as the
+fallback. A rule object's family is its class's ``family`` (``families_of``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
 
-if TYPE_CHECKING:
-    import tvm
-    from tvm.s_tir.dlight import ScheduleRule
+import tvm
+from tvm.s_tir import dlight as dl
+from tvm.s_tir.dlight import ScheduleRule
 
-
-def flash_attention_rule() -> ScheduleRule:
-    from .flash_attention import FlashAttention
-
-    return FlashAttention()
-
-
-def matmul_rule() -> ScheduleRule:
-    from .matmul import Matmul
-
-    return Matmul()
+from ..errors import FuselightError
+from .flash_attention import FlashAttention
+from .gemv import Gemv
+from .matmul import Matmul
+from .paged_attention import PagedAttention
+from .rope_append import RopeAppend
+from .row_reduction import RowReduction
 
 
-def gemv_rule() -> ScheduleRule:
-    from .gemv import Gemv
-
-    return Gemv()
-
-
-def rope_append_rule() -> ScheduleRule:
-    from .rope_append import RopeAppend
-
-    return RopeAppend()
+@dataclasses.dataclass(frozen=True)
+class ScheduleRuleEntry:
+    name: str
+    make: Callable[[], ScheduleRule]
 
 
-def row_reduction_rule() -> ScheduleRule:
-    from .row_reduction import RowReduction
+# Most specific first: FlashAttention only takes functions tagged by FuseAttention (and checked to be
+# exactly that computation), which DLight's Reduction and Fallback rules would otherwise accept and
+# schedule as separate, S x S-materialising stages. PagedAttention takes only the KV cache's kernels
+# the paged_attention and fuse_rope_append passes tagged (TVM's scheduled kernels, no longer marked
+# so: no other rule should see them).
+RULES: dict[str, ScheduleRuleEntry] = {
+    e.name: e
+    for e in [
+        ScheduleRuleEntry(FlashAttention.family, FlashAttention),
+        ScheduleRuleEntry(PagedAttention.family, PagedAttention),
+        ScheduleRuleEntry(Matmul.family, Matmul),
+        ScheduleRuleEntry(Gemv.family, Gemv),
+        ScheduleRuleEntry(RowReduction.family, RowReduction),
+        ScheduleRuleEntry(RopeAppend.family, RopeAppend),
+    ]
+}
+DEFAULT: tuple[str, ...] = tuple(RULES)
 
-    return RowReduction()
+
+def get(name: str) -> ScheduleRuleEntry:
+    if name not in RULES:
+        raise FuselightError(f"unknown rule family {name!r}: expected one of {', '.join(RULES)}")
+    return RULES[name]
 
 
-# Factories of fuselight's rules, most specific first: FlashAttention only takes functions tagged
-# by FuseAttention (and checked to be exactly that computation), which DLight's Reduction and
-# Fallback rules would otherwise accept and schedule as separate, S x S-materialising stages.
-FUSELIGHT_RULES: list[Callable[[], ScheduleRule]] = [
-    flash_attention_rule, matmul_rule, gemv_rule, row_reduction_rule, rope_append_rule,
-]
+def fuselight_rules(families: Sequence[str] | None = None) -> list[ScheduleRule]:
+    """fuselight's rules (``families``, in ``RULES`` order; None: all); each returns None for targets
+    it does not serve."""
+    chosen = set(RULES) if families is None else {get(f).name for f in families}
+    return [entry.make() for name, entry in RULES.items() if name in chosen]
 
 
-def fuselight_rules() -> list[ScheduleRule]:
-    """fuselight's rules alone (each returns None for targets it does not serve)."""
-    return [make() for make in FUSELIGHT_RULES]
+def families_of(rules: Iterable[ScheduleRule]) -> set[str]:
+    """The fuselight rule families among ``rules`` (other rules have none)."""
+    return {f for f in (getattr(r, "family", "") for r in rules) if f in RULES}
 
 
 def default(target: tvm.target.Target | None = None) -> list[ScheduleRule]:
@@ -71,10 +82,11 @@ def dlight_defaults(target: tvm.target.Target | None = None) -> list[ScheduleRul
     not a multiple of 128: ~20 s), so llvm kernels stay with TVM's default CPU lowering: the CPU
     build is for checking numerics, not for speed.
     """
-    from tvm.s_tir import dlight as dl
-    from tvm.target import Target
-
-    target = target or Target.current(allow_none=False)
+    target = target or tvm.target.Target.current(allow_none=False)
     if target.kind.name == "llvm":
         return []
     return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+
+
+__all__ = ["DEFAULT", "RULES", "FlashAttention", "Gemv", "Matmul", "PagedAttention", "RopeAppend", "RowReduction",
+           "ScheduleRuleEntry", "default", "dlight_defaults", "families_of", "fuselight_rules", "get"]

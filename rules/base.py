@@ -1,10 +1,13 @@
 """The shape every fuselight rule has: ``analyze``, then ``schedule``.
 
 ``analyze`` recognises the computation and returns a plain description (a dataclass), or None;
-``schedule`` turns a description into a scheduled kernel for the target, or None where its
-templates do not serve. Keeping them apart lets tests, ``fuselight explain`` and the benchmarks
-ask what a rule sees without building anything. ``apply`` (DLight's entry point) chains them:
-on None DLight moves on to the next rule.
+``supports`` says, from a description and the target's configs alone (building nothing), whether
+``schedule`` makes a kernel of it; ``schedule`` turns a description into a scheduled kernel for the
+target, or None where its templates do not serve. Keeping them apart lets tests, ``fuselight
+explain`` and the benchmarks ask what a rule sees without building anything, and lets a graph pass
+that fuses for a rule ask ``takes(func, target)`` before it emits the (unscheduled) fused function:
+the rule then schedules it in phase 4. ``apply`` (DLight's entry point) chains them: on None DLight
+moves on to the next rule. ``family`` is the rule's name in ``fuselight.rules.RULES``.
 
 Rules that replace a function's body with template kernels build it with ``host_branch`` (a
 host-side choice between kernels on a symbolic size) and ``with_kernels`` (the body bound to the
@@ -13,7 +16,7 @@ function's own parameters, marked scheduled).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
@@ -22,6 +25,8 @@ from tvm.target import Target
 
 class AnalyzeScheduleRule(GPUScheduleRule):
     """A GPU rule as ``analyze`` + ``schedule`` (see the module docstring)."""
+
+    family: ClassVar[str] = ""
 
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
@@ -40,6 +45,25 @@ class AnalyzeScheduleRule(GPUScheduleRule):
     def schedule(self, func: tirx.PrimFunc, desc: Any, target: Target) -> tirx.PrimFunc | None:
         """The scheduled replacement of ``func`` (described by ``desc``) on ``target``, or None."""
         raise NotImplementedError
+
+    @classmethod
+    def supports(cls, desc: Any, target: Target) -> bool:
+        """Whether ``schedule`` makes a kernel for ``desc`` on ``target``: the description and the
+        target's configs only, nothing built. Rules that passes fuse for define it."""
+        raise NotImplementedError
+
+    @classmethod
+    def takes(cls, func: tirx.PrimFunc, target: Target) -> bool:
+        """Whether this rule schedules ``func`` on ``target`` (``analyze`` + ``supports``)."""
+        if not gpu_target(target):
+            return False
+        desc = cls.analyze(func)
+        return desc is not None and cls.supports(desc, target)
+
+
+def gpu_target(target: Target) -> bool:
+    """The targets GPU rules serve (DLight's ``GPUScheduleRule.is_target_available``)."""
+    return "gpu" in target.keys
 
 
 def host_branch(cond: Any, then_body: tirx.Stmt, else_body: tirx.Stmt | None = None) -> tirx.Stmt:

@@ -23,7 +23,8 @@ from tvm import tirx
 from tvm.target import Target
 
 from ..errors import FuselightError
-from ..passes.fuse_attention import ATTENTION_ATTR, AttentionSpec, attention_prim_func
+from ..computations import AttentionSpec, attention_prim_func
+from ..contracts import ATTENTION_ATTR
 from .base import AnalyzeScheduleRule
 from .flash.decode import dense_decode, load_decode_config
 from .flash.prefill import flash_attention_dense, load_prefill_config
@@ -41,6 +42,8 @@ class AttentionDesc:
 
 class FlashAttention(AnalyzeScheduleRule):
     """Swap fused attention functions for the flash-attention template (see the module docstring)."""
+
+    family = "flash_attention"
 
     @staticmethod
     def analyze(func: tirx.PrimFunc) -> AttentionDesc | None:

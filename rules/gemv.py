@@ -78,6 +78,8 @@ def symbolic_m_buckets(ops: GemmOperands, target: Target) -> list[tuple[int, Gem
 class Gemv(AnalyzeScheduleRule):
     """Swap static few-row matmul functions for the GEMV template (see the module docstring)."""
 
+    family = "gemv"
+
     @staticmethod
     def analyze(func: tirx.PrimFunc) -> MatmulDesc | None:
         """The GEMV and fused epilogue ``func`` computes (a matmul with static M, or any M with
@@ -87,6 +89,16 @@ class Gemv(AnalyzeScheduleRule):
         if desc is None or (desc.m_static is None and desc.operands.dequant is None):
             return None  # a symbolic M of float weights is the Matmul rule's
         return desc
+
+    @classmethod
+    def supports(cls, desc: MatmulDesc, target: Target) -> bool:
+        """Whether ``schedule`` builds ``desc`` on ``target``: M below the Matmul rule's and a GEMV
+        bucket that takes the operands."""
+        try:
+            min_static_m = load_dispatch(arch_of(target)).min_static_m
+        except FuselightError:
+            return False
+        return desc.m_static < min_static_m and gemv_config(desc.operands, desc.m_static, target) is not None
 
     def schedule(self, func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:
         """``func`` with its body replaced by the GEMV kernel for ``desc`` on ``target``, or None where

@@ -37,10 +37,24 @@ from .gemv import symbolic_m_buckets
 class Matmul(AnalyzeScheduleRule):
     """Swap matmul functions for the tensor-core GEMM templates (see the module docstring)."""
 
+    family = "matmul"
+
     @staticmethod
     def analyze(func: tirx.PrimFunc) -> MatmulDesc | None:
         """The GEMM and fused epilogue ``func`` computes, or None."""
         return analyze_matmul(func, dequant=True)
+
+    @classmethod
+    def supports(cls, desc: MatmulDesc, target: Target) -> bool:
+        """Whether ``schedule`` builds ``desc`` on ``target``: a GEMM config for the arch, M not left
+        to the Gemv rule, and a plan for every M."""
+        try:
+            dispatch = load_dispatch(arch_of(target))
+        except FuselightError:
+            return False
+        if desc.m_static is not None and desc.m_static < dispatch.min_static_m:
+            return False
+        return bool(plan_ranges(desc.operands, dispatch))
 
     def schedule(self, func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:
         """``func`` with its body replaced by the kernels for ``desc`` on ``target``, or None where the

@@ -3,9 +3,16 @@
 ``tvm.relax.frontend.nn.llm``'s KV cache takes its attention kernels as already-scheduled PrimFuncs
 and calls them from its runtime with a fixed argument list, so DLight never sees them. ``analyze``
 recognises such a kernel by that interface (parameter kinds, buffer ranks and dtypes, static head
-layout) and ``apply`` returns fuselight's kernel with the same interface, or None to keep TVM's:
-unsupported dtypes or head dims, sliding-window variants, and kernels it does not know. The pass
-``fuselight.passes.paged_attention`` offers the KV cache's kernels to this rule.
+layout); ``PagedAttention.supports`` says whether fuselight has a kernel with the same interface
+for it (unsupported: other dtypes or head dims, sliding-window variants, kernels it does not know).
+The pass ``fuselight.passes.paged_attention`` tags the cache's kernels the rule supports
+(``PAGED_ATTENTION_ATTR``, their kind), names them by fuselight's symbols and takes away their
+"scheduled" mark; in phase 4 the ``PagedAttention`` rule (in ``fuselight.rules.RULES``) replaces
+each tagged function by fuselight's kernel (``paged_attention_kernel``). Likewise the decode kernel
+that also does the KV cache's RoPE and append (``passes.fuse_rope_append``): that pass hands over
+TVM's split-rotary function, tagged ``FUSED_ROPE_APPEND_DECODE_ATTR`` (the page size), and the rule
+builds ``flash_decode_paged_rotary`` from the rotary's expressions (``flash.rotary``). Untagged
+functions are never its.
 """
 
 from __future__ import annotations
@@ -14,11 +21,14 @@ import dataclasses
 from typing import Literal
 
 import tvm
+from fuselight.contracts import FUSED_ROPE_APPEND_DECODE_ATTR, PAGED_ATTENTION_ATTR
+from fuselight.errors import FuselightError
 from fuselight.target import arch_of
 from tvm import tirx
-from tvm.s_tir.dlight import ScheduleRule
 
-from .flash.decode import flash_decode_paged, load_decode_config
+from .base import AnalyzeScheduleRule, gpu_target
+
+from .flash.decode import flash_decode_paged, flash_decode_paged_rotary, load_decode_config
 from .flash.paging import static_dim
 from .flash.prefill import (
     HEAD_DIMS,
@@ -26,6 +36,8 @@ from .flash.prefill import (
     flash_prefill_ragged,
     load_prefill_config,
 )
+from .flash.rotary import SplitRotary
+from .flash.rotary import analyze as analyze_split_rotary
 
 Kind = Literal["decode", "prefill_ragged", "prefill_paged"]
 _HALF = ("float16", "bfloat16")
@@ -51,6 +63,15 @@ class PagedAttentionDesc:
     head_dim: int
     page_size: int  # 0 where the kernel reads no pages
     dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RotaryDecodeDesc:
+    """The decode kernel that also does RoPE and the append: TVM's split-rotary read as values, and
+    the cache's page size."""
+
+    rotary: SplitRotary
+    page_size: int
 
 
 def _interface(func: tirx.PrimFunc) -> tuple[list, list[str]] | None:
@@ -122,23 +143,76 @@ def supported(desc: PagedAttentionDesc) -> bool:
     return desc.dtype in _HALF and desc.head_dim in HEAD_DIMS
 
 
-class PagedAttention(ScheduleRule):
-    """TVM's paged-KV decode kernel -> split-KV decode (rules/flash/decode.py); its ragged and paged
-    prefill kernels -> tensor-core flash prefill (rules/flash/prefill.py)."""
+def paged_attention_kernel(desc: PagedAttentionDesc, target: tvm.target.Target) -> tirx.PrimFunc | None:
+    """fuselight's kernel (same interface as TVM's, named by its ``contracts`` symbol) for ``desc`` on
+    ``target``, or None where the rule does not support it."""
+    if not PagedAttention.supports(desc, target):
+        return None
+    arch = arch_of(target)
+    if desc.kind == "decode":
+        config = load_decode_config(arch)
+        return flash_decode_paged(desc.num_kv_heads, desc.num_qo_heads, desc.head_dim, desc.dtype, desc.page_size, config)
+    config = load_prefill_config(arch, desc.head_dim)
+    if desc.kind == "prefill_paged":
+        return flash_prefill_paged(
+            desc.num_kv_heads, desc.num_qo_heads, desc.head_dim, desc.dtype, desc.page_size, config
+        )
+    return flash_prefill_ragged(desc.num_kv_heads, desc.num_qo_heads, desc.head_dim, desc.dtype, config)
 
-    def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, _tunable: bool) -> tirx.PrimFunc | None:
-        if target.kind.name != "cuda":
+
+def kernel_for(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc | None:
+    """fuselight's kernel for TVM's KV-cache kernel ``func`` (tagged or not) on ``target``, or None:
+    what the pass and the rule together make of it (benchmarks, tests)."""
+    desc = analyze(func)
+    return None if desc is None else paged_attention_kernel(desc, target)
+
+
+class PagedAttention(AnalyzeScheduleRule):
+    """The KV cache's kernels the pass tagged: TVM's paged-KV decode kernel -> split-KV decode
+    (rules/flash/decode.py); its ragged and paged prefill kernels -> tensor-core flash prefill
+    (rules/flash/prefill.py)."""
+
+    family = "paged_attention"
+
+    @staticmethod
+    def analyze(func: tirx.PrimFunc) -> PagedAttentionDesc | RotaryDecodeDesc | None:
+        """The tagged kernel's description (its interface agreeing with the tag), else None."""
+        if not isinstance(func, tirx.PrimFunc) or func.attrs is None:
+            return None
+        if FUSED_ROPE_APPEND_DECODE_ATTR in func.attrs:
+            rotary = analyze_split_rotary(func)
+            return None if rotary is None else RotaryDecodeDesc(rotary, int(func.attrs[FUSED_ROPE_APPEND_DECODE_ATTR]))
+        if PAGED_ATTENTION_ATTR not in func.attrs:
             return None
         desc = analyze(func)
-        if desc is None or not supported(desc):
+        return desc if desc is not None and desc.kind == str(func.attrs[PAGED_ATTENTION_ATTR]) else None
+
+    @classmethod
+    def supports(cls, desc: PagedAttentionDesc | RotaryDecodeDesc, target: tvm.target.Target) -> bool:
+        """Whether fuselight has a kernel for ``desc`` on ``target``: CUDA, half precision, head dims
+        64 and 128, tile configs for the arch."""
+        rotary = isinstance(desc, RotaryDecodeDesc)
+        if target.kind.name != "cuda" or not gpu_target(target) or not (rotary or supported(desc)):
+            return False
+        try:
+            arch = arch_of(target)
+            load_decode_config(arch) if rotary or desc.kind == "decode" else load_prefill_config(arch, desc.head_dim)
+        except FuselightError:
+            return False
+        return True
+
+    def schedule(self, func: tirx.PrimFunc, desc: PagedAttentionDesc | RotaryDecodeDesc,
+                 target: tvm.target.Target) -> tirx.PrimFunc | None:
+        """fuselight's kernel for ``desc``, under ``func``'s symbol (the pass named it)."""
+        if isinstance(desc, RotaryDecodeDesc):
+            if not self.supports(desc, target):
+                return None
+            config = load_decode_config(arch_of(target))
+            kernel = flash_decode_paged_rotary(desc.rotary, desc.page_size, config)
+            kernel = kernel.with_attr(FUSED_ROPE_APPEND_DECODE_ATTR, True)
+        else:
+            kernel = paged_attention_kernel(desc, target)
+        if kernel is None:
             return None
-        arch = arch_of(target)
-        if desc.kind == "decode":
-            config = load_decode_config(arch)
-            return flash_decode_paged(desc.num_kv_heads, desc.num_qo_heads, desc.head_dim, desc.dtype, desc.page_size, config)
-        config = load_prefill_config(arch, desc.head_dim)
-        if desc.kind == "prefill_paged":
-            return flash_prefill_paged(
-                desc.num_kv_heads, desc.num_qo_heads, desc.head_dim, desc.dtype, desc.page_size, config
-            )
-        return flash_prefill_ragged(desc.num_kv_heads, desc.num_qo_heads, desc.head_dim, desc.dtype, config)
+        symbol = func.attrs.get("global_symbol")
+        return kernel.without_attr("global_symbol") if symbol is None else kernel.with_attr("global_symbol", symbol)

@@ -15,7 +15,7 @@ import tvm
 from fuselight.errors import FuselightError
 from tvm import tirx
 
-from ..passes.fuse_rope_append import FUSED_ATTR
+from ..contracts import FUSED_ROPE_APPEND_ATTR as FUSED_ATTR
 from ..target import arch_of
 from .arch_config import load_arch_config
 from .base import AnalyzeScheduleRule
@@ -61,6 +61,8 @@ def schedule(func: tirx.PrimFunc, desc: RopeAppendDesc, cfg: RopeAppendConfig) -
 
 class RopeAppend(AnalyzeScheduleRule):
     """The fused RoPE + append kernel, a thread an element (see the module docstring)."""
+
+    family = "rope_append"
 
     @staticmethod
     def analyze(func: tirx.PrimFunc) -> RopeAppendDesc | None:

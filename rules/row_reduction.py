@@ -25,20 +25,32 @@ from .reduce.rowwise import MAX_OUTPUTS, MAX_STATS, load_row_config, load_split_
 class RowReduction(AnalyzeScheduleRule):
     """Swap row-reduction functions for fuselight's row kernels (see the module docstring)."""
 
+    family = "row_reduction"
+
     @staticmethod
     def analyze(func: tirx.PrimFunc) -> RowReductionDesc | None:
         """The row statistics and outputs ``func`` computes, or None."""
         return analyze_row_reduction(func)
 
-    def schedule(self, func: tirx.PrimFunc, desc: RowReductionDesc, target: Target) -> tirx.PrimFunc | None:
-        """``func`` with its body replaced by the row kernels for ``desc`` on ``target``, or None."""
+    @classmethod
+    def supports(cls, desc: RowReductionDesc, target: Target) -> bool:
+        """Whether ``schedule`` builds ``desc`` on ``target``: CUDA, within the kernels' limits, with a
+        reduction config for the arch."""
         if target.kind.name != "cuda" or len(desc.stats) > MAX_STATS or len(desc.outputs) > MAX_OUTPUTS:
-            return None
+            return False
         try:
             arch = arch_of(target)
-            row_cfg, split_cfg = load_row_config(arch), load_split_config(arch)
+            load_row_config(arch), load_split_config(arch)
         except FuselightError:
-            return None  # no reduction config for this arch
+            return False  # no reduction config for this arch
+        return True
+
+    def schedule(self, func: tirx.PrimFunc, desc: RowReductionDesc, target: Target) -> tirx.PrimFunc | None:
+        """``func`` with its body replaced by the row kernels for ``desc`` on ``target``, or None."""
+        if not self.supports(desc, target):
+            return None
+        arch = arch_of(target)
+        row_cfg, split_cfg = load_row_config(arch), load_split_config(arch)
         body = row_kernel(desc, row_cfg)
         if use_split(desc, split_cfg):
             split = split_softmax_kernels(desc, split_cfg, row_cfg.load_bytes)

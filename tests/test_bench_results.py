@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fuselight.bench import kernels, results, timing
+from fuselight.bench import kernels, kernels_build, kernels_run, results, timing
 from fuselight.errors import FuselightError
 
 
@@ -179,8 +179,8 @@ def small_suite(tmp_path_factory):
     """Three small cases built for llvm through the same build path as CUDA, and their run."""
     pytest.importorskip("torch")
     out = tmp_path_factory.mktemp("suite")
-    manifest = kernels.build_suite(out, None, ["gemm-48x64", "gemm-residual-48x64", "attention-prefill-4x2x16"], target="llvm", suite="small")
-    records = kernels.run_suite(manifest, out / "results.json")
+    manifest = kernels_build.build_suite(out, None, ["gemm-48x64", "gemm-residual-48x64", "attention-prefill-4x2x16"], target="llvm", suite="small")
+    records = kernels_run.run_suite(manifest, out / "results.json")
     return manifest, records
 
 
@@ -205,13 +205,13 @@ def test_kernel_suite_on_llvm(small_suite):
 def test_kernel_suite_sweep_override(small_suite, tmp_path):
     """--sweep runs other values of a symbolic case's swept dimension (odd and prime ones too)."""
     manifest, _ = small_suite
-    records = kernels.run_suite(manifest, tmp_path / "r.json", cases=["gemm-48x64"], sweep=[2, 13])
+    records = kernels_run.run_suite(manifest, tmp_path / "r.json", cases=["gemm-48x64"], sweep=[2, 13])
     assert [(r["shape"]["m"], r["impl"]) for r in records] == [
         (m, impl) for m in (2, 13) for impl in ("baseline", "fuselight", "torch")
     ]
     assert all(r["relerr"] < 0.02 for r in records)
     with pytest.raises(FuselightError, match="--sweep"):
-        kernels.run_suite(manifest, tmp_path / "r.json", cases=["gemm-48x64"], sweep=[0])
+        kernels_run.run_suite(manifest, tmp_path / "r.json", cases=["gemm-48x64"], sweep=[0])
 
 
 def test_kernel_suite_flags_wrong_results(tmp_path, monkeypatch):
@@ -226,8 +226,8 @@ def test_kernel_suite_flags_wrong_results(tmp_path, monkeypatch):
         return params, lambda bb: relax.op.multiply(body(bb), relax.const(1.5, case.dtype))
 
     monkeypatch.setitem(kernels_build._BUILDERS, "rmsnorm", wrong)
-    manifest = kernels.build_suite(tmp_path, None, ["rmsnorm-64"], target="llvm", suite="small")
-    records = kernels.run_suite(manifest, tmp_path / "results.json")
+    manifest = kernels_build.build_suite(tmp_path, None, ["rmsnorm-64"], target="llvm", suite="small")
+    records = kernels_run.run_suite(manifest, tmp_path / "results.json")
     errors = {r["impl"]: r["relerr"] for r in records if r["shape"]["m"] == 7}
     assert errors["baseline"] == pytest.approx(0.5, rel=0.01) and errors["torch"] < 1e-3
     failures = results.read_results(tmp_path / "results.json").meta["failures"]

@@ -105,7 +105,7 @@ def test_passes_alone_recorded_in_the_metadata(capsys, tmp_path):
             "--no-rules", "--no-programmatic-launch", "-o", str(out)]
     assert main(argv) == 0
     meta = json.loads((tmp_path / "x.so.json").read_text())
-    assert meta["fuselight"] == {"passes": ["property_rewrite", "accumulate_matmul_fp32"], "rules": False,
+    assert meta["fuselight"] == {"passes": ["property_rewrite", "accumulate_matmul_fp32"], "rules": [],
                                  "programmatic_launch": False}
 
 

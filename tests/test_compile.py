@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 from fuselight import compile as fc
+from fuselight import library
 from fuselight.cli import main
 from fuselight.config import load
 from fuselight.errors import FuselightError
@@ -19,12 +20,12 @@ def test_compile_tiny_for_sm90_with_aot_cubins(tmp_path, capsys):
     argv = ["compile", "--model", "tiny-llama", "--target", "cuda", "--arch", "sm_90", "--dtype", "float16"]
     assert main([*argv, "--pipeline", "fuselight", "-o", str(lib)]) == 0
     assert "launches/decode-step=" in capsys.readouterr().out
-    meta = json.loads(fc.metadata_path(lib).read_text())
+    meta = json.loads(library.metadata_path(lib).read_text())
     assert (meta["target"], meta["arch"], meta["pipeline"]) == ("cuda", "sm_90", "fuselight")
     assert meta["model"]["dtype"] == "float16" and meta["model"]["name"] == "tiny-llama"
     assert meta["cuda_sources"], "no CUDA source was compiled ahead of time"
     for name in meta["cuda_sources"].values():
-        assert (fc.aot_dir(lib) / name).stat().st_size > 0
+        assert (library.aot_dir(lib) / name).stat().st_size > 0
     stats = meta["stats"]
     kernels = stats["decode_kernels"]
     assert kernels and any("matmul" in name for name in kernels), kernels

@@ -20,7 +20,7 @@ from fuselight.rules.flash.prefill import (
     flash_prefill_ragged,
     load_prefill_config,
 )
-from fuselight.rules.paged_attention import PagedAttention, analyze
+from fuselight.rules.paged_attention import PagedAttention, analyze, kernel_for
 from fuselight.target import resolve, to_tvm
 
 needs_nvcc = pytest.mark.skipif(
@@ -139,13 +139,13 @@ def test_rule_swaps_tvms_paged_prefill_but_not_its_sliding_window_variant():
     assert (desc.kind, desc.num_qo_heads, desc.num_kv_heads, desc.head_dim, desc.page_size, desc.dtype) == (
         "prefill_paged", 16, 4, 64, 32, "bfloat16"
     )
-    ours = PagedAttention().apply(_tvm_paged(), CUDA, False)
+    ours = kernel_for(_tvm_paged(), CUDA)
     assert ours.attrs["global_symbol"] == "fuselight_prefill_paged_kv"
     assert _signature(ours) == _signature(_tvm_paged())
     sliding = _tvm_paged(sliding=True)
     assert len(sliding.params[5].ty.shape) == 2  # length_info [3, batch]: what tells them apart
     assert analyze(sliding) is None
-    assert PagedAttention().apply(sliding, CUDA, False) is None
+    assert kernel_for(sliding, CUDA) is None
 
 
 @pytest.mark.parametrize(

@@ -13,12 +13,9 @@ tvm = pytest.importorskip("tvm")
 from fuselight import rules
 from fuselight.bench import kernels_build
 from fuselight.bench.kernels import load_suite
-from fuselight.passes import FuseAttention, default
-from fuselight.passes.fuse_attention import (
-    ATTENTION_ATTR,
-    AttentionSpec,
-    attention_prim_func,
-)
+from fuselight.passes import DEFAULT, FuseAttention
+from fuselight.computations import AttentionSpec, attention_prim_func
+from fuselight.contracts import ATTENTION_ATTR
 from fuselight.rules.flash_attention import FlashAttention
 from fuselight.target import resolve, to_tvm
 from relax_module import single_function as _module
@@ -341,7 +338,7 @@ def test_fuselight_pipeline_on_llvm() -> None:
     """The pass is in the default pipeline (ahead of accumulate_matmul_fp32, which rewrites matmuls)."""
     from fuselight.pipeline import baseline_pipeline, fuselight_pipeline
 
-    names = default()
+    names = DEFAULT
     assert names.index("fuse_attention") < names.index("accumulate_matmul_fp32")
     mod = _suite_module("attention_prefill")
     rng = np.random.default_rng(5)

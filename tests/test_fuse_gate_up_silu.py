@@ -13,7 +13,9 @@ import pytest
 tvm = pytest.importorskip("tvm")
 from fuselight.errors import FuselightError
 from fuselight.passes import AccumulateMatmulFP32, FuseGateUpSiLU
-from fuselight.passes.fuse_gate_up_silu import PRIMFUNC_NAME, gate_up_silu_te
+from fuselight.computations import gate_up_silu_te
+from fuselight.contracts import OP_PATTERN_ATTR, OPAQUE_OP_PATTERN, RULE_ATTR
+from fuselight.passes.fuse_gate_up_silu import PRIMFUNC_NAME
 from fuselight.rules.gemm import dispatch
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemm.plan import GemmPlan, check_plan
@@ -235,8 +237,8 @@ def test_mma_sync_rejects_paired_epilogues() -> None:
 
 
 def test_dlight_cannot_schedule_the_fused_function(cuda) -> None:
-    # Why the pass schedules what it fuses: DLight's Matmul rule claims the function, then fails to
-    # inline an epilogue reading two columns. (Should DLight learn to, the pass could leave it unscheduled.)
+    # Why the pass fuses only where our rules take the function: DLight's Matmul rule claims it, then
+    # fails to inline an epilogue reading two columns.
     from tvm.s_tir import dlight as dl
 
     mod = tvm.IRModule({"main": _fused_func(4, n=512, k=256)})
@@ -245,13 +247,18 @@ def test_dlight_cannot_schedule_the_fused_function(cuda) -> None:
 
 
 @pytest.mark.parametrize("rows", [tirx.Var("seq_len", "int64"), 1], ids=["prefill", "decode"])
-def test_pass_schedules_what_it_fuses_on_cuda(cuda, rows) -> None:
+def test_pass_leaves_what_it_fuses_to_the_rules_on_cuda(cuda, rows) -> None:
     mod = AccumulateMatmulFP32()(_mlp(rows, k=256, half=512))
     with cuda:
         fused = FuseGateUpSiLU()(mod)
     funcs = [f for gv, f in fused.functions_items() if gv.name_hint.startswith(PRIMFUNC_NAME)]
-    assert len(funcs) == 1 and funcs[0].attrs["tirx.is_scheduled"]
-    assert "R.nn.silu" not in fused["main"].script()
+    assert len(funcs) == 1 and "R.nn.silu" not in fused["main"].script()
+    # Unscheduled, tagged for the GEMM rules and opaque to FuseOps; the rule of its M schedules it.
+    func = funcs[0]
+    assert "tirx.is_scheduled" not in func.attrs and func.attrs[RULE_ATTR] == "gemm"
+    assert int(func.attrs[OP_PATTERN_ATTR]) == OPAQUE_OP_PATTERN
+    rule = Matmul if isinstance(rows, tirx.Var) else Gemv
+    assert rule.takes(func, cuda) and rule().apply(func, cuda, False) is not None
 
 
 def test_pass_leaves_what_no_rule_takes(cuda) -> None:

@@ -190,9 +190,10 @@ def test_llama_with_the_fused_kernel_matches_the_reference(counting_hooks, gqa):
 def test_mlc_integration_leaves_the_pass_out():
     from fuselight.mlc.pipeline import Options
 
-    assert "fuse_rope_append" not in Options().pass_names
+    assert "fuse_rope_append" not in Options().graph_passes(fuselight_runtime=False)
+    assert "fuse_rope_append" in Options().graph_passes()  # fuselight's own pipeline
     with pytest.raises(FuselightError, match="needs the fuselight runtime"):
-        Options(passes=("fuse_rope_append",))
+        Options(passes=("fuse_rope_append",)).check_without_fuselight_runtime()
 
 
 def test_the_rule_schedules_only_the_fused_kernel_and_it_builds_for_sm_90():

@@ -42,8 +42,10 @@ from fuselight.passes.paged_attention import (
 )
 from fuselight.rules.flash import rotary
 from fuselight.rules.flash.decode import ROTARY_GLOBAL_SYMBOL
+from fuselight.rules.paged_attention import PagedAttention
 from fuselight.target import resolve, to_tvm
 from tvm import relax
+from tvm.s_tir import dlight as dl
 from tvm.script import tirx as T
 
 CUDA = to_tvm(resolve("cuda", "sm_90"))
@@ -169,8 +171,14 @@ def test_the_pass_gives_fuselight_decode_the_rope_and_append_and_it_builds_for_s
     assert [a.name_hint for a in call.args[1:6]] == [
         "fused_rope_append", ROTARY_GLOBAL_SYMBOL, "fused_rope", "tir_kv_cache_transpose_append", "fuselight_decode_paged_kv",
     ]
+    # TVM's split-rotary, handed to the PagedAttention rule (tagged with the page size), which builds
+    # the fused decode kernel in phase 4.
+    assert "tirx.is_scheduled" not in out[ROTARY_GLOBAL_SYMBOL].attrs
+    with CUDA:
+        out = dl.ApplyDefaultSchedule(PagedAttention())(out)
     fused = out[ROTARY_GLOBAL_SYMBOL]
     assert FUSED_DECODE_ATTR in fused.attrs and int(fused.attrs["fuselight.kernel_launches"]) == 2
+    assert str(fused.attrs["global_symbol"]) == ROTARY_GLOBAL_SYMBOL
     assert kv_cache_kernels(out) == 0  # a decode layer launches nothing for RoPE and the append
     lib = tvm.compile(tvm.IRModule({"main": fused}), target=CUDA)
     source = lib.mod.imports[0].inspect_source("cuda")

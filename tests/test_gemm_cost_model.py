@@ -16,6 +16,7 @@ from fuselight.cli import main
 from fuselight.errors import FuselightError
 from fuselight.rules.gemm import dispatch
 from fuselight.rules.gemm.operands import GemmOperands
+from fuselight.rules.gemm import cost_model as predictor
 from fuselight.tune import cost_model
 from fuselight.tune.gemm import read_dataset, timings, write_dataset
 
@@ -170,13 +171,13 @@ def test_dispatch_uses_the_model_only_when_asked_and_present(d, monkeypatch, tmp
     expected = dispatch.best_plan(ops, 64, analytic)
     odd = dispatch.GemmPlan(main=d.tiles["m128n256k64w2x4s3"], rest=None, split_k=1)
     assert odd != expected
-    monkeypatch.setattr(cost_model, "load_model", lambda arch: _Favours(odd))
+    monkeypatch.setattr(predictor, "load_model", lambda arch: _Favours(odd))
     assert dispatch.best_plan(ops, 64, learned) == odd
     assert dispatch.best_plan(ops, 64, analytic) == expected  # the config says analytic
     # Cold start: no model file for the arch -> the estimate decides.
     monkeypatch.undo()
-    monkeypatch.setattr(cost_model, "model_path", lambda arch: tmp_path / f"none-{arch}.json")
-    assert cost_model.load_model(ARCH) is None
+    monkeypatch.setattr(predictor, "model_path", lambda arch: tmp_path / f"none-{arch}.json")
+    assert predictor.load_model(ARCH) is None
     assert dispatch.best_plan(ops, 64, learned) == expected
     assert dispatch.plan_ranges(ops, learned) == dispatch.plan_ranges(ops, analytic)
 

@@ -12,7 +12,6 @@ import shutil
 import pytest
 import tvm
 from fuselight.errors import FuselightError
-from fuselight.rules import gemv_rule
 from fuselight.rules.gemm import dispatch, gemv
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemv import Gemv
@@ -210,10 +209,10 @@ def test_rule_leaves_what_the_template_does_not_take(cuda):
 
 
 def test_registered_after_matmul():
-    from fuselight.rules import FUSELIGHT_RULES, matmul_rule
+    from fuselight.rules import DEFAULT, RULES
 
-    assert FUSELIGHT_RULES.index(gemv_rule) == FUSELIGHT_RULES.index(matmul_rule) + 1
-    assert isinstance(gemv_rule(), Gemv)
+    assert DEFAULT.index("gemv") == DEFAULT.index("matmul") + 1
+    assert isinstance(RULES["gemv"].make(), Gemv)
 
 
 def test_symbolic_m_template_builds_one_kernel_for_every_m_up_to_16(cuda):

@@ -83,8 +83,9 @@ class _TakeWithParams(dl.ScheduleRule):
 
 
 def test_steps_run_at_the_anchors(stub, tmp_path) -> None:
-    options = mp.Options(passes=("accumulate_matmul_fp32", "paged_attention", "fusion_plan"), rules=("matmul",),
-                         dump=tmp_path)
+    # (paged_attention hands the KV cache's kernels to the rule of its name: it needs that family.)
+    options = mp.Options(passes=("accumulate_matmul_fp32", "paged_attention", "fusion_plan"),
+                         rules=("matmul", "paged_attention"), dump=tmp_path)
     anchors = stub.FuseTransposeMatmul, stub.LowBatchGemvSpecialize
     with mp.enabled(options):
         _run_pipeline(_module())
@@ -92,21 +93,25 @@ def test_steps_run_at_the_anchors(stub, tmp_path) -> None:
     assert stub.RAN == ["phase1", "phase2", "phase4", "phase5"]  # MLC's own passes all ran, once
     dumps = sorted(p.name for p in tmp_path.glob("fuselight-*.py"))
     assert dumps == ["fuselight-01-accumulate_matmul_fp32.py", "fuselight-02-paged_attention.py",
-                     "fuselight-03-fusion_plan.py", "fuselight-04-rules-matmul.py"]
+                     "fuselight-03-fusion_plan.py", "fuselight-04-rules-paged_attention.py",
+                     "fuselight-05-rules-matmul.py"]
     # Before MLC's FuseTransposeMatmul, after it, and in the schedule phase (after lowering to TIR).
-    first, second, _plan, third = (tmp_path / name for name in dumps)
+    first, second, _plan, _paged, third = (tmp_path / name for name in dumps)
     assert "permute_dims" in first.read_text() and "NT_matmul" not in first.read_text()
     assert "NT_matmul" in second.read_text() and "R.nn.softmax" in second.read_text()
     assert "R.nn.softmax" not in third.read_text() and "T.prim_func" in third.read_text()
     log = json.loads((tmp_path / mp.SCHEDULE_LOG_FILE).read_text())
-    assert log["options"] == {"passes": ["accumulate_matmul_fp32", "paged_attention", "fusion_plan"], "rules": ["matmul"],
+    assert log["options"] == {"passes": ["accumulate_matmul_fp32", "paged_attention", "fusion_plan"],
+                              "rules": ["paged_attention", "matmul"],
                               "programmatic_launch": True}
 
 
 def test_rule_families_are_tried_in_order_and_logged(stub, monkeypatch, tmp_path) -> None:
     # NT_matmul(x, w, out) has three parameters, the softmax kernels two.
+    from fuselight import rules
+
     families = {"first": lambda: _TakeWithParams(3), "second": lambda: _TakeWithParams(None)}
-    monkeypatch.setattr(mp, "RULE_FAMILIES", families)
+    monkeypatch.setattr(rules, "RULES", {name: rules.ScheduleRuleEntry(name, make) for name, make in families.items()})
     with mp.enabled(mp.Options(passes=(), dump=tmp_path)):
         _run_pipeline(_module())
     kernels = json.loads((tmp_path / mp.SCHEDULE_LOG_FILE).read_text())["kernels"]
@@ -178,8 +183,13 @@ def test_missing_registered_pipeline_is_an_error(stub) -> None:
 def test_bad_options_are_errors() -> None:
     with pytest.raises(FuselightError, match="unknown pass 'nope'"):
         mp.Options(passes=("nope",))
-    with pytest.raises(FuselightError, match="unknown rule family 'nope': expected one of flash_attention, matmul"):
+    with pytest.raises(FuselightError, match="unknown rule family 'nope': expected one of flash_attention, paged_attention, matmul"):
         mp.Options(rules=("nope",))
+    # A pass whose functions only its rules schedule needs them; left out of the defaults without them.
+    with pytest.raises(FuselightError, match="pass 'fuse_gate_up_silu' needs the rule families gemv"):
+        mp.Options(passes=("fuse_gate_up_silu",), rules=("matmul",))
+    assert "fuse_gate_up_silu" not in mp.Options(rules=("matmul",)).graph_passes(fuselight_runtime=False)
+    assert "fuse_gate_up_silu" in mp.Options(rules=("matmul", "gemv")).graph_passes(fuselight_runtime=False)
     assert mp.Options(rules=("gemv", "matmul")).rule_families == ["matmul", "gemv"]  # fuselight's order
 
 

@@ -13,16 +13,18 @@ import pytest
 import tvm
 from fuselight import config as model_config
 from fuselight.bench.paged_attention import Layout, Point, load_points
+from fuselight.contracts import PAGED_ATTENTION_ATTR
 from fuselight.cuda_compile import compile_cuda
 from fuselight.errors import FuselightError
 from fuselight.model.llama import export_module
 from fuselight.passes.paged_attention import PagedAttentionKernels
 from fuselight.rules.flash.decode import DecodeConfig, flash_decode_paged, load_decode_config
-from fuselight.rules.paged_attention import PagedAttention, analyze
+from fuselight.rules.paged_attention import PagedAttention, analyze, kernel_for
 from fuselight.target import resolve, to_tvm
 from tvm.relax.frontend.nn.llm import _decode_kernels as dk
 from tvm.relax.frontend.nn.llm import _prefill_kernels as pk
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
+from tvm.s_tir import dlight as dl
 from tvm.script import tirx as T
 
 CUDA = to_tvm(resolve("cuda", "sm_90"))
@@ -65,15 +67,14 @@ def test_recognises_tvm_decode_and_ragged_prefill():
 )
 def test_declines_what_it_does_not_own(func):
     assert analyze(func) is None
-    assert PagedAttention().apply(func, CUDA, False) is None
+    assert kernel_for(func, CUDA) is None
 
 
 def test_declines_sliding_window_and_unsupported_layouts():
     assert analyze(_decode(sliding=True)) is None
-    rule = PagedAttention()
-    assert rule.apply(_decode(), LLVM, False) is None
-    assert rule.apply(_decode(d=96), CUDA, False) is None  # head dim without a config
-    assert rule.apply(_decode(dtype="float32"), CUDA, False) is None
+    assert kernel_for(_decode(), LLVM) is None
+    assert kernel_for(_decode(d=96), CUDA) is None  # head dim without a config
+    assert kernel_for(_decode(dtype="float32"), CUDA) is None
 
 
 def _signature(func):
@@ -82,7 +83,7 @@ def _signature(func):
 
 @pytest.mark.parametrize("d,h_kv", [(128, 8), (64, 32)])
 def test_decode_template_keeps_tvm_signature_and_splits_in_two_kernels(d, h_kv):
-    ours = PagedAttention().apply(_decode(h_kv=h_kv, d=d), CUDA, False)
+    ours = kernel_for(_decode(h_kv=h_kv, d=d), CUDA)
     assert _signature(ours) == _signature(_decode(h_kv=h_kv, d=d))
     assert ours.attrs["global_symbol"] == "fuselight_decode_paged_kv"
     src = tvm.compile(tvm.IRModule({"main": ours}), target=CUDA).mod.imports[0].inspect_source("cuda")
@@ -147,7 +148,14 @@ def test_pass_points_the_kv_cache_at_fuselight_kernels():
     names = {gv.name_hint for gv in out.get_global_vars()}
     assert "batch_decode_paged_kv" not in names  # replaced kernels leave the module
     assert "batch_decode_paged_kv_sliding_window" in names
+    # TVM's kernel, handed to the rule: tagged, no longer marked scheduled; the rule swaps in ours in phase 4.
+    tagged = out["fuselight_decode_paged_kv"]
+    assert tagged.attrs[PAGED_ATTENTION_ATTR] == "decode" and "tirx.is_scheduled" not in tagged.attrs
+    assert PagedAttention().apply(_decode(), CUDA, False) is None  # untagged: not the rule's
+    with CUDA:
+        out = dl.ApplyDefaultSchedule(PagedAttention())(out)
     assert int(out["fuselight_decode_paged_kv"].attrs["fuselight.kernel_launches"]) == 2  # split + merge
+    assert str(out["fuselight_decode_paged_kv"].attrs["global_symbol"]) == "fuselight_decode_paged_kv"
     # the original module is untouched
     assert "fuselight" not in _cache_kernels(mod)
 

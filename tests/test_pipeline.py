@@ -180,7 +180,7 @@ def test_fuselight_stages_add_passes_and_rules(cuda) -> None:
 def test_rules_default_puts_fuselight_rules_first(monkeypatch, llvm, cuda) -> None:
     from tvm.s_tir import dlight as dl
 
-    ours = [type(make()) for make in rules.FUSELIGHT_RULES]
+    ours = [entry.make for entry in rules.RULES.values()]
     assert [type(r) for r in rules.default(llvm)] == ours
     dlight = [dl.gpu.Matmul, dl.gpu.GEMV, dl.gpu.Reduction, dl.gpu.GeneralReduction, dl.gpu.Fallback]
     assert [type(r) for r in rules.default(cuda)] == [*ours, *dlight]
@@ -189,7 +189,7 @@ def test_rules_default_puts_fuselight_rules_first(monkeypatch, llvm, cuda) -> No
         def apply(self, func, target, tunable):
             return None
 
-    monkeypatch.setattr(rules, "FUSELIGHT_RULES", [Mine])
+    monkeypatch.setattr(rules, "RULES", {"mine": rules.ScheduleRuleEntry("mine", Mine)})
     assert [type(r) for r in rules.default(cuda)] == [Mine, *dlight]
 
 
@@ -245,6 +245,32 @@ def test_failed_source_import_leaves_no_mlc_module(without_mlc, monkeypatch, tmp
 def test_unknown_pass_is_an_error() -> None:
     with pytest.raises(FuselightError, match="unknown pass 'no_such_pass'"):
         pl.fuselight_pipeline(passes=["no_such_pass"], use_mlc=False)
+
+
+def test_registries_have_one_shape() -> None:
+    from fuselight import passes
+
+    # Named entries both; default() gives objects (README's step 2), DEFAULT the names.
+    assert list(passes.DEFAULT) and set(passes.DEFAULT) <= set(passes.PASSES)
+    assert all(isinstance(p, tvm.transform.Pass) for p in passes.default())
+    tvm.transform.Sequential(passes.default())  # as the README composes them
+    assert all(e.name == name and e.make.family == name for name, e in rules.RULES.items())
+    assert [type(r) for r in rules.fuselight_rules(["gemv", "matmul"])] == [rules.Matmul, rules.Gemv]  # RULES order
+    # Every rule family a pass needs exists.
+    assert {f for p in passes.PASSES.values() for f in p.rules} <= set(rules.RULES)
+
+
+def test_passes_need_their_rules() -> None:
+    from fuselight import passes
+
+    # Without the rules a pass fuses for, the defaults leave it out (DLight cannot schedule what it emits)...
+    served = pl.graph_passes(None, [])
+    assert "fuse_gate_up_silu" not in served and "paged_attention" not in served and "fuse_attention" in served
+    assert pl.graph_passes(None, None) == list(passes.DEFAULT)
+    assert "add_rms_norm_kernels" in pl.graph_passes(None, rules.fuselight_rules(["row_reduction"]))
+    # ... and naming it is an error.
+    with pytest.raises(FuselightError, match="pass 'fuse_norm_gemv' needs the rule families gemv"):
+        pl.fuselight_pipeline(passes=["fuse_norm_gemv"], rules=[], use_mlc=False)
 
 
 def test_baseline_source_names_mlc(mlc_llm) -> None:

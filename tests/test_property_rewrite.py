@@ -761,10 +761,10 @@ def test_named_subset_and_unknown_name():
 
 
 def test_registered_and_default():
-    from fuselight.passes import default
+    from fuselight.passes import DEFAULT
 
     assert PASSES["property_rewrite"].slot == "before_fuse_transpose_matmul"
-    assert "property_rewrite" in default()
+    assert "property_rewrite" in DEFAULT
 
 
 def test_tiny_llama_collapses_reshapes():

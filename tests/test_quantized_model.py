@@ -89,7 +89,7 @@ def test_quantized_model_matches_reference_of_its_weights(pipeline, scheme):
 
 def _through_phase_3(cfg: config.ModelConfig, target: tvm.target.Target, pipeline: str,
                      skip: str | None = None) -> tvm.IRModule:
-    graph = {"graph_passes": pl.default_passes(), "rules": pl.fuselight_rules()} if pipeline == "fuselight" else {}
+    graph = {"graph_passes": pl.graph_passes(None, None), "rules": pl.fuselight_rules()} if pipeline == "fuselight" else {}
     mod, _ = export_module(cfg, target)
     with target:
         for stage in pl.stages(target, use_mlc=False, **graph):

@@ -17,15 +17,18 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
+from fuselight.computations import plain_add_rms_norm
 from fuselight.config import load
+from fuselight.contracts import OP_PATTERN_ATTR, OPAQUE_OP_PATTERN, RULE_ATTR
 from fuselight.errors import FuselightError
-from fuselight.passes.add_rms_norm_kernels import AddRMSNormKernels, add_rms_norm_eps, plain_add_rms_norm
+from fuselight.passes.add_rms_norm_kernels import AddRMSNormKernels, add_rms_norm_eps
 from fuselight.rules.reduce import rowwise
 from fuselight.rules.reduce.analysis import RowReductionDesc, analyze_row_reduction
 from fuselight.rules.row_reduction import RowReduction
 from fuselight.target import resolve, to_tvm
 from fuselight.tune.gemm import matmul_prim_func
 from tvm import relax, te, tirx, topi
+from tvm.s_tir import dlight as dl
 from tvm.script import tirx as T
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -207,15 +210,20 @@ def test_takes_the_norms_of_the_llama_model_and_nothing_else():
 
     target = to_tvm(resolve("cuda", "sm_90"))
     mod = export_module(load("tiny-llama").with_dtype("float16"), target)[0]
-    stages = pl.stages(target, graph_passes=pl.default_passes(), rules=[])
+    stages = pl.stages(target, graph_passes=pl.graph_passes(None, None), rules=pl.fuselight_rules())
     with target:
         mod = tvm.transform.Sequential([s.pass_ for s in stages if s.phase <= 3])(mod)
-    taken = {gv.name_hint: analyze_row_reduction(f) for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
+    funcs = {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
+    taken = {n: analyze_row_reduction(f) for n, f in funcs.items()}
     norms = {n: d for n, d in taken.items() if n.startswith("rms_norm")}
     # Prefill's (rows = seq_len); decode's first norm is computed inside its QKV GEMV (fuse_norm_gemv).
     assert len(norms) == 1 and all(d is not None and d.kind == "rms_norm" for d in norms.values())
     assert all(d.rows_static is None for d in norms.values())
-    assert all(d is None for n, d in taken.items() if n not in norms)
+    # FuseAddRMSNorm's kernels, where it applies (hidden % 1024 == 0: not tiny-llama's), would be
+    # handed to the rule plainly by add_rms_norm_kernels.
+    handed = {n for n, f in funcs.items() if str((f.attrs or {}).get(RULE_ATTR, "")) == "row_reduction"}
+    assert all(taken[n] is not None and taken[n].kind == "add_rms_norm" for n in handed)
+    assert all(d is None for n, d in taken.items() if n not in norms and n not in handed)
 
 
 def _reference_body(desc: RowReductionDesc) -> tirx.Stmt:
@@ -371,10 +379,16 @@ def test_pass_hands_fuse_add_rms_norm_kernels_to_the_rule(which, shape, cuda):
     assert AddRMSNormKernels()(mod).same_as(mod)  # no target in scope: unchanged
     with cuda:
         out = AddRMSNormKernels()(mod)
+    plain = out[gv]
+    assert all(tvm_ffi.structural_equal(a.shape, b.shape) and a.dtype == b.dtype for a, b in zip(plain.params, fused.params))
+    # The plain computation, for the rule in phase 4: not marked scheduled (ApplyDefaultSchedule skips
+    # those), tagged, and opaque to FuseOps.
+    assert "tirx.is_scheduled" not in plain.attrs and add_rms_norm_eps(plain) is None
+    assert plain.attrs[RULE_ATTR] == "row_reduction" and int(plain.attrs[OP_PATTERN_ATTR]) == OPAQUE_OP_PATTERN
+    with cuda:
+        out = dl.ApplyDefaultSchedule(RowReduction())(out)
     kernel = out[gv]
-    assert all(tvm_ffi.structural_equal(a.shape, b.shape) and a.dtype == b.dtype for a, b in zip(kernel.params, fused.params))
     assert "tirx.HoistIfThenElseExprWithBlock" in kernel.attrs  # the rule's, not the hand-scheduled one
-    assert add_rms_norm_eps(kernel) is None
     tvm.compile(out, target=cuda)  # the calls fit the new kernel
     assert "__shfl_down_sync" in _cuda_source(kernel, cuda)
     # functions that only look alike are left alone

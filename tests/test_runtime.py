@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fuselight import runtime
-from fuselight.compile import aot_dir, metadata_path
+from fuselight.library import aot_dir, metadata_path
 from fuselight.cuda_compile import nvcc_path
 from fuselight.errors import FuselightError
 

@@ -38,7 +38,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     options = None
     if args.passes is not None or args.no_rules or args.no_programmatic_launch:
         passes = None if args.passes is None else tuple(p for p in args.passes.split(",") if p and p != "none")
-        options = fc.Options(passes=passes, rules=not args.no_rules, programmatic_launch=not args.no_programmatic_launch)
+        options = fc.Options(passes=passes, rules=() if args.no_rules else None,
+                             programmatic_launch=not args.no_programmatic_launch)
     built = fc.build(cfg, spec, args.pipeline, options=options, cuda_graph=args.cuda_graph)
     out = fc.export(built, Path(args.output), aot_cuda=not args.no_aot)
     s = built.stats
@@ -57,7 +58,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_build(args: argparse.Namespace) -> int:
-    from .bench.kernels import build_suite
+    from .bench.kernels_build import build_suite
 
     manifest = build_suite(Path(args.out), target_arch=args.arch, cases=args.cases, suite=args.suite)
     print(f"kernel suite built: {manifest}")
@@ -65,7 +66,7 @@ def cmd_bench_build(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_run(args: argparse.Namespace) -> int:
-    from .bench.kernels import run_suite
+    from .bench.kernels_run import run_suite
 
     run_suite(Path(args.manifest), Path(args.output), cases=args.cases, sweep=args.sweep)
     return 0
@@ -204,7 +205,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", required=True, help="library path, e.g. llama.so")
     c.add_argument("--no-aot", action="store_true", help="keep CUDA as source (compiled when loaded)")
     c.add_argument("--passes", default=None,
-                   help="fuselight pipeline: comma-separated graph passes ('none': no passes; default: fuselight.passes.default())")
+                   help="fuselight pipeline: comma-separated graph passes ('none': no passes; default: fuselight.passes.DEFAULT, less those needing rules left out)")
     c.add_argument("--no-rules", action="store_true", help="fuselight pipeline: DLight's rules only (measure the passes alone)")
     c.add_argument("--no-programmatic-launch", action="store_true",
                    help="fuselight pipeline: launch each kernel only after the one before it has finished (no PDL)")

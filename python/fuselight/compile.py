@@ -8,7 +8,6 @@ config, pipeline, baseline source, versions) and, for CUDA, the ahead-of-time cu
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,8 +15,13 @@ from typing import Any
 
 from . import tir_pipeline
 from .config import ModelConfig
+from .contracts import FUSED_ROPE_APPEND_ATTR as FUSED_ATTR
+from .contracts import FUSED_ROPE_APPEND_DECODE_ATTR as FUSED_DECODE_ATTR
+from .contracts import KERNEL_LAUNCHES_ATTR
 from .device import device_model
 from .errors import FuselightError
+from .library import git_commit, write_library
+from .options import Options
 from .target import TargetSpec
 
 PIPELINES = ("baseline", "fuselight")
@@ -27,7 +31,6 @@ PIPELINES = ("baseline", "fuselight")
 # where fuselight.passes.fuse_rope_append gave it the fused kernel.
 KV_CACHE_KERNELS_PER_DECODE_ATTENTION = 2
 # A kernel PrimFunc that launches more than one kernel says how many in this attribute.
-KERNEL_LAUNCHES_ATTR = "fuselight.kernel_launches"
 # Format of a library's metadata sidecar.
 METADATA_FORMAT = 1
 _ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
@@ -66,24 +69,6 @@ class Built:
     cuda_graph: bool = False  # static parts captured and replayed as CUDA graphs
 
 
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """What the fuselight pipeline turns on: ``passes`` (names from ``fuselight.passes``; None: its
-    defaults), ``rules`` (False: DLight's rules alone, to measure the passes by themselves) and
-    ``programmatic_launch`` (every kernel may launch while the one before it finishes, on sm_90 and
-    later: ``tir_pipeline.NAME_EVERY_KERNEL``)."""
-
-    passes: tuple[str, ...] | None = None
-    rules: bool = True
-    programmatic_launch: bool = True
-
-    def describe(self) -> dict[str, Any]:
-        from .passes import default
-
-        return {"passes": list(self.passes if self.passes is not None else default()), "rules": self.rules,
-                "programmatic_launch": self.programmatic_launch}
-
-
 def pipeline_pass(
     name: str, tvm_target: Any, variable_bounds: Mapping[str, int], options: Options | None = None
 ) -> Any:
@@ -95,6 +80,7 @@ def pipeline_pass(
     if name not in PIPELINES:
         raise FuselightError(f"unknown pipeline {name!r}: expected one of {', '.join(PIPELINES)}")
     from . import pipeline as pl
+    from .rules import fuselight_rules
 
     if name == "baseline":
         if options is not None and options != Options():
@@ -102,7 +88,7 @@ def pipeline_pass(
         return pl.baseline_pipeline(tvm_target, variable_bounds=dict(variable_bounds))
     options = options or Options()
     return pl.fuselight_pipeline(
-        tvm_target, passes=options.passes, rules=None if options.rules else [],
+        tvm_target, passes=options.graph_passes(), rules=fuselight_rules(options.rules),
         variable_bounds=dict(variable_bounds),
     )
 
@@ -168,8 +154,6 @@ def kv_cache_kernels(mod: Any) -> int:
     """The KV cache's kernels around one decode attention call besides attention (see the constants):
     1 with the fused RoPE + append kernel, none where decode attention does that work too."""
     from tvm import tirx
-
-    from .passes.fuse_rope_append import FUSED_ATTR, FUSED_DECODE_ATTR
 
     attrs = [f.attrs for f in mod.functions.values() if isinstance(f, tirx.PrimFunc) and f.attrs is not None]
     if any(FUSED_DECODE_ATTR in a for a in attrs):
@@ -282,8 +266,6 @@ def library_metadata(target: TargetSpec, pipeline: str, baseline_source: str, **
     """The metadata sidecar every library carries (models and kernel-suite cases alike), plus ``extra``."""
     import tvm
 
-    from .bench.results import git_commit
-
     return {
         "format": METADATA_FORMAT,
         "target": target.kind,
@@ -316,28 +298,3 @@ def metadata(built: Built) -> dict[str, Any]:
 def export(built: Built, path: Path, *, aot_cuda: bool = True) -> Path:
     """Write ``path`` (the library), ``path.json`` (metadata) and, for CUDA, ``path.cuda/`` cubins."""
     return write_library(built.executable, path, metadata(built), built.target, aot_cuda=aot_cuda)
-
-
-def write_library(
-    executable: Any, path: Path, meta: dict[str, Any], target: TargetSpec, *, aot_cuda: bool = True
-) -> Path:
-    """Write ``executable`` to ``path``, ``meta`` to ``path.json`` and, for a GPU target with
-    ``aot_cuda``, its cubins to ``path.cuda/`` (``meta["cuda_sources"]``: CUDA source hash -> cubin)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {**meta, "cuda_sources": {}}
-    if target.is_gpu and aot_cuda:
-        from .runtime import aot_compile_cuda
-
-        meta["cuda_sources"] = aot_compile_cuda(executable, aot_dir(path), target.arch)
-    executable.export_library(str(path))
-    metadata_path(path).write_text(json.dumps(meta, indent=1, default=str) + "\n")
-    return path
-
-
-def metadata_path(library: Path) -> Path:
-    return Path(str(library) + ".json")
-
-
-def aot_dir(library: Path) -> Path:
-    return Path(str(library) + ".cuda")

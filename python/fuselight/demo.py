@@ -81,9 +81,9 @@ def run_demo(config: ModelConfig, *, prompt_len: int = 13, decode_steps: int = 8
         print(f"{label:<{width}}  {b:>12}  {f:>12}")
     added = sorted(set(builds["fuselight"].stats.decode_kernels) - set(builds["baseline"].stats.decode_kernels))
     removed = sorted(set(builds["baseline"].stats.decode_kernels) - set(builds["fuselight"].stats.decode_kernels))
-    ours = [getattr(make, "__name__", repr(make)) for make in rules.FUSELIGHT_RULES]
+    ours = list(rules.RULES)
     print(
-        f"\nfuselight passes: {', '.join(passes.default())}; fuselight rules: {', '.join(ours) or 'none yet'} "
+        f"\nfuselight passes: {', '.join(passes.DEFAULT)}; fuselight rules: {', '.join(ours) or 'none yet'} "
         "(DLight's defaults follow on GPUs; on the CPU kernels keep TVM's default lowering)"
     )
     print("kernels in decode only with fuselight:", ", ".join(added) or "none")

@@ -160,19 +160,19 @@ def _untouched_reason(info) -> str | None:
 def compare_pipelines(mod, step: str, prompt_len: int) -> dict[str, Any]:
     """``pipelines`` (baseline and fuselight counts), ``groups`` and ``groups_skipped`` (see the module doc)."""
     from .engine import runtime_config
-    from .passes import default
+    from .passes import DEFAULT
     from .pipeline import baseline_source
 
     bounds = {"seq_len": int(runtime_config()["prefill_chunk_size"])}
     baseline, _ = _run_pipeline(mod, step, prompt_len, None, bounds)
-    fuselight, lowering = _run_pipeline(mod, step, prompt_len, default(), bounds)
-    without = [p for p in default() if p != "fusion_plan"]
+    fuselight, lowering = _run_pipeline(mod, step, prompt_len, DEFAULT, bounds)
+    without = [p for p in DEFAULT if p != "fusion_plan"]
     unplanned, _ = _run_pipeline(mod, step, prompt_len, without, bounds)
     alone, alone_lowering = _run_pipeline(mod, step, prompt_len, GRAPH_PASSES, bounds)
     return {
         "pipelines": {
             "baseline": {"source": baseline_source(), **baseline},
-            "fuselight": {"passes": default(), "groups_lowered": len(lowering.applied), **fuselight},
+            "fuselight": {"passes": list(DEFAULT), "groups_lowered": len(lowering.applied), **fuselight},
             "fuselight_without_fusion_plan": {"passes": without, **unplanned},
             "graph_passes_only": {"passes": GRAPH_PASSES, **alone, "groups": [g.to_dict() for g in alone_lowering.applied]},
         },

@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-GLOBAL_NAME = "fuselight.kv_cache.fuse_rope_append"
-DECODE_GLOBAL_NAME = "fuselight.kv_cache.fuse_rope_append_decode"
+from .contracts import HOOKS_DECODE_FUNC as DECODE_GLOBAL_NAME
+from .contracts import HOOKS_FUNC as GLOBAL_NAME
 
 
 class RopeAppendHooks:

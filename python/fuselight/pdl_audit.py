@@ -29,7 +29,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from .compile import aot_dir
+from .library import aot_dir
 from .errors import FuselightError
 from .jsonfile import read_json_object
 from .paths import config_dir

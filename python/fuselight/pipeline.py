@@ -36,9 +36,10 @@ from tvm.s_tir import dlight as dl
 from . import mlc
 from .baseline.debug_dump import DebugDump
 from .errors import FuselightError
-from .passes import default as default_passes
+from .passes import DEFAULT as DEFAULT_PASSES
 from .passes import get as get_graph_pass
-from .rules import dlight_defaults, fuselight_rules
+from .passes import served
+from .rules import dlight_defaults, families_of, fuselight_rules
 
 if TYPE_CHECKING:
     from tvm.s_tir.dlight import ScheduleRule
@@ -277,21 +278,35 @@ def fuselight_pipeline(
 ) -> tvm.transform.Pass:
     """The baseline with fuselight's graph passes in phase 1 and its schedule rules first in phase 4.
 
-    passes: names from ``fuselight.passes`` (None: ``fuselight.passes.default()``).
+    passes: names from ``fuselight.passes`` (None: ``fuselight.passes.DEFAULT``, less the passes whose
+    rule families are not among ``rules``; see ``graph_passes``).
     rules: the rules tried first in phase 4, DLight's defaults following (None: ``fuselight.rules.fuselight_rules()``).
     Other arguments as for ``baseline_pipeline``.
     """
     use_mlc_passes(use_mlc)
-    graph_passes = list(passes) if passes is not None else default_passes()
-    for name in graph_passes:
-        get_graph_pass(name)  # unknown names fail now
+    rules = list(rules) if rules is not None else fuselight_rules()
+    names = graph_passes(passes, rules)
 
     def make(bound: tvm.target.Target) -> list[Stage]:
-        return stages(bound, use_mlc=use_mlc, graph_passes=graph_passes,
-                      rules=rules if rules is not None else fuselight_rules(),
+        return stages(bound, use_mlc=use_mlc, graph_passes=names, rules=rules,
                       variable_bounds=variable_bounds, cuda_graph_capture_hints=cuda_graph_capture_hints)
 
     return _pipeline("fuselight", target, make, debug_dump)
+
+
+def graph_passes(passes: Sequence[str] | None, rules: Sequence[ScheduleRule] | None) -> list[str]:
+    """The graph passes a fuselight pipeline with ``rules`` (None: all of fuselight's) runs: ``passes``,
+    each checked, or (None) the defaults whose rule families (``GraphPass.rules``) are all among
+    ``rules``: what such a pass emits unscheduled only those rules schedule (DLight's Matmul rule
+    fails on a paired epilogue). A named pass whose rule families are missing is an error."""
+    families = families_of(rules if rules is not None else fuselight_rules())
+    if passes is None:
+        return served(DEFAULT_PASSES, families)
+    for name in passes:
+        missing = [f for f in get_graph_pass(name).rules if f not in families]  # unknown names fail here too
+        if missing:
+            raise FuselightError(f"pass {name!r} needs the rule families {', '.join(missing)}, which this pipeline leaves out")
+    return list(passes)
 
 
 def _pipeline(

@@ -4,26 +4,27 @@ TVM 0.26 keeps CUDA *source* inside an exported library and compiles it when the
 through the global function ``tvm_callback_cuda_compile``. TVM's own callback needs the compiler
 library, so on a runtime-only host ``register_cuda_compiler`` installs ours. It answers each source,
 found by the SHA-256 of its text, from (1) the cubins compiled at build time next to a library
-(``aot_compile_cuda`` writes them, ``load_library`` registers them), (2) a disk cache, (3) nvcc.
+(``fuselight.library.aot_compile_cuda`` writes them, ``load_library`` registers them), (2) a disk
+cache, (3) nvcc.
 
 Nothing here imports TVM's compiler side (``import tvm.relax`` fails on such a host), and TVM itself
-is imported on first use. ``aot_compile_cuda`` is the build-host half: it needs nvcc.
+is imported on first use. The library's artefacts (sidecar, AOT cubins) are ``fuselight.library``'s.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
 from . import kv_hooks
-from .compile import aot_dir, metadata_path
 from .cuda_compile import compile_cuda, nvcc_path
 from .errors import FuselightError
 from .jsonfile import read_json_object
+from .library import FATBIN_SUFFIX as _FATBIN_SUFFIX
+from .library import aot_dir, cuda_sources, metadata_path, source_hash
 from .target import arch_number
 
 CALLBACK_NAME = "tvm_callback_cuda_compile"
@@ -31,7 +32,6 @@ CACHE_ENV = "FUSELIGHT_CACHE_DIR"
 # CUDA modules only load when these runtime parts are loaded globally right after ``import tvm``.
 _RUNTIME_ONLY_ENV = "TVM_USE_RUNTIME_LIB"
 _EXTRA_RUNTIME_LIBS = ("libtvm_runtime_extra.so", "libtvm_runtime_cuda.so")
-_FATBIN_SUFFIX = ".fatbin"
 # Library target kind -> the device kind it runs on.
 DEVICE_OF_TARGET = {"cuda": "cuda", "llvm": "cpu"}
 
@@ -73,11 +73,6 @@ def init_tvm() -> Any:
 def default_cache_dir() -> Path:
     env = os.environ.get(CACHE_ENV)
     return Path(env) if env else Path.home() / ".cache" / "fuselight" / "cuda"
-
-
-def source_hash(code: str) -> str:
-    """The key a CUDA source is found by: SHA-256 of its UTF-8 text."""
-    return hashlib.sha256(code.encode("utf-8")).hexdigest()
 
 
 def register_cuda_compiler(cache_dir: Path | None = None, arch: str | None = None) -> None:
@@ -222,41 +217,3 @@ def release_memory() -> None:
     clear = tvm.get_global_func("vm.builtin.memory_manager.clear", allow_missing=True)
     if clear is not None:
         clear()
-
-
-def cuda_sources(lib_module: Any) -> list[str]:
-    """Every CUDA source in a built module (a VM executable or a runtime module), imports included."""
-    from tvm.runtime.executable import Executable
-
-    root = lib_module.mod if isinstance(lib_module, Executable) else lib_module
-    found: list[str] = []
-    stack = [root]
-    while stack:
-        mod = stack.pop()
-        if mod.kind == "cuda":
-            # "cuda" gives the source; "cu" returns an empty string in TVM 0.26.
-            found.append(mod.inspect_source("cuda"))
-        stack.extend(mod.imports)
-    return found
-
-
-def aot_compile_cuda(lib_module: Any, out_dir: Path, arch: str) -> dict[str, str]:
-    """Compile every CUDA source of ``lib_module`` with nvcc into ``out_dir/<sha>.fatbin``.
-
-    Build-host side. Returns ``{sha256 of source: file name}`` for the library's metadata.
-    """
-    arch_number(arch)
-    sources = [s for s in cuda_sources(lib_module) if s]
-    if not sources:
-        raise FuselightError("the built module holds no CUDA source (was it built for a cuda target?)")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    table: dict[str, str] = {}
-    for code in sources:
-        sha = source_hash(code)
-        if sha in table:
-            continue
-        name = sha + _FATBIN_SUFFIX
-        compile_cuda(code, arch=arch, out=out_dir / name)
-        table[sha] = name
-    return table

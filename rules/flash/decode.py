@@ -32,6 +32,7 @@ import math
 from types import SimpleNamespace
 
 import tvm
+from fuselight.contracts import DECODE_SYMBOL, ROTARY_DECODE_SYMBOL
 from fuselight.errors import FuselightError
 from tvm.script import tirx as T
 
@@ -39,8 +40,8 @@ from ..arch_config import load_arch_config
 from .paging import paged_kv_len
 from .rotary import K_OUT, Q_OUT, V_OUT, SplitRotary
 
-GLOBAL_SYMBOL = "fuselight_decode_paged_kv"
-ROTARY_GLOBAL_SYMBOL = "fuselight_rope_append_decode_paged_kv"
+GLOBAL_SYMBOL = DECODE_SYMBOL
+ROTARY_GLOBAL_SYMBOL = ROTARY_DECODE_SYMBOL
 # TVM's kernels use this finite "minus infinity" for running maxima, and as an empty sequence's lse.
 _NEG = -5e4
 _LOAD_BYTES = 16  # each thread loads 16 bytes of a K/V row at once

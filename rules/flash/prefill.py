@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from fuselight.contracts import PAGED_PREFILL_SYMBOL, RAGGED_PREFILL_SYMBOL
 from fuselight.errors import FuselightError
 
 from ..arch_config import load_arch_config
@@ -480,8 +481,8 @@ def _make_kv_cache_blocks(
     return prefill_blocks
 
 
-RAGGED_SYMBOL = "fuselight_prefill_ragged_kv"
-PAGED_SYMBOL = "fuselight_prefill_paged_kv"
+RAGGED_SYMBOL = RAGGED_PREFILL_SYMBOL
+PAGED_SYMBOL = PAGED_PREFILL_SYMBOL
 ROTARY_ASSERT = "fuselight flash prefill: rotary_mode 1 (RoPE inside attention) is not supported"
 
 

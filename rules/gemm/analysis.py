@@ -31,6 +31,9 @@ import tvm
 from tvm import arith, tirx
 from tvm.tirx import stmt_functor
 
+from ..reduce.analysis import analyze_row_reduction
+from ..stages import Stage as _Stage
+from ..stages import stages as _stages
 from .dequant import analyze_dequant
 from .operands import DTYPES, Epilogue, GemmOperands, NormPrologue
 
@@ -45,44 +48,6 @@ class MatmulDesc:
     out_dtype: str
     epilogue_stages: tuple[str, ...]  # names of the elementwise blocks folded into the epilogue
     m_static: int | None  # M when known at compile time
-
-
-@dataclasses.dataclass(frozen=True)
-class _Stage:
-    block: tirx.SBlock
-    extents: tuple[Any, ...]  # of the block's iter vars, in order
-    store: tirx.BufferStore
-
-
-def _stages(func: tirx.PrimFunc) -> tuple[list[_Stage], list[tirx.Buffer]] | None:
-    """The root's child blocks, each required to sit alone in a perfect loop nest over its iter vars."""
-    root = func.body
-    if not isinstance(root, tirx.SBlockRealize):
-        return None
-    body = root.block.body
-    stmts = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
-    stages = []
-    for stmt in stmts:
-        loops = []
-        while isinstance(stmt, tirx.For):
-            if stmt.kind != tirx.ForKind.SERIAL or not _is_const(stmt.min, 0) or stmt.thread_binding is not None:
-                return None
-            loops.append(stmt)
-            stmt = stmt.body
-        if not isinstance(stmt, tirx.SBlockRealize) or not _is_const(stmt.predicate, 1):
-            return None
-        block = stmt.block
-        if len(loops) != len(block.iter_vars) or block.alloc_buffers or block.match_buffers:
-            return None
-        for loop, value, iv in zip(loops, stmt.iter_values, block.iter_vars):
-            if not value.same_as(loop.loop_var) or not _is_const(iv.dom.min, 0):
-                return None
-            if not _equal(iv.dom.extent, loop.extent):
-                return None
-        if not isinstance(block.body, tirx.BufferStore):
-            return None
-        stages.append(_Stage(block, tuple(iv.dom.extent for iv in block.iter_vars), block.body))
-    return stages, list(root.block.alloc_buffers)
 
 
 def _dtype(expr: Any) -> str:
@@ -232,7 +197,6 @@ def _norm_prologue(func: tirx.PrimFunc, count: int, allocs: list[tirx.Buffer], a
     intermediate ``a``, exactly as TOPI writes them, or None."""
     from tvm_ffi import structural_equal
 
-    from ..reduce.analysis import analyze_row_reduction
 
     if not any(a.same_as(b) for b in allocs):
         return None

@@ -192,7 +192,7 @@ def _cost(plan: Plan, m: int, n: int, k: int, d: Dispatch) -> float:
     arch has a trained model (``fuselight tune gemm-model``), else the estimate (cold start)."""
     if d.cost_model == "xgboost":
         # Imported here: xgboost only where a config asks for the model.
-        from fuselight.tune.cost_model import load_model
+        from .cost_model import load_model
 
         model = load_model(d.arch)
         if model is not None:

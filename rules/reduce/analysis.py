@@ -25,7 +25,7 @@ import tvm
 from tvm import arith, tirx
 from tvm.tirx import stmt_functor
 
-from ..gemm.analysis import _stages
+from ..stages import stages as _stages
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 DTYPES = ("float16", "bfloat16", "float32")

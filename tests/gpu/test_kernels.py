@@ -48,7 +48,7 @@ def results(tmp_path_factory) -> tuple[list[dict], list[str]]:
     """Every case run once: ``(records, failures)``."""
     import json
 
-    from fuselight.bench.kernels import run_suite
+    from fuselight.bench.kernels_run import run_suite
 
     out = Path(os.environ.get("FUSELIGHT_GPU_RESULTS") or tmp_path_factory.mktemp("gpu") / "gpu-tests.json")
     records = run_suite(MANIFEST, out)

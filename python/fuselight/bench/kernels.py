@@ -229,17 +229,3 @@ def read_manifest(path: Path) -> tuple[dict[str, Any], list[Case]]:
             raise FuselightError(f"{where}: field 'libraries' must map {' / '.join(PIPELINES)} to files")
         cases.append(case)
     return raw, cases
-
-
-def __getattr__(name: str) -> Any:
-    # ``build_suite`` (kernels_build) and ``run_suite`` (kernels_run) are imported only when asked for:
-    # both modules import this one, and the GPU host has no TVM compiler for kernels_build.
-    if name == "build_suite":
-        from .kernels_build import build_suite
-
-        return build_suite
-    if name == "run_suite":
-        from .kernels_run import run_suite
-
-        return run_suite
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -147,11 +147,11 @@ def _suite_kernels(kind: str, layout: Layout, target: Any, arch: str) -> dict[st
         flash_decode_paged_rotary,
         load_decode_config,
     )
-    from fuselight.rules.paged_attention import PagedAttention
+    from fuselight.rules.paged_attention import kernel_for
 
     builtin = builtin_kernel(kind, layout, target)
     if kind != "rope_decode":
-        ours = PagedAttention().apply(builtin, target, False)
+        ours = kernel_for(builtin, target)
         if ours is None:
             raise FuselightError(f"the PagedAttention rule declined TVM's {kind} kernel for {layout}")
         return {"baseline": builtin, "fuselight": ours}

@@ -13,14 +13,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 from ..compile import PIPELINES
 from ..errors import FuselightError
 from ..jsonfile import read_json_object
+from ..library import git_commit
 
 FORMAT = 1
 # MLC-LLM's own models compiled by MLC's pipeline, and with fuselight in it (``fuselight mlc compile``).
@@ -29,7 +28,6 @@ IMPLS = (*PIPELINES, "torch", *MLC_IMPLS)
 METRICS = ("tflops", "gbps", "tokens_per_s", "ms_per_token")
 # Compiled impls: their records carry ``baseline_source`` (where the MLC passes came from).
 COMPILED_IMPLS = (*PIPELINES, *MLC_IMPLS)
-COMMIT_ENV = "FUSELIGHT_GIT_COMMIT"
 
 
 def _is_number(v: Any) -> bool:
@@ -129,22 +127,7 @@ def read_results(path: Path) -> Results:
     return Results(meta=meta, records=records)
 
 
-def git_commit() -> str:
-    """The commit being measured: ``$FUSELIGHT_GIT_COMMIT``, else ``git rev-parse``, else "unknown"."""
-    env = os.environ.get(COMMIT_ENV)
-    if env:
-        return env
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-    except OSError:
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
 
 
 def make_record(

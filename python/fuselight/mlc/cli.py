@@ -2,7 +2,7 @@
 
 Every argument but ours goes to MLC's compile command unchanged. Ours:
 
-- ``--fuselight-passes a,b`` graph passes (``none``: no passes; default ``fuselight.passes.default()``);
+- ``--fuselight-passes a,b`` graph passes (``none``: no passes; default ``fuselight.passes.DEFAULT``);
 - ``--fuselight-rules fam,...`` rule families (``none``: DLight's rules alone; default all);
 - ``--fuselight-dump DIR`` the module after each of our steps and ``schedule.json``;
 - ``--fuselight-no-programmatic-launch`` each kernel of a ``.so`` launched only after the one before it has finished
@@ -11,7 +11,7 @@ Every argument but ours goes to MLC's compile command unchanged. Ours:
 
 Two platform adjustments to MLC's command: the "thrust" library MLC adds to CUDA targets is left out
 where TVM was built without it (TVM would only warn and fall back), and a ``.so`` output for a CUDA
-or llvm target is written by ``fuselight.compile.write_library``: the library, a metadata sidecar
+or llvm target is written by ``fuselight.library.write_library``: the library, a metadata sidecar
 (pipeline ``mlc`` or ``mlc+fuselight``, MLC's version) and, for CUDA, cubins compiled ahead of time,
 so ``fuselight.runtime.load_library`` runs it on a host with the TVM runtime alone.
 """
@@ -56,8 +56,8 @@ def _names(text: str | None) -> tuple[str, ...] | None:
 
 
 def options_from_args(ours: argparse.Namespace) -> Any:
-    """``fuselight.mlc.pipeline.Options`` from our parsed flags (None with ``--no-fuselight``)."""
-    from .pipeline import Options
+    """``fuselight.options.Options`` from our parsed flags (None with ``--no-fuselight``)."""
+    from ..options import Options
 
     if ours.no_fuselight:
         given = [f for f in ("fuselight_passes", "fuselight_rules", "fuselight_dump") if getattr(ours, f) is not None]
@@ -66,12 +66,14 @@ def options_from_args(ours: argparse.Namespace) -> Any:
         if given:
             raise FuselightError(f"--no-fuselight with --{given[0].replace('_', '-')}: pick one")
         return None
-    return Options(
+    options = Options(
         passes=_names(ours.fuselight_passes),
         rules=_names(ours.fuselight_rules),
         dump=Path(ours.fuselight_dump) if ours.fuselight_dump else None,
         programmatic_launch=not ours.fuselight_no_programmatic_launch,
     )
+    options.check_without_fuselight_runtime()
+    return options
 
 
 def compile_main(argv: Sequence[str]) -> int:
@@ -136,7 +138,8 @@ def _library_build(mlc_build: Callable[..., Any], name: str, options: Any) -> Ca
         from tvm import relax
 
         from .. import tir_pipeline
-        from ..compile import library_metadata, write_library
+        from ..compile import library_metadata
+        from ..library import write_library
         from ..target import arch_of, resolve
 
         spec = resolve(kind, arch_of(args.target) if kind == "cuda" else None)
@@ -154,7 +157,7 @@ def _library_build(mlc_build: Callable[..., Any], name: str, options: Any) -> Ca
             "mlc_model_config": _plain_fields(args.config),
         }
         if options is not None:
-            extra["fuselight"] = options.describe()
+            extra["fuselight"] = options.describe(fuselight_runtime=False)
         meta = library_metadata(spec, name, describe(import_mlc_llm()), **extra)
         write_library(executable, Path(args.output), meta, spec)
 

@@ -33,9 +33,9 @@ from tvm.s_tir import dlight as dl
 
 from ..baseline.debug_dump import DebugDump
 from ..errors import FuselightError
-from ..passes import default as default_passes
+from .. import rules
+from ..options import Options
 from ..passes import get as get_graph_pass
-from ..rules import FUSELIGHT_RULES
 from . import SOURCE_ENV, import_mlc_llm
 from .schedule_log import ScheduleLog
 
@@ -44,50 +44,9 @@ PIPELINE_NAME = "mlc_llm"
 MLC_PIPELINE_MODULE = "mlc_llm.compiler_pass.pipeline"
 GRAPH_ANCHOR = "FuseTransposeMatmul"
 SCHEDULE_ANCHOR = "LowBatchGemvSpecialize"
-# Rule family name -> factory, in the order fuselight tries them ("matmul_rule" -> "matmul").
-RULE_FAMILIES: dict[str, Callable[[], Any]] = {f.__name__.removesuffix("_rule"): f for f in FUSELIGHT_RULES}
+# Rule family name -> factory, in the order fuselight tries them (``fuselight.rules.RULES``).
+RULE_FAMILIES: dict[str, Callable[[], Any]] = {name: entry.make for name, entry in rules.RULES.items()}
 SCHEDULE_LOG_FILE = "schedule.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """What fuselight adds to MLC's pipeline.
-
-    passes: graph pass names from ``fuselight.passes`` (None: ``fuselight.passes.default()`` less
-    the passes whose libraries call back into the fuselight runtime, which MLC-LLM's engine does not
-    load; () none).
-    rules: rule families from ``RULE_FAMILIES`` (None: all; () none).
-    dump: a folder for the module after each of our steps and ``schedule.json``.
-    programmatic_launch: every kernel of a ``.so`` we build may launch while the one before it
-    finishes (sm_90 and later; ``fuselight.tir_pipeline.NAME_EVERY_KERNEL``).
-    """
-
-    passes: tuple[str, ...] | None = None
-    rules: tuple[str, ...] | None = None
-    dump: Path | None = None
-    programmatic_launch: bool = True
-
-    def __post_init__(self) -> None:
-        for name in self.passes or ():
-            if get_graph_pass(name).needs_fuselight_runtime:  # unknown names fail here too
-                raise FuselightError(f"pass {name!r} needs the fuselight runtime where the model runs; MLC-LLM's engine does not load it")
-        for family in self.rules or ():
-            if family not in RULE_FAMILIES:
-                raise FuselightError(f"unknown rule family {family!r}: expected one of {', '.join(RULE_FAMILIES)}")
-
-    @property
-    def pass_names(self) -> list[str]:
-        if self.passes is not None:
-            return list(self.passes)
-        return [name for name in default_passes() if not get_graph_pass(name).needs_fuselight_runtime]
-
-    @property
-    def rule_families(self) -> list[str]:
-        chosen = set(self.rules) if self.rules is not None else set(RULE_FAMILIES)
-        return [family for family in RULE_FAMILIES if family in chosen]  # fuselight's order
-
-    def describe(self) -> dict[str, Any]:
-        return {"passes": self.pass_names, "rules": self.rule_families, "programmatic_launch": self.programmatic_launch}
 
 
 @dataclasses.dataclass
@@ -120,9 +79,12 @@ def mlc_pipeline_module() -> types.ModuleType:
 def enable(options: Options | None = None) -> None:
     """Make ``relax.get_pipeline("mlc_llm", ...)`` (what ``mlc_llm compile`` uses) run fuselight too.
 
-    Enabling again replaces the options; ``disable()`` restores MLC's pipeline.
+    Enabling again replaces the options; ``disable()`` restores MLC's pipeline. Passes whose
+    libraries call back into the fuselight runtime are left out (MLC's engine does not load it);
+    naming one is an error.
     """
     options = options or Options()
+    options.check_without_fuselight_runtime()
     module = mlc_pipeline_module()
     state = _STATE.get(PIPELINE_NAME)
     original = state.original if state else relax.pipeline.PIPELINE_MAP[PIPELINE_NAME]
@@ -170,7 +132,7 @@ def _wrap(
                 mod = inner(mod)
             log.finish(mod, tvm.target.Target.current(allow_none=True))
             if options.dump is not None:
-                log.write(Path(options.dump) / SCHEDULE_LOG_FILE, options.describe())
+                log.write(Path(options.dump) / SCHEDULE_LOG_FILE, options.describe(fuselight_runtime=False))
             return mod
 
         return run
@@ -184,7 +146,7 @@ def _anchors_replaced(module: types.ModuleType, options: Options, log: ScheduleL
     steps = _StepCounter(options.dump)
 
     def graph_phase(*args: Any, **kwargs: Any) -> tvm.transform.Pass:
-        ours = [get_graph_pass(name) for name in options.pass_names]
+        ours = [get_graph_pass(name) for name in options.graph_passes(fuselight_runtime=False)]
 
         def slot(which: str) -> list[tvm.transform.Pass]:
             return steps.each([(p.name, p.make()) for p in ours if p.slot == which])
@@ -198,7 +160,7 @@ def _anchors_replaced(module: types.ModuleType, options: Options, log: ScheduleL
     def schedule_phase(*args: Any, **kwargs: Any) -> tvm.transform.Pass:
         sequence = [log.check_weights(), log.mark(ScheduleLog.BEFORE)]
         for family in options.rule_families:
-            sequence += steps.each([(f"rules-{family}", dl.ApplyDefaultSchedule(RULE_FAMILIES[family]()))])
+            sequence += steps.each([(f"rules-{family}", dl.ApplyDefaultSchedule(rules.get(family).make()))])
             sequence.append(log.mark(family))
         return tvm.transform.Sequential([*sequence, schedule(*args, **kwargs)])
 

@@ -113,8 +113,8 @@ def build(
     from fuselight.rules.gemm.analysis import analyze_matmul
     from fuselight.rules.gemm.dispatch import load_dispatch, plan_name
 
-    from ..bench.results import git_commit
-    from ..compile import library_metadata, write_library
+    from ..compile import library_metadata
+    from ..library import git_commit, write_library
     from ..target import resolve, to_tvm
 
     spec = resolve("cuda", arch)

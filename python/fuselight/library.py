@@ -1,0 +1,117 @@
+"""A built library's artefacts beside it, what the build host writes and the GPU host reads.
+
+``LIB.so`` (TVM's export), ``LIB.so.json`` (``metadata_path``: the sidecar, with ``cuda_sources``
+mapping each CUDA source's SHA-256 to its cubin) and ``LIB.so.cuda/`` (``aot_dir``: the cubins nvcc
+compiled ahead of time, ``aot_compile_cuda``). ``fuselight.compile`` (and ``fuselight mlc compile``,
+the tuning builds) write them with ``write_library``; ``fuselight.runtime`` reads them. Nothing here
+imports TVM's compiler side: the runtime-only GPU host imports this module too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from .cuda_compile import compile_cuda
+from .errors import FuselightError
+from .target import TargetSpec, arch_number
+
+FATBIN_SUFFIX = ".fatbin"
+# The commit recorded with a library or a measurement (else ``git rev-parse``).
+COMMIT_ENV = "FUSELIGHT_GIT_COMMIT"
+
+
+def metadata_path(library: Path) -> Path:
+    return Path(str(library) + ".json")
+
+
+def aot_dir(library: Path) -> Path:
+    return Path(str(library) + ".cuda")
+
+
+def source_hash(code: str) -> str:
+    """The key a CUDA source is found by: SHA-256 of its UTF-8 text."""
+    return hashlib.sha256(code.encode("utf-8")).hexdigest()
+
+
+def git_commit() -> str:
+    """The commit being measured: ``$FUSELIGHT_GIT_COMMIT``, else ``git rev-parse``, else "unknown"."""
+    env = os.environ.get(COMMIT_ENV)
+    if env:
+        return env
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def cuda_sources(lib_module: Any) -> list[str]:
+    """Every CUDA source in a built module (a VM executable or a runtime module), imports included."""
+    from tvm.runtime.executable import Executable
+
+    root = lib_module.mod if isinstance(lib_module, Executable) else lib_module
+    found: list[str] = []
+    stack = [root]
+    while stack:
+        mod = stack.pop()
+        if mod.kind == "cuda":
+            # "cuda" gives the source; "cu" returns an empty string in TVM 0.26.
+            found.append(mod.inspect_source("cuda"))
+        stack.extend(mod.imports)
+    return found
+
+
+def aot_compile_cuda(lib_module: Any, out_dir: Path, arch: str) -> dict[str, str]:
+    """Compile every CUDA source of ``lib_module`` with nvcc into ``out_dir/<sha>.fatbin``.
+
+    Build-host side. Returns ``{sha256 of source: file name}`` for the library's metadata.
+    """
+    arch_number(arch)
+    sources = [s for s in cuda_sources(lib_module) if s]
+    if not sources:
+        raise FuselightError("the built module holds no CUDA source (was it built for a cuda target?)")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table: dict[str, str] = {}
+    for code in sources:
+        sha = source_hash(code)
+        if sha in table:
+            continue
+        name = sha + FATBIN_SUFFIX
+        compile_cuda(code, arch=arch, out=out_dir / name)
+        table[sha] = name
+    return table
+
+
+def write_library(
+    executable: Any, path: Path, meta: dict[str, Any], target: TargetSpec, *, aot_cuda: bool = True
+) -> Path:
+    """Write ``executable`` to ``path``, ``meta`` to ``path.json`` and, for a GPU target with
+    ``aot_cuda``, its cubins to ``path.cuda/`` (``meta["cuda_sources"]``: CUDA source hash -> cubin)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {**meta, "cuda_sources": {}}
+    if target.is_gpu and aot_cuda:
+        meta["cuda_sources"] = aot_compile_cuda(executable, aot_dir(path), target.arch)
+    executable.export_library(str(path))
+    metadata_path(path).write_text(json.dumps(meta, indent=1, default=str) + "\n")
+    return path
+
+
+def metadata_path(library: Path) -> Path:
+    return Path(str(library) + ".json")
+
+
+def aot_dir(library: Path) -> Path:
+    return Path(str(library) + ".cuda")
