@@ -10,11 +10,13 @@ Numerics of the kernels run on the GPU against float64: ``bench/probes/q4_gemm.p
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shutil
 
 import numpy as np
 import pytest
+from fuselight.paths import config_dir
 
 tvm = pytest.importorskip("tvm")
 from fuselight.quant_prim_funcs import q4_linear
@@ -25,7 +27,7 @@ from fuselight.rules.gemm.plan import GemmPlan, GemmTile, check_plan, q4_smem, s
 from fuselight.rules.gemm.wgmma import (
     MAX_DYNAMIC_SMEM,
     Q4_STAGING,
-    WgmmaPlan,
+    WgmmaPlan, WgmmaTile,
     check_tile,
     q4_staging_bytes,
 )
@@ -141,9 +143,8 @@ def test_q4_ranges_cover_every_m_with_valid_plans(n, k):
     assert ranges[-1][1].split_k == 1  # every larger M: never split
     if n is None:
         assert all(plan.split_k == 1 for _, plan in ranges)  # a symbolic N: no split-K
-        assert not any(isinstance(plan, WgmmaPlan) for _, plan in ranges)  # wgmma needs a static N
-    else:
-        assert isinstance(ranges[-1][1], WgmmaPlan)  # large M: the wgmma template
+    # The shipped ranges are mma.sync's: the wgmma plans hung on the H100 (docs/experiments/q4-gemm.md).
+    assert not any(isinstance(plan, WgmmaPlan) for _, plan in ranges)
     assert dispatch.q4_plan_ranges(ops, "sm_42") == []
 
 
@@ -244,7 +245,9 @@ def test_plan_checks_name_the_problem():
     head = analyze_matmul(q4_linear(None, 4096, m=None, epilogue="cast_fp32"), dequant=True).operands
     with pytest.raises(Exception, match="split_k needs a static n"):
         check_plan(GemmPlan(tile, split_k=2), head)
-    wg = next(plan.tile for _, plan in dispatch.q4_plan_ranges(ops, "sm_90") if isinstance(plan, WgmmaPlan))
+    # A wgmma tile of the config (no shipped range uses one: they hung on the H100).
+    raw = json.loads((config_dir() / "gemm" / "mma_sync_q4.json").read_text())["sm_90"]["wgmma_tiles"]
+    wg = WgmmaTile(**next(iter(raw.values())))
     with pytest.raises(Exception, match="needs a static n"):
         check_tile(wg, head)
     with pytest.raises(Exception, match="shared memory"):
