@@ -313,3 +313,10 @@ def test_mlc_quantized_build_writes_no_dequantized_weight(tmp_path, quantization
     log = json.loads((dump / mp.SCHEDULE_LOG_FILE).read_text())
     assert log["materialized_weights"] == []
     assert any(name.startswith("fused_dequantize") for name in log["kernels"])  # MLC's fusions ran
+
+
+def test_missing_mlc_requirement_is_one_line(tmp_path, monkeypatch) -> None:
+    (tmp_path / "mlc_module_needing_a_package.py").write_text("import a_package_nobody_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(FuselightError, match="needs the Python package 'a_package_nobody_installed'.*pip install tqdm"):
+        mlc.import_mlc_module("mlc_module_needing_a_package")

@@ -43,6 +43,25 @@ def import_mlc_llm() -> types.ModuleType | None:
     return module
 
 
+# What MLC-LLM's compiler side imports besides TVM (its python/requirements.txt, compiler part).
+MLC_REQUIREMENTS = ("tqdm", "requests", "safetensors", "ml_dtypes", "shortuuid", "sentencepiece", "tiktoken")
+
+
+def import_mlc_module(name: str) -> types.ModuleType:
+    """``importlib.import_module(name)`` for a module of MLC-LLM; a package it needs that is not
+    installed is a FuselightError naming it (and the rest of MLC's requirements), not a traceback."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        missing = (err.name or "").split(".")[0]
+        if not missing or missing == "mlc_llm":
+            raise
+        raise FuselightError(
+            f"MLC-LLM's {name} needs the Python package {missing!r}, which is not installed: "
+            f"pip install {' '.join(MLC_REQUIREMENTS)}"
+        ) from None
+
+
 def source_package_dir(root: Path) -> Path:
     """``<checkout>/python/mlc_llm`` for a checkout root or its ``python/`` folder."""
     for candidate in (root / "python" / "mlc_llm", root / "mlc_llm"):

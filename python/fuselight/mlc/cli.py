@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..bench.results import MLC_IMPLS
 from ..errors import FuselightError
-from . import SOURCE_ENV, describe, import_mlc_llm
+from . import SOURCE_ENV, describe, import_mlc_llm, import_mlc_module
 
 MLC_COMPILE_MODULE = "mlc_llm.cli.compile"
 TARGET_DETECTION = "detect_target_and_host"
@@ -86,7 +85,7 @@ def compile_main(argv: Sequence[str]) -> int:
     options = options_from_args(ours)
     from . import pipeline
 
-    command = importlib.import_module(MLC_COMPILE_MODULE)
+    command = import_mlc_module(MLC_COMPILE_MODULE)
     detect = getattr(command, TARGET_DETECTION, None)
     if detect is None or not callable(getattr(command, "main", None)):
         raise FuselightError(f"this MLC-LLM's {MLC_COMPILE_MODULE} lacks main or {TARGET_DETECTION}")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import types
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -36,7 +35,7 @@ from ..errors import FuselightError
 from .. import rules
 from ..options import Options
 from ..passes import get as get_graph_pass
-from . import SOURCE_ENV, import_mlc_llm
+from . import SOURCE_ENV, import_mlc_llm, import_mlc_module
 from .schedule_log import ScheduleLog
 
 PIPELINE_NAME = "mlc_llm"
@@ -63,7 +62,7 @@ def mlc_pipeline_module() -> types.ModuleType:
     if import_mlc_llm() is None:
         raise FuselightError(f"MLC-LLM is not available: install mlc_llm or set {SOURCE_ENV} to an MLC-LLM source checkout")
     try:
-        module = importlib.import_module(MLC_PIPELINE_MODULE)
+        module = import_mlc_module(MLC_PIPELINE_MODULE)
     except ImportError as err:
         raise FuselightError(f"this MLC-LLM has no {MLC_PIPELINE_MODULE} ({err}): fuselight cannot wrap its pipeline") from None
     missing = [name for name in (GRAPH_ANCHOR, SCHEDULE_ANCHOR) if not callable(getattr(module, name, None))]
