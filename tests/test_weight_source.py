@@ -135,22 +135,14 @@ def test_materialized_weights_ignores_a_dequantize_fused_with_its_matmul_and_a_g
 
 
 @pytest.mark.parametrize("schedule", [False, True], ids=["unscheduled", "sm_90"])
-def test_gate_up_silu_leaves_a_dequantized_weight_with_its_matmul(schedule):
+@pytest.mark.parametrize("fusion, graph, fused_name", [
+    (FuseGateUpSiLU, _mlp, GATE_UP), (FuseNormIntoGemv, _norm_matmul, NORM_GEMV),
+], ids=["gate_up_silu", "norm_gemv"])
+def test_fusions_leave_a_dequantized_weight_with_its_matmul(fusion, graph, fused_name, schedule):
     target = to_tvm(resolve("cuda", "sm_90"))
     with target:
-        fused = FuseGateUpSiLU(schedule=schedule)(_mlp(quantized=False))
-        quantized = _mlp(quantized=True)
-        after = FuseGateUpSiLU(schedule=schedule)(quantized)
-    assert any(name.startswith(GATE_UP) for name in _callees(fused))  # the fp16 twin is fused
-    assert tvm_ffi.structural_equal(after, quantized)
-
-
-@pytest.mark.parametrize("schedule", [False, True], ids=["unscheduled", "sm_90"])
-def test_norm_gemv_leaves_a_dequantized_weight_with_its_matmul(schedule):
-    target = to_tvm(resolve("cuda", "sm_90"))
-    with target:
-        fused = FuseNormIntoGemv(schedule=schedule)(_norm_matmul(quantized=False))
-        quantized = _norm_matmul(quantized=True)
-        after = FuseNormIntoGemv(schedule=schedule)(quantized)
-    assert any(name.startswith(NORM_GEMV) for name in _callees(fused))  # the fp16 twin is fused
+        fused = fusion(schedule=schedule)(graph(quantized=False))
+        quantized = graph(quantized=True)
+        after = fusion(schedule=schedule)(quantized)
+    assert any(name.startswith(fused_name) for name in _callees(fused))  # the fp16 twin is fused
     assert tvm_ffi.structural_equal(after, quantized)
