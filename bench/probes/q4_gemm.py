@@ -14,7 +14,7 @@ Two halves, one file:
   q4 function under every plan of ``SWEEP_TILES`` (one plan a function, split-K 2 where N is
   small), for picking ``configs/gemm/mma_sync_q4.json``'s ranges from measurements.
 
-  run (GPU host, runtime-only TVM: ``source .gpu/setup.sh`` first):
+  run (GPU host, runtime-only TVM: the TVM runtime on PYTHONPATH, TVM_USE_RUNTIME_LIB=1):
       python3 bench/probes/q4_gemm.py run .build/q4_gemm/manifest.json -o q4_gemm.json [--cases qkv ...] [--m 512 ...]
   for each case and M fills random packed words (never all zeros), scales and tokens, checks our
   kernel and DLight's against a float64 reference of the function (the weight dequantized as the

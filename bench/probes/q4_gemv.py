@@ -10,7 +10,7 @@ Two halves, one file:
   PrimFuncs as MLC-LLM builds them: its GEMV rule for M = 1, LowBatchGemvSpecialize's LowBatchGEMV
   buckets for the batch), their AOT cubins, CUDA sources and ``manifest.json``.
 
-  run (GPU host, runtime-only TVM: ``source .gpu/setup.sh`` first):
+  run (GPU host, runtime-only TVM: the TVM runtime on PYTHONPATH, TVM_USE_RUNTIME_LIB=1):
       python3 bench/probes/q4_gemv.py run .build/q4_gemv/manifest.json -o q4_gemv.json [--cases qkv ...] [--ms 1 16]
   fills random packed words, scales and tokens (never zeros), checks every kernel against a float64
   reference of the function (the weight dequantized as the function computes it, in fp16/bf16, then
