@@ -31,7 +31,7 @@ N may be symbolic there (the LM head's vocabulary): the grid is then computed at
 
 Why beside the mma template: at M = 1 the tensor cores buy nothing, and there its rows-of-16 layout
 (64 bytes of each of 16 rows a load) streamed the decode step's smaller projections slower than
-whole-row streaming (``configs/gemm/gemv.json`` has the numbers).
+whole-row streaming (``docs/experiments/config-gemm-gemv.md`` has the numbers).
 """
 
 from __future__ import annotations
