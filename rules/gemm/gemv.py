@@ -15,8 +15,8 @@ round-robin (split-K inside the block, which keeps more loads in flight for the 
 no second launch), in runs of ``cfg.lane_run`` steps over which each lane's pieces are adjacent
 (``piece_word``): with runs of 2 a warp's load instruction reads whole 128-byte lines of its 8 rows
 (each lane half a 32-byte sector, the next instruction the other half) instead of 64 bytes of each,
-which streamed every shape of the kernel suite 2-10% faster (``configs/gemm/gemv.json`` has the
-numbers); their fp32 partial tiles are summed through shared memory and the epilogue (``ops.out``)
+which streamed every shape of the kernel suite 2-10% faster (``docs/experiments/config-gemm-gemv.md``
+has the numbers); their fp32 partial tiles are summed through shared memory and the epilogue (``ops.out``)
 runs once per output. M may be symbolic (at most ``cfg.max_m``, at least 1: the caller branches on
 it); the grid does not depend on it.
 
