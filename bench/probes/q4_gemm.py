@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from q4_common import rel_error, tensor_to_tvm  # beside this script (its folder is on sys.path)
+
 M_VALUES = (17, 128, 512, 1000, 1024, 2048, 4095)
 
 # name -> q4_linear arguments (n None: symbolic, run at ``vocab``); m is always symbolic
@@ -298,11 +300,6 @@ def _data(case: dict[str, Any], m: int, torch: Any, seed: int) -> dict[str, Any]
     return data
 
 
-def _rel(out: Any, ref: Any) -> float:
-    out, ref = out.double().reshape(-1), ref.double().reshape(-1)
-    return float((out - ref).norm() / ref.norm())
-
-
 def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[int] | None) -> None:
     import torch
     from fuselight.bench.timing import device_name, time_fn
@@ -314,12 +311,7 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
     import tvm
 
     def to_tvm(t: Any) -> Any:
-        if t.dtype == torch.uint32:
-            try:
-                return tvm.runtime.from_dlpack(t)
-            except Exception:  # noqa: BLE001 - a torch without uint32 DLPack: same bits as int32
-                return tvm.runtime.from_dlpack(t.view(torch.int32))._create_view(tuple(t.shape), "uint32")
-        return tvm.runtime.from_dlpack(t)
+        return tensor_to_tvm(tvm, torch, t)
 
     results = {"device": device_name("cuda"), "torch": torch.__version__, "manifest": str(manifest_path), "cases": {}}
     rows = []
@@ -342,7 +334,7 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
                     fn()
                     torch.cuda.synchronize()
                     if out is not None and check:
-                        entry["rel_err"] = _rel(out, data["ref"])
+                        entry["rel_err"] = rel_error(out, data["ref"])
                         entry["correct"] = bool(entry["rel_err"] < tolerance)
                     st = time_fn(fn)
                     entry.update(median_us=st.median_us, p10_us=st.p10_us, p90_us=st.p90_us, n=st.n,
@@ -367,7 +359,7 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
                 fn, out = q4_kernel("dlight")
                 measure("dlight", fn, out)
             if "error" not in rec["kernels"]["dlight"]:
-                rec["kernels"]["dlight"]["rel_to_fuselight"] = _rel(ours_out, out)
+                rec["kernels"]["dlight"]["rel_to_fuselight"] = rel_error(ours_out, out)
             # Our fp16 GEMM on the dequantized weight (its numerics: against the same reference, before the epilogue).
             w16 = data["w"]
             x3 = data["x"].reshape(1, m, k)
@@ -414,12 +406,7 @@ def run_sweep(manifest_path: Path, out_json: Path, only: list[str] | None, ms: l
     fp16 = load_module(root / manifest["libraries"]["fp16"])[0]
 
     def to_tvm(t: Any) -> Any:
-        if t.dtype == torch.uint32:
-            try:
-                return tvm.runtime.from_dlpack(t)
-            except Exception:  # noqa: BLE001 - a torch without uint32 DLPack: same bits as int32
-                return tvm.runtime.from_dlpack(t.view(torch.int32))._create_view(tuple(t.shape), "uint32")
-        return tvm.runtime.from_dlpack(t)
+        return tensor_to_tvm(tvm, torch, t)
 
     results: dict[str, Any] = {"device": device_name("cuda"), "manifest": str(manifest_path), "cases": {}}
     lines = []
@@ -446,7 +433,7 @@ def run_sweep(manifest_path: Path, out_json: Path, only: list[str] | None, ms: l
                 try:
                     f(*args)
                     torch.cuda.synchronize()
-                    rec["rel_err"] = _rel(out, data["ref"])
+                    rec["rel_err"] = rel_error(out, data["ref"])
                     rec["correct"] = bool(rec["rel_err"] < 1e-3)
                     st = time_fn(lambda: f(*args))
                     rec.update(median_us=st.median_us, tflops=flop / st.median_us / 1e6, over_fp16=f16_us / st.median_us)

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from q4_common import rel_error, tensor_to_tvm  # beside this script (its folder is on sys.path)
+
 COPY_RATE_GBPS = 3000.0  # H100 device-to-device copy (bytes read + written), shared/device/README.md
 TARGET = {"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024, "max_shared_memory_per_block": 49152,
           "thread_warp_size": 32}
@@ -210,11 +212,6 @@ def _tokens(case: dict[str, Any], wd: dict[str, Any], m: int, torch: Any) -> dic
     return data
 
 
-def _rel(out: Any, ref: Any) -> float:
-    out, ref = out.double().reshape(-1), ref.double().reshape(-1)
-    return float((out - ref).norm() / ref.norm())
-
-
 def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[int] | None) -> None:
     import torch
     from fuselight.bench.timing import device_name, time_fn
@@ -226,12 +223,7 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
     import tvm
 
     def to_tvm(t: Any) -> Any:
-        if t.dtype == torch.uint32:
-            try:
-                return tvm.runtime.from_dlpack(t)
-            except Exception:  # noqa: BLE001 - a torch without uint32 DLPack: same bits as int32
-                return tvm.runtime.from_dlpack(t.view(torch.int32))._create_view(tuple(t.shape), "uint32")
-        return tvm.runtime.from_dlpack(t)
+        return tensor_to_tvm(tvm, torch, t)
 
     results = {"device": device_name("cuda"), "torch": torch.__version__, "manifest": str(manifest_path),
                "copy_rate_gbps": COPY_RATE_GBPS, "cases": {}}
@@ -267,7 +259,7 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
                     fn()
                     torch.cuda.synchronize()
                     if out is not None:
-                        entry["rel_err"] = _rel(out, data["ref"])
+                        entry["rel_err"] = rel_error(out, data["ref"])
                         entry["correct"] = bool(entry["rel_err"] < tolerance)
                     st = time_fn(fn)
                     entry.update(median_us=st.median_us, p10_us=st.p10_us, p90_us=st.p90_us, n=st.n,
