@@ -1,6 +1,6 @@
 """fuselight inside MLC-LLM's pipeline (``fuselight.mlc.pipeline``, ``fuselight.mlc.cli``).
 
-Everywhere: against ``tests/mlc_stub``, a stand-in package with MLC's anchors (its pipeline builds
+Everywhere: against ``tests/python/mlc/mlc_stub``, a stand-in package with MLC's anchors (its pipeline builds
 its pass list when it runs, from names in its module, as MLC's does). Where MLC-LLM is available
 (installed, or ``FUSELIGHT_MLC_LLM_SOURCE``): the same wrapper on MLC's own pipeline.
 """
@@ -298,7 +298,7 @@ def test_mlc_quantized_build_writes_no_dequantized_weight(tmp_path, quantization
     """MLC's own 4-bit LLaMA with fuselight for sm_90: no kernel writes a dequantized weight."""
     if mlc.import_mlc_llm() is None:
         pytest.skip(f"MLC-LLM not available (install mlc_llm or set {mlc.SOURCE_ENV})")
-    config = json.loads((Path(__file__).parents[1] / "configs" / "models" / "llama-3-8b.json").read_text())
+    config = json.loads((Path(__file__).parents[3] / "configs" / "models" / "llama-3-8b.json").read_text())
     config.update(num_hidden_layers=1, hidden_size=512, intermediate_size=1024, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=1000)
     (tmp_path / "config.json").write_text(json.dumps(config))

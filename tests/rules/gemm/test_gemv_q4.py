@@ -268,7 +268,7 @@ def test_rule_leaves_what_the_template_does_not_serve(cuda):
     assert _scheduled(q4_linear(4096, 4096, layout="KN"), cuda) is None  # KN: not served
     assert _scheduled(q4_linear(4096, 4096, m=17), cuda) is None  # static M past 16: DLight
     assert _scheduled(q4_linear(4096, 4096, zero=20.0), cuda) is None  # zero point past 16
-    # (A symbolic batch is the Matmul rule's: the quantized GEMM, tests/test_gemm_q4.py.)
+    # (A symbolic batch is the Matmul rule's: the quantized GEMM, tests/rules/gemm/test_gemm_q4.py.)
     assert Matmul().apply(q4_linear(4096, 4096, m=None).with_attr("target", cuda), cuda, False) is not None
     with pytest.raises(Exception, match="NK"):
         gemv.check_gemv(analyze_matmul(q4_linear(4096, 4096, layout="KN"), dequant=True).operands, ROWS)
