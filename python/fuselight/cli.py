@@ -57,6 +57,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _output(args: argparse.Namespace) -> Path | None:
+    """``-o``; None: the suite's file under bench/results/<device>/."""
+    return Path(args.output) if args.output else None
+
+
 def cmd_bench_build(args: argparse.Namespace) -> int:
     from .bench.kernels_build import build_suite
 
@@ -68,7 +73,7 @@ def cmd_bench_build(args: argparse.Namespace) -> int:
 def cmd_bench_run(args: argparse.Namespace) -> int:
     from .bench.kernels_run import run_suite
 
-    run_suite(Path(args.manifest), Path(args.output), cases=args.cases, sweep=args.sweep)
+    run_suite(Path(args.manifest), _output(args), cases=args.cases, sweep=args.sweep)
     return 0
 
 
@@ -82,7 +87,7 @@ def cmd_bench_paged_build(args: argparse.Namespace) -> int:
 def cmd_bench_paged_run(args: argparse.Namespace) -> int:
     from .bench.paged_attention import run_suite
 
-    run_suite(Path(args.manifest), Path(args.output))
+    run_suite(Path(args.manifest), _output(args))
     return 0
 
 
@@ -95,7 +100,7 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
         if not sep:
             raise FuselightError(f"--lib {item!r}: expected IMPL=PATH, e.g. baseline=llama-baseline.so")
         libs[impl] = Path(path)
-    run_e2e(libs, args.model, Path(args.output), torch=not args.no_torch, profile=args.profile)
+    run_e2e(libs, args.model, _output(args), torch=not args.no_torch, profile=args.profile)
     return 0
 
 
@@ -109,7 +114,7 @@ def cmd_bench_mlc_e2e(args: argparse.Namespace) -> int:
         if not sep or not at or not case:
             raise FuselightError(f"--lib {item!r}: expected IMPL@CASE=PATH, e.g. mlc@llama-3-8b=llama-mlc.so")
         libs[(impl, case)] = Path(path)
-    run_mlc_e2e(libs, Path(args.output), model=args.model, device=args.device)
+    run_mlc_e2e(libs, _output(args), model=args.model, device=args.device)
     return 0
 
 
@@ -171,7 +176,14 @@ def cmd_tune_gemm_table(args: argparse.Namespace) -> int:
 def cmd_tune_gemm_model(args: argparse.Namespace) -> int:
     from .tune.cost_model import gemm_model
 
-    results = Path(args.results) if args.results else Path("bench") / "results" / f"tuning-gemm-{args.arch}.json"
+    if args.results:
+        results = Path(args.results)
+    else:
+        from .bench.results import default_path
+        from .jsonfile import read_json_object
+
+        device = read_json_object(Path(args.data), missing=f"dataset not found: {args.data}").get("device")
+        results = default_path(str(device or args.arch), f"tuning-gemm-{args.arch}")
     gemm_model(Path(args.data), args.arch, do_eval=args.eval, write=args.write, results=results)
     return 0
 
@@ -233,7 +245,8 @@ def _parser() -> argparse.ArgumentParser:
     bb.set_defaults(func=cmd_bench_build)
     br = bsub.add_parser("run", help="run the kernel suite (GPU host)")
     br.add_argument("manifest", help="manifest.json written by 'bench build'")
-    br.add_argument("-o", "--output", required=True, help="results JSON")
+    br.add_argument("-o", "--output", default=None,
+                    help="results JSON (default bench/results/<device>/kernels.json; a partial run updates its points)")
     br.add_argument("--cases", nargs="*", default=None)
     br.add_argument(
         "--sweep", nargs="+", type=int, default=None, help="run these values of each symbolic case's swept dimension"
@@ -245,7 +258,7 @@ def _parser() -> argparse.ArgumentParser:
     pb.set_defaults(func=cmd_bench_paged_build)
     pr = bsub.add_parser("paged-run", help="check and time the KV-cache attention kernels (GPU host)")
     pr.add_argument("manifest", help="manifest.json written by 'bench paged-build'")
-    pr.add_argument("-o", "--output", required=True, help="results JSON")
+    pr.add_argument("-o", "--output", default=None, help="results JSON (default bench/results/<device>/paged-attention.json)")
     pr.set_defaults(func=cmd_bench_paged_run)
 
     be = bsub.add_parser("e2e", help="end-to-end LLaMA suite (GPU host)")
@@ -254,7 +267,8 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--no-torch", action="store_true", help="skip the transformers comparison")
     be.add_argument("--profile", action="store_true",
                     help="also profile each library's decode steps: kernel time and launches by family")
-    be.add_argument("-o", "--output", required=True, help="results JSON")
+    be.add_argument("-o", "--output", default=None,
+                    help="results JSON (default bench/results/<device>/e2e-<model>[-<quantization>].json)")
     be.set_defaults(func=cmd_bench_e2e)
 
     bm = bsub.add_parser("mlc-e2e", help="MLC-LLM-compiled models with and without fuselight, compared (GPU host)")
@@ -262,7 +276,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="IMPL@CASE=PATH: IMPL mlc or mlc+fuselight, CASE a model name (both impls per case)")
     bm.add_argument("--model", default="llama-3-8b", help="the case that is this LLaMA preset: float64 check and timing")
     bm.add_argument("--device", default="cuda", help="cuda, or cpu for llvm libraries")
-    bm.add_argument("-o", "--output", required=True, help="results JSON")
+    bm.add_argument("-o", "--output", default=None,
+                    help="results JSON (default bench/results/<device>/mlc-e2e-<model>[-<quantization>].json)")
     bm.set_defaults(func=cmd_bench_mlc_e2e)
 
     m = sub.add_parser("mlc", help="MLC-LLM with fuselight")
@@ -304,7 +319,7 @@ def _parser() -> argparse.ArgumentParser:
     tm.add_argument("--arch", default="sm_90")
     tm.add_argument("--eval", action="store_true", help="leave-one-shape-out evaluation, xgboost vs analytic")
     tm.add_argument("--results", default=None,
-                    help="where --eval writes its JSON (default bench/results/tuning-gemm-<arch>.json)")
+                    help="where --eval writes its JSON (default bench/results/<device>/tuning-gemm-<arch>.json)")
     tm.add_argument("--write", action="store_true",
                     help="store the model and the dataset in configs/gemm/ (cost-model-<arch>.json, measured-<arch>.json)")
     tm.set_defaults(func=cmd_tune_gemm_model)

@@ -8,6 +8,7 @@ whatever asks falls back to what needs no fact.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from .errors import FuselightError
 from .jsonfile import read_json_object
@@ -34,3 +35,15 @@ def device_model(arch: str | None) -> DeviceModel | None:
                            host_launch_us=float(entry["host_launch_us"]))
     except (KeyError, TypeError, ValueError) as err:
         raise FuselightError(f"{path}[{arch!r}]: a bad device description ({err})") from None
+
+
+def results_folder(device_name: str) -> str:
+    """The folder under ``bench/results/`` for results measured on ``device_name`` (a record's
+    ``device``): the ``results_folder`` of the description with that name, else the name in lower
+    case with every run of other characters as one '-'."""
+    path = config_dir() / "targets" / "devices.json"
+    node = read_json_object(path, missing=f"device descriptions not found: {path}")
+    for entry in node.values():
+        if isinstance(entry, dict) and entry.get("name") == device_name and entry.get("results_folder"):
+            return str(entry["results_folder"])
+    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") or "unknown-device"

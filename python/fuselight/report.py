@@ -2,8 +2,8 @@
 
 Input: results files (``bench/results.py``) and GEMM cost-model evaluations (``tuning-*.json``), or
 directories of them. Files may measure the same (suite, case, shape, impl) again; the newest record
-is used: by the commit time of its ``git_commit``, then by when its file was last committed (a file
-with uncommitted changes is newest), then by the order the files were given in.
+is used: by its file's ``meta.measured_at`` (a file without one is oldest), then by the order the files
+were given in (a directory's files by name). No git is asked: results are data.
 ``configs/report.json`` maps cases to kernel families and holds the comparisons, device peaks and
 the issues' targets.
 
@@ -16,16 +16,15 @@ of end-to-end runs; then per family a table of every point and a PNG per case (m
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import fnmatch
-import functools
 import math
 import re
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .bench.results import Results, read_results
+from .bench.results import Results, point_key, read_results
 from .errors import FuselightError
 from .jsonfile import read_json_object
 from .paths import config_dir
@@ -291,48 +290,29 @@ def read_source(path: Path, cfg: dict[str, Any]) -> Source:
     return Source(path, results=_relabelled(results, names) if names else results)
 
 
-def _git(cwd: Path, *args: str) -> str | None:
+def measured_at(src: Source) -> float | None:
+    """When ``src``'s results were measured (``meta.measured_at``, POSIX seconds); None where unknown."""
+    stamp = src.results.meta.get("measured_at") if src.results else None
+    if not isinstance(stamp, str):
+        return None
     try:
-        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=False)
-    except OSError:
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-@functools.cache
-def commit_time(commit: str, repo_dir: Path) -> float | None:
-    """Commit time of ``commit`` in the git repository holding ``repo_dir``; None where git does not know it."""
-    if not re.fullmatch(r"[0-9a-fA-F]{4,40}", commit):
-        return None
-    out = _git(repo_dir, "show", "-s", "--format=%ct", f"{commit}^{{commit}}")
-    return float(out) if out else None
-
-
-def file_time(path: Path) -> float | None:
-    """When ``path`` was last committed; +inf with uncommitted changes (newer than any commit); None outside git."""
-    status = _git(path.parent, "status", "--porcelain", "--", path.name)
-    if status is None:
-        return None
-    if status:
-        return math.inf
-    out = _git(path.parent, "log", "-1", "--format=%ct", "--", path.name)
-    return float(out) if out else None
+        when = datetime.datetime.fromisoformat(stamp)
+    except ValueError:
+        raise FuselightError(f"{src.path}: meta.measured_at must be an ISO 8601 time, got {stamp!r}") from None
+    return (when if when.tzinfo else when.replace(tzinfo=datetime.timezone.utc)).timestamp()
 
 
 def newest_records(sources: Sequence[Source]) -> list[tuple[dict[str, Any], Source]]:
-    """Per (suite, case, shape, impl) the newest record and its file: ranked by the commit time of the
-    record's commit, then by its file's commit time, then by the order of ``sources`` (later wins);
-    an unknown time ranks oldest."""
+    """Per (suite, case, shape, impl) the newest record and its file: ranked by the file's
+    ``measured_at``, then by the order of ``sources`` (later wins); an unknown time ranks oldest."""
     chosen: dict[tuple, tuple[tuple, dict[str, Any], Source]] = {}
-    oldest = -math.inf
     for order, src in enumerate(sources):
         if src.results is None:
             continue
-        ftime = file_time(src.path)
+        when = measured_at(src)
+        rank = (-math.inf if when is None else when, order)
         for r in src.results.records:
-            ctime = commit_time(r["git_commit"], src.path.resolve().parent)
-            rank = (oldest if ctime is None else ctime, oldest if ftime is None else ftime, order)
-            key = (r["suite"], r["case"], tuple(sorted(r["shape"].items())), r["impl"])
+            key = point_key(r)
             if key not in chosen or rank >= chosen[key][0]:
                 chosen[key] = (rank, r, src)
     return [(r, src) for _, r, src in chosen.values()]
@@ -689,8 +669,8 @@ def markdown(
     lines.append(
         "Times are medians in microseconds. 'A vs B' is B's time over A's (above 1: A is faster); summary ratios "
         "are the geometric mean over the family's points, with the lowest and highest. Where several files "
-        "measured the same point, the newest measurement is used (by the commit it records, then by when its "
-        "file was committed)."
+        "measured the same point, the newest measurement is used (by the time its file records, then by the "
+        "order of the files)."
     )
     lines.append("")
     lines += [*_sources_table(sources, selected), ""]

@@ -33,7 +33,7 @@ from ..runtime import init_tvm, load_library, read_metadata, release_memory
 from . import bench_config
 from .kernels_run import sdpa_backends
 from .profile import profile_steps
-from .results import COMPILED_IMPLS, git_commit, make_record, write_results
+from .results import COMPILED_IMPLS, default_path, git_commit, make_record, write_results
 from .timing import device_name, host_samples, summarize, synchronizer, time_host
 
 SUITE = "e2e"
@@ -463,10 +463,18 @@ class _Measure:
             f"{k} {v['exclusive_us']:.0f} us/{v['launches']:.0f}" for k, v in prof["families"].items()), flush=True)
 
 
+def e2e_name(config: ModelConfig, preset_dtype: str) -> str:
+    """The e2e results' name: ``e2e-<model>``, then the weight scheme, or the dtype where it is not
+    the preset's (``e2e-llama-3-8b``, ``e2e-llama-3-8b-q4f16_1``, ``e2e-smollm2-135m-float16``)."""
+    if config.quantization:
+        return f"e2e-{config.name}-{config.quantization}"
+    return f"e2e-{config.name}" + (f"-{config.dtype}" if config.dtype != preset_dtype else "")
+
+
 def run_e2e(
     libs: dict[str, Path],
     config_name: str,
-    out_json: Path,
+    out_json: Path | None = None,
     *,
     torch: bool = True,
     device: str = "cuda",
@@ -479,7 +487,8 @@ def run_e2e(
 
     ``device`` "cpu" runs llvm libraries (for tests). Unset lists come from ``e2e`` in bench.json.
     ``profile`` (cuda): each library's decode kernels by family at each context, in the results'
-    ``decode_profile`` (see ``fuselight.bench.profile``).
+    ``decode_profile`` (see ``fuselight.bench.profile``). ``out_json`` defaults to
+    ``bench/results/<device>/<e2e_name(...)>.json``.
     """
     from ..report import accuracy_text, text_table
 
@@ -490,6 +499,7 @@ def run_e2e(
     if not libs and not torch:
         raise FuselightError("nothing to benchmark: no libraries and no torch")
     config = load(config_name)
+    preset_dtype = config.dtype
     prefill_tokens = prefill_tokens or cfg["prefill_tokens"]
     decode_contexts = decode_contexts or cfg["decode_contexts"]
     decode_steps = decode_steps or cfg["decode_steps"]
@@ -593,7 +603,8 @@ def run_e2e(
     }
     if device == "cuda":
         meta["pdl_audit"] = {impl: audit_if_possible(path) for impl, path in libs.items()}
-    write_results(Path(out_json), records, meta)
+    out_json = Path(out_json) if out_json else default_path(common["device"], e2e_name(config, preset_dtype))
+    write_results(out_json, records, meta)
     print(text_table(records))
     print(accuracy_text(accuracy))
     for impl, found in meta.get("pdl_audit", {}).items():

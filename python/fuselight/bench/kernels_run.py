@@ -20,8 +20,8 @@ from typing import Any
 from ..errors import FuselightError
 from ..runtime import DEVICE_OF_TARGET, init_tvm, load_library, release_memory
 from . import bench_config
-from .kernels import PIPELINES, SUITE, Case, read_manifest, select
-from .results import git_commit, make_record, write_results
+from .kernels import PIPELINES, SUITE, Case, load_suite, read_manifest, select
+from .results import default_path, git_commit, make_record, merged_with, write_results
 from .timing import device_name, synchronizer, time_fn
 
 # Float64 error sums over chunks of at most this many elements, to bound the reference's memory.
@@ -291,13 +291,21 @@ def _run_case(
     return records, failures
 
 
+def results_name(suite: str) -> str:
+    """The kernel suite's results name: ``kernels`` for the full suite, else ``kernels-<suite>``."""
+    return SUITE if suite == "full" else f"{SUITE}-{suite}"
+
+
 def run_suite(
-    manifest: Path, out_json: Path, cases: list[str] | None = None, sweep: list[int] | None = None
+    manifest: Path, out_json: Path | None = None, cases: list[str] | None = None, sweep: list[int] | None = None
 ) -> list[dict[str, Any]]:
     """Check and time every case of ``manifest`` (or the named ``cases``); write ``out_json``.
 
     ``sweep`` replaces the swept values of every case whose swept dimension is symbolic in its
     libraries (e.g. only the low-batch M of the GEMM cases); a case built for one value keeps it.
+    Without ``out_json`` the results go to ``bench/results/<device>/<results_name(suite)>.json``; a
+    partial run there (``cases``, ``sweep``, or a manifest built for some of the suite's cases)
+    replaces the points it measured and keeps the file's others.
     """
     from ..report import text_table
 
@@ -347,7 +355,15 @@ def run_suite(
         if device == "cuda":
             torch.cuda.empty_cache()
     meta = {"suite": SUITE, "manifest": str(manifest), "target": target, "arch": raw.get("arch"), "failures": failures}
-    write_results(Path(out_json), records, meta)
+    if out_json:
+        out_json = Path(out_json)
+    else:
+        suite = raw.get("suite", "full")
+        out_json = default_path(common["device"], results_name(suite))
+        partial = cases is not None or sweep is not None or set(entries) != {c.name for c in load_suite(suite)}
+        if partial:
+            records = merged_with(out_json, records)
+    write_results(out_json, records, meta)
     print(text_table(records))
     for failure in failures:
         print(f"MISMATCH {failure}")

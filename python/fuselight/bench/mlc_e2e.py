@@ -36,7 +36,7 @@ from ..quantization import scheme as quantization_scheme
 from ..runtime import init_tvm, load_library, release_memory
 from . import bench_config
 from .e2e import _relerr, quantize_on_device
-from .results import MLC_IMPLS, git_commit, write_results
+from .results import MLC_IMPLS, default_path, git_commit, write_results
 from .timing import device_name, synchronizer
 
 SUITE = "mlc-e2e"
@@ -235,9 +235,16 @@ class _Run:
     tolerance: float
 
 
+def mlc_e2e_name(model: str, records: list[dict[str, Any]]) -> str:
+    """The results' name: ``mlc-e2e-<model>``, then the weight scheme of the timed model where it
+    has one (``mlc-e2e-llama-3-8b-q4f16_1``)."""
+    schemes = sorted({r["shape"]["quantization"] for r in records if "quantization" in r["shape"]})
+    return "-".join([f"{SUITE}-{model}", *schemes])
+
+
 def run_mlc_e2e(
     libs: dict[tuple[str, str], Path],
-    out_json: Path,
+    out_json: Path | None = None,
     *,
     model: str = "llama-3-8b",
     device: str = "cuda",
@@ -249,6 +256,7 @@ def run_mlc_e2e(
 
     The case named ``model`` is the LLaMA preset: float64 reference and timing; other cases are
     compared only. ``device`` "cpu" runs llvm libraries (tests). Unset lists come from ``configs/mlc.json``.
+    ``out_json`` defaults to ``bench/results/<device>/<mlc_e2e_name(...)>.json``.
     """
     settings, e2e_cfg = mlc_settings(), bench_config()["e2e"]
     cases: dict[str, dict[str, Path]] = {}
@@ -289,7 +297,8 @@ def run_mlc_e2e(
         "agreement_relerr": settings["agreement_relerr"],
         "agreement": agreement,
     }
-    write_results(Path(out_json), records, meta)
+    out_json = Path(out_json) if out_json else default_path(device_name(device), mlc_e2e_name(model, records))
+    write_results(out_json, records, meta)
     _print_table(records)
     bad = [case for case, entry in agreement.items() if not entry["agree"]]
     if bad:

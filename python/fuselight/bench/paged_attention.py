@@ -403,11 +403,12 @@ def _copy_gbps(torch: Any, dev: Any) -> float:
     return 2 * src.numel() / stats.median_us / 1e3
 
 
-def run_suite(manifest: Path, out_json: Path) -> list[dict[str, Any]]:
-    """Check and time every point for the manifest's libraries on the GPU; write ``out_json``."""
+def run_suite(manifest: Path, out_json: Path | None = None) -> list[dict[str, Any]]:
+    """Check and time every point for the manifest's libraries on the GPU; write ``out_json``
+    (default ``bench/results/<device>/paged-attention.json``)."""
     from ..report import text_table
     from ..runtime import init_tvm, load_module, release_memory
-    from .results import make_record, write_results
+    from .results import default_path, make_record, write_results
     from .timing import device_name, time_fn
 
     manifest = Path(manifest)
@@ -466,8 +467,10 @@ def run_suite(manifest: Path, out_json: Path) -> list[dict[str, Any]]:
     release_memory()
     meta = {"suite": SUITE, "manifest": str(manifest), "arch": raw.get("arch"), "layout": raw["layout"],
             "copy_gbps": copy_gbps, "failures": failures}
-    write_results(Path(out_json), records, meta)
+    out_json = Path(out_json) if out_json else default_path(common["device"], "paged-attention")
+    write_results(out_json, records, meta)
     print(text_table(records))
     for failure in failures:
         print(f"MISMATCH {failure}")
+    print(f"{len(records)} measurements; results: {out_json}", flush=True)
     return records
