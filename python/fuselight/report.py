@@ -238,17 +238,18 @@ class Source:
     tuning: dict[str, Any] | None = None
 
 
-def input_files(paths: Sequence[Path]) -> list[Path]:
-    """The files named, and every ``*.json`` directly in the directories named (sorted by name)."""
+def input_files(paths: Sequence[Path]) -> list[tuple[Path, bool]]:
+    """The files named, and every ``*.json`` directly in the directories named (sorted by name); each
+    with whether it came from a directory (there a JSON that is neither kind is skipped: a probe's)."""
     files = []
     for path in map(Path, paths):
         if path.is_dir():
             found = sorted(path.glob("*.json"))
             if not found:
                 raise FuselightError(f"{path}: no results JSON in this directory")
-            files += found
+            files += [(f, True) for f in found]
         elif path.is_file():
-            files.append(path)
+            files.append((path, False))
         else:
             raise FuselightError(f"results file not found: {path}")
     return files
@@ -268,6 +269,11 @@ def _relabelled(results: Results, names: dict[str, str]) -> Results:
     return Results(meta=meta, records=records)
 
 
+def is_source(raw: dict[str, Any]) -> bool:
+    """Whether a JSON object claims to be a results file or a cost-model evaluation."""
+    return raw.get("suite") == TUNING_SUITE or "format" in raw or "records" in raw
+
+
 def read_source(path: Path, cfg: dict[str, Any]) -> Source:
     """A results file (validated) or a cost-model evaluation; FuselightError naming the file otherwise."""
     path = Path(path)
@@ -281,7 +287,7 @@ def read_source(path: Path, cfg: dict[str, Any]) -> Source:
             if bad:
                 raise FuselightError(f"{path}: {name}.{bad[0]} must be a number, got {model[bad[0]]!r}")
         return Source(path, tuning=raw)
-    if "format" not in raw and "records" not in raw:
+    if not is_source(raw):
         raise FuselightError(
             f"{path}: neither a results file ('format', 'records') nor a tuning evaluation ('suite': 'tuning')"
         )
@@ -719,7 +725,10 @@ def make_report(paths: Path | Sequence[Path], out_dir: Path | None = None) -> Pa
     and directories ``paths``; returns its path."""
     paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     cfg = load_config()
-    sources = [read_source(p, cfg) for p in input_files(paths)]
+    files = [p for p, from_dir in input_files(paths) if not from_dir or is_source(read_json_object(p, missing=f"results file not found: {p}"))]
+    if not files:
+        raise FuselightError(f"no results JSON in {', '.join(map(str, paths))}")
+    sources = [read_source(p, cfg) for p in files]
     selected = newest_records(sources)
     families = group_families(selected, cfg)
     out_dir = Path(out_dir) if out_dir else default_out_dir(paths)

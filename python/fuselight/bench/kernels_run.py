@@ -305,7 +305,7 @@ def run_suite(
     libraries (e.g. only the low-batch M of the GEMM cases); a case built for one value keeps it.
     Without ``out_json`` the results go to ``bench/results/<device>/<results_name(suite)>.json``; a
     partial run there (``cases``, ``sweep``, or a manifest built for some of the suite's cases)
-    replaces the points it measured and keeps the file's others.
+    replaces the points it measured and keeps the file's others. Returns this run's records.
     """
     from ..report import text_table
 
@@ -355,6 +355,7 @@ def run_suite(
         if device == "cuda":
             torch.cuda.empty_cache()
     meta = {"suite": SUITE, "manifest": str(manifest), "target": target, "arch": raw.get("arch"), "failures": failures}
+    written = records
     if out_json:
         out_json = Path(out_json)
     else:
@@ -362,8 +363,8 @@ def run_suite(
         out_json = default_path(common["device"], results_name(suite))
         partial = cases is not None or sweep is not None or set(entries) != {c.name for c in load_suite(suite)}
         if partial:
-            records = merged_with(out_json, records)
-    write_results(out_json, records, meta)
+            written = merged_with(out_json, records)
+    write_results(out_json, written, meta)
     print(text_table(records))
     for failure in failures:
         print(f"MISMATCH {failure}")

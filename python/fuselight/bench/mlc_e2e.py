@@ -235,9 +235,12 @@ class _Run:
     tolerance: float
 
 
-def mlc_e2e_name(model: str, records: list[dict[str, Any]]) -> str:
-    """The results' name: ``mlc-e2e-<model>``, then the weight scheme of the timed model where it
-    has one (``mlc-e2e-llama-3-8b-q4f16_1``)."""
+def mlc_e2e_name(model: str, cases: list[str], records: list[dict[str, Any]]) -> str:
+    """The results' name: ``mlc-e2e-<model>`` where the run times ``model``, then its weight scheme
+    where it has one (``mlc-e2e-llama-3-8b-q4f16_1``); else the compared cases
+    (``mlc-e2e-mistral-2l-phi3-2l-qwen2-2l``)."""
+    if model not in cases:
+        return "-".join([SUITE, *sorted(cases)])
     schemes = sorted({r["shape"]["quantization"] for r in records if "quantization" in r["shape"]})
     return "-".join([f"{SUITE}-{model}", *schemes])
 
@@ -297,7 +300,7 @@ def run_mlc_e2e(
         "agreement_relerr": settings["agreement_relerr"],
         "agreement": agreement,
     }
-    out_json = Path(out_json) if out_json else default_path(device_name(device), mlc_e2e_name(model, records))
+    out_json = Path(out_json) if out_json else default_path(device_name(device), mlc_e2e_name(model, list(cases), records))
     write_results(out_json, records, meta)
     _print_table(records)
     bad = [case for case, entry in agreement.items() if not entry["agree"]]

@@ -102,8 +102,11 @@ def test_results_names_of_the_suites():
     smollm = load("smollm2-135m")  # a bfloat16 preset run in float16 says so
     assert e2e_name(smollm.with_dtype("float16"), smollm.dtype) == "e2e-smollm2-135m-float16"
     q4 = [_record(suite="mlc-e2e", impl=i, shape={"tokens": 128, "quantization": "q4f16_1"}) for i in ("mlc", "mlc+fuselight")]
-    assert mlc_e2e_name("llama-3-8b", q4) == "mlc-e2e-llama-3-8b-q4f16_1"
-    assert mlc_e2e_name("llama-3-8b", [_record(suite="mlc-e2e", impl="mlc", shape={"tokens": 128})]) == "mlc-e2e-llama-3-8b"
+    assert mlc_e2e_name("llama-3-8b", ["llama-3-8b", "qwen2-2l"], q4) == "mlc-e2e-llama-3-8b-q4f16_1"
+    fp16 = [_record(suite="mlc-e2e", impl="mlc", shape={"tokens": 128})]
+    assert mlc_e2e_name("llama-3-8b", ["llama-3-8b"], fp16) == "mlc-e2e-llama-3-8b"
+    # Not timing the model: named by the cases compared, never the model's file.
+    assert mlc_e2e_name("llama-3-8b", ["qwen2-2l", "phi3-2l"], []) == "mlc-e2e-phi3-2l-qwen2-2l"
     assert kernels_run.results_name("full") == "kernels" and kernels_run.results_name("small") == "kernels-small"
 
 
