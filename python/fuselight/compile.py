@@ -124,7 +124,7 @@ def graphs_by_default(target: TargetSpec, programmatic_launch: bool, config: Mod
     (``tir_pipeline.NAME_EVERY_KERNEL``): a graph ends at each call it leaves out, the KV cache's
     attention in every layer, and the kernel after a graph or after such a call then starts only
     when the one before has finished (2.4-2.6 us idle at each of the two boundaries a layer on an
-    H100: about 160 us a decode step, ``bench/results/README.md``), while kernels launched one by
+    H100: about 160 us a decode step, ``docs/experiments/without-cuda-graphs.md``), while kernels launched one by
     one from the stream each overlap the one before. Launched one by one, though, the host sets the
     pace where it launches a step's kernels more slowly than the GPU runs them: so with
     programmatic launch, graphs exactly when the host's time to launch ``config``'s decode step

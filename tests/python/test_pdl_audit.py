@@ -1,6 +1,6 @@
 """The programmatic-launch SASS audit (``fuselight.pdl_audit``): parsing cuobjdump's listing, which
 instructions count as touching memory before the wait, and the CLI's errors. Reading real fatbins
-needs cuobjdump (the GPU host); the committed audit of the LLaMA-3-8B library is in bench/results."""
+needs cuobjdump (the GPU host); the committed audit of the LLaMA-3-8B library is in bench/results/h100/e2e-llama-3-8b.json (meta.pdl_audit)."""
 
 from __future__ import annotations
 
