@@ -330,7 +330,7 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("report", help="one Markdown report and plots over results JSONs (or directories of them)")
     r.add_argument("results", nargs="+", help="results or tuning JSON files, or directories: every JSON in them")
-    r.add_argument("-o", "--out-dir", default=None, help="default: DIR/report for a directory, else beside the first file")
+    r.add_argument("-o", "--out-dir", default=None, help="default: report/ in the first directory, or in the first file's")
     r.set_defaults(func=cmd_report)
     return p
 

@@ -715,9 +715,10 @@ def markdown(
 
 
 def default_out_dir(paths: Sequence[Path]) -> Path:
-    """Where the report goes without ``-o``: ``DIR/report`` for a directory, else beside the first file."""
+    """Where the report goes without ``-o``: ``report/`` in the directory named first, or in the first
+    file's directory (``bench/results/**/report/`` is ignored by git: reports are not committed)."""
     first = Path(paths[0])
-    return first / "report" if first.is_dir() else first.parent
+    return (first if first.is_dir() else first.parent) / "report"
 
 
 def make_report(paths: Path | Sequence[Path], out_dir: Path | None = None) -> Path:

@@ -210,9 +210,11 @@ def test_bad_files_are_named(results_dir, tmp_path):
     bad.write_text('{"format": 1, "meta": {}, "records": [{"suite": "kernels"}]}')
     with pytest.raises(FuselightError, match=r"zz-bad.json: record 0: missing field 'case'"):
         report.make_report(results_dir, tmp_path / "out")
+    # In a directory, a JSON that is neither kind (a probe's) is skipped; named, it is an error.
     bad.write_text('{"anything": 1}')
+    assert "zz-bad.json" not in report.make_report(results_dir, tmp_path / "out").read_text()
     with pytest.raises(FuselightError, match=r"zz-bad.json: neither a results file"):
-        report.make_report(results_dir, tmp_path / "out")
+        report.make_report([results_dir / "kernels.json", bad], tmp_path / "out")
     bad.write_text('{"suite": "tuning", "xgboost": {"spearman": 0.9, "spearman_pooled": 0.9, '
                    '"regret_median": 0, "regret_max": "high"}}')
     with pytest.raises(FuselightError, match=r"zz-bad.json: xgboost.regret_max must be a number"):
@@ -223,6 +225,10 @@ def test_bad_files_are_named(results_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FuselightError, match="empty: no results JSON in this directory"):
         report.make_report(tmp_path / "empty", tmp_path / "out")
+    (tmp_path / "probes").mkdir()
+    (tmp_path / "probes" / "probe.json").write_text('{"cases": []}')
+    with pytest.raises(FuselightError, match="no results JSON in .*probes"):
+        report.make_report(tmp_path / "probes", tmp_path / "out")
 
 
 def test_bad_config_is_named(tmp_path):
@@ -272,6 +278,10 @@ def test_text_table_for_terminal(results_dir):
 def test_cli_report(results_dir, tmp_path, capsys, no_plots):
     assert main(["report", str(results_dir)]) == 0
     assert (results_dir / "report" / report.REPORT_NAME).is_file()
+    (results_dir / "report" / report.REPORT_NAME).unlink()
+    # Named files: report/ beside the first, never the report among the results.
+    assert main(["report", str(results_dir / "e2e.json")]) == 0
+    assert (results_dir / "report" / report.REPORT_NAME).is_file() and not (results_dir / report.REPORT_NAME).exists()
     files = [str(results_dir / "e2e.json"), str(results_dir / "kernels.json")]
     assert main(["report", *files, "-o", str(tmp_path / "cli")]) == 0
     assert "## GEMM (M >= 16)" in (tmp_path / "cli" / report.REPORT_NAME).read_text()

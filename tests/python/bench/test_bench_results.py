@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -411,3 +412,28 @@ def test_relative_error_is_chunked_and_exact():
     assert math.isnan(kernels_run.relative_error(torch, out, ref))
     with pytest.raises(FuselightError, match="differs from the reference"):
         kernels_run.relative_error(torch, out[:10], ref)
+
+
+def _committed_devices():
+    root = Path(__file__).resolve().parents[3] / "bench" / "results"
+    return [d for d in sorted(root.iterdir()) if d.is_dir() and (d / "README.md").is_file()]
+
+
+@pytest.mark.parametrize("folder", _committed_devices(), ids=lambda d: d.name)
+def test_committed_results_follow_the_layout(folder):
+    """bench/results/<device>/: every results file valid, measured on that folder's device, dated, and
+    listed in the folder's README with its commands; every file the README lists exists."""
+    from fuselight.device import results_folder
+
+    readme = (folder / "README.md").read_text()
+    listed = set(re.findall(r"^\| `([^`]+\.json)`", readme, flags=re.M))
+    listed |= set(re.findall(r"^\| `[^`]+\.json`, `([^`]+\.json)`", readme, flags=re.M))
+    files = {p.name for p in folder.glob("*.json")}
+    assert listed == files
+    for path in sorted(folder.glob("*.json")):
+        raw = json.loads(path.read_text())
+        if "records" not in raw:
+            continue  # a probe's or a tuning evaluation's own format
+        res = results.read_results(path)
+        datetime.datetime.fromisoformat(res.meta["measured_at"])
+        assert {results_folder(r["device"]) for r in res.records} <= {folder.name}, path.name
