@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FuselightError
+from ..library import device_label
 from ..runtime import DEVICE_OF_TARGET, init_tvm, load_library, release_memory
 from . import bench_config
 from .kernels import PIPELINES, SUITE, Case, read_manifest, select
@@ -292,11 +293,13 @@ def _run_case(
 
 
 def run_suite(
-    manifest: Path, out_json: Path, cases: list[str] | None = None, sweep: list[int] | None = None
+    manifest: Path, out_json: Path, cases: list[str] | None = None, sweep: list[int] | None = None,
+    *, accept_ptx: bool = False,
 ) -> list[dict[str, Any]]:
     """Check and time every case of ``manifest`` (or the named ``cases``); write ``out_json``.
 
-    ``sweep`` replaces the swept values of every case whose swept dimension is symbolic in its
+    ``accept_ptx``: run a suite built as PTX for an older GPU (``runtime.load_module``); the records'
+    device says so. ``sweep`` replaces the swept values of every case whose swept dimension is symbolic in its
     libraries (e.g. only the low-batch M of the GEMM cases); a case built for one value keeps it.
     """
     from ..report import text_table
@@ -320,7 +323,7 @@ def run_suite(
     rnd = _Random(torch, torch.device("cuda:0" if device == "cuda" else "cpu"), bench_config()["seed"])
     common = {
         "suite": SUITE,
-        "device": device_name(device),
+        "device": device_label(device_name(device), raw),
         "tvm_version": tvm.__version__,
         "git_commit": raw.get("git_commit") or git_commit(),
     }
@@ -331,7 +334,7 @@ def run_suite(
         vms, sources = {}, {}
         for pipeline in PIPELINES:
             if pipeline in libs:
-                vms[pipeline], _, meta = load_library(Path(manifest).parent / libs[pipeline], device)
+                vms[pipeline], _, meta = load_library(Path(manifest).parent / libs[pipeline], device, accept_ptx=accept_ptx)
                 sources[pipeline] = meta.get("baseline_source") or raw.get("baseline_source") or "unknown"
         print(
             f"[{i}/{len(selected)}] {case.name} ({case.op}, {case.dtype}): {case.spec.sweep_var} in {list(case.sweep)}",
@@ -346,7 +349,8 @@ def run_suite(
         release_memory()
         if device == "cuda":
             torch.cuda.empty_cache()
-    meta = {"suite": SUITE, "manifest": str(manifest), "target": target, "arch": raw.get("arch"), "failures": failures}
+    meta = {"suite": SUITE, "manifest": str(manifest), "target": target, "arch": raw.get("arch"),
+            "ptx": bool(raw.get("ptx")), "failures": failures}
     write_results(Path(out_json), records, meta)
     print(text_table(records))
     for failure in failures:
