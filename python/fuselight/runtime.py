@@ -223,7 +223,11 @@ def load_module(path: Path, device: str = "cuda", *, accept_ptx: bool = False) -
     if device == "cuda":
         if _STATE.runtime_lib_error:
             raise FuselightError(f"TVM's CUDA runtime did not load ({_STATE.runtime_lib_error})")
-        check_arch(meta["arch"], device_arch(dev), path, ptx=meta.get("ptx", False), accept_ptx=accept_ptx)
+        here = device_arch(dev)
+        check_arch(meta["arch"], here, path, ptx=meta.get("ptx", False), accept_ptx=accept_ptx)
+        if arch_number(meta["arch"]) != arch_number(here):
+            print(f"{path}: {meta['arch']} PTX on this {here} GPU, compiled by the driver (a proxy for {meta['arch']})",
+                  flush=True)
         register_aot(path, meta)
         _STATE.arch, _STATE.ptx = meta["arch"], meta.get("ptx", False)
         if not meta.get("cuda_sources") and nvcc_path() is None:

@@ -214,6 +214,20 @@ def test_kernel_suite_sweep_override(small_suite, tmp_path):
         kernels_run.run_suite(manifest, tmp_path / "r.json", cases=["gemm-48x64"], sweep=[0])
 
 
+def test_kernel_suite_records_name_a_ptx_build(small_suite, tmp_path):
+    """A suite built as PTX (the manifest says so) is recorded on 'DEVICE (sm_XX PTX)'."""
+    from fuselight.bench.timing import device_name
+
+    manifest, _ = small_suite
+    raw = json.loads(manifest.read_text())
+    # The llvm build's manifest as a PTX build's would read (its libraries, beside it, are loaded alike).
+    ptx = manifest.parent / "manifest-ptx.json"
+    ptx.write_text(json.dumps({**raw, "arch": "sm_80", "ptx": True}))
+    records = kernels_run.run_suite(ptx, tmp_path / "r.json", cases=["gemm-48x64"], sweep=[3])
+    assert {r["device"] for r in records} == {f"{device_name('cpu')} (sm_80 PTX)"}
+    assert results.read_results(tmp_path / "r.json").meta["ptx"] is True
+
+
 def test_kernel_suite_flags_wrong_results(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     from fuselight.bench import kernels_build
@@ -249,11 +263,12 @@ def test_e2e_on_llvm(tmp_path):
         with_torch = False
     config = load("tiny-llama")
     lib = fc.export(fc.build(config, resolve("llvm"), "baseline"), tmp_path / "tiny-baseline.so")
-    # The same library as if built at another commit: each implementation's records name their own.
+    # The same library as if built at another commit, and as if it carried sm_80 PTX: each
+    # implementation's records name their own commit, and the device its library ran as.
     other = tmp_path / "tiny-other.so"
     shutil.copy(lib, other)
     meta = json.loads(Path(f"{lib}.json").read_text())
-    Path(f"{other}.json").write_text(json.dumps({**meta, "git_commit": "0123456789ab"}))
+    Path(f"{other}.json").write_text(json.dumps({**meta, "git_commit": "0123456789ab", "arch": "sm_80", "ptx": True}))
     out = tmp_path / "e2e.json"
     records = run_e2e(
         {"baseline": lib, "fuselight": other},
@@ -276,6 +291,10 @@ def test_e2e_on_llvm(tmp_path):
     assert generate_check["agree"] == {"baseline": {"9": tokens}, "fuselight": {"9": tokens}}
     commits = {r["impl"]: r["git_commit"] for r in records}
     assert commits["fuselight"] == "0123456789ab" and commits["baseline"] == meta["git_commit"] != "0123456789ab"
+    from fuselight.bench.timing import device_name
+
+    devices = {r["impl"]: r["device"] for r in records}
+    assert devices["baseline"] == device_name("cpu") and devices["fuselight"] == f"{device_name('cpu')} (sm_80 PTX)"
     # tiny-llama computes in float32: both implementations match the float64 forward pass closely.
     prefill = [r for r in records if r["case"].endswith("prefill")]
     assert all(r["relerr"] < 1e-4 for r in prefill), [(r["impl"], r["relerr"]) for r in prefill]
