@@ -82,7 +82,7 @@ def default_cache_dir() -> Path:
 def register_cuda_compiler(cache_dir: Path | None = None, arch: str | None = None) -> None:
     """Install ``tvm_callback_cuda_compile``: AOT cubin by hash, else disk cache, else nvcc.
 
-    ``arch``: what nvcc compiles for until a library says otherwise (None: the device's).
+    ``arch``: what nvcc compiles for (machine code) until a library says otherwise (None: the device's).
     """
     # The full TVM registers its own callback when imported, refusing one already there: import
     # it first, then override.
@@ -92,7 +92,7 @@ def register_cuda_compiler(cache_dir: Path | None = None, arch: str | None = Non
     _STATE.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if arch is not None:
         arch_number(arch)
-        _STATE.arch = arch
+        _STATE.arch, _STATE.ptx = arch, False
 
     # TVM calls it with the source as the first argument (later arguments, if any, are unused) and
     # loads whatever bytes come back with cuModuleLoadData, which takes cubin, fatbin and PTX alike.
