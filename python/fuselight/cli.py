@@ -16,6 +16,11 @@ from pathlib import Path
 
 from .errors import FuselightError
 
+PTX_HELP = ("carry the CUDA as PTX for --arch (compute_XX), compiled by the driver when loaded: a newer GPU "
+            "runs that arch's code (with --accept-ptx on the GPU host, for tests and benchmarks)")
+ACCEPT_PTX_HELP = ("also run libraries built with --ptx for an older GPU, as its proxy (results mark the device "
+                   "'(sm_XX PTX)'; also $FUSELIGHT_ACCEPT_PTX=1)")
+
 
 def _model_config(spec: str, dtype: str | None, quantization: str | None = None):
     from . import config
@@ -34,7 +39,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from .target import resolve
 
     cfg = _model_config(args.model, args.dtype, args.quantization)
-    spec = resolve(args.target, args.arch)
+    spec = resolve(args.target, args.arch, ptx=args.ptx)
     options = None
     if args.passes is not None or args.no_rules or args.no_programmatic_launch:
         passes = None if args.passes is None else tuple(p for p in args.passes.split(",") if p and p != "none")
@@ -48,6 +53,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
         f"launches/decode-step={s.launches_per_decode_step} ({built.compile_seconds:.1f} s)"
     )
     return 0
+
+
+def _accept_ptx(args: argparse.Namespace) -> bool:
+    """``--accept-ptx``, or ``$FUSELIGHT_ACCEPT_PTX=1``: run PTX libraries built for an older GPU."""
+    from .runtime import accept_ptx_from_env
+
+    return args.accept_ptx or accept_ptx_from_env()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -65,7 +77,7 @@ def _output(args: argparse.Namespace) -> Path | None:
 def cmd_bench_build(args: argparse.Namespace) -> int:
     from .bench.kernels_build import build_suite
 
-    manifest = build_suite(Path(args.out), target_arch=args.arch, cases=args.cases, suite=args.suite)
+    manifest = build_suite(Path(args.out), target_arch=args.arch, cases=args.cases, suite=args.suite, ptx=args.ptx)
     print(f"kernel suite built: {manifest}")
     return 0
 
@@ -73,21 +85,21 @@ def cmd_bench_build(args: argparse.Namespace) -> int:
 def cmd_bench_run(args: argparse.Namespace) -> int:
     from .bench.kernels_run import run_suite
 
-    run_suite(Path(args.manifest), _output(args), cases=args.cases, sweep=args.sweep)
+    run_suite(Path(args.manifest), _output(args), cases=args.cases, sweep=args.sweep, accept_ptx=_accept_ptx(args))
     return 0
 
 
 def cmd_bench_paged_build(args: argparse.Namespace) -> int:
     from .bench.paged_attention import build_suite
 
-    print(f"paged-attention suite built: {build_suite(Path(args.out), arch=args.arch)}")
+    print(f"paged-attention suite built: {build_suite(Path(args.out), arch=args.arch, ptx=args.ptx)}")
     return 0
 
 
 def cmd_bench_paged_run(args: argparse.Namespace) -> int:
     from .bench.paged_attention import run_suite
 
-    run_suite(Path(args.manifest), _output(args))
+    run_suite(Path(args.manifest), _output(args), accept_ptx=_accept_ptx(args))
     return 0
 
 
@@ -100,7 +112,8 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
         if not sep:
             raise FuselightError(f"--lib {item!r}: expected IMPL=PATH, e.g. baseline=llama-baseline.so")
         libs[impl] = Path(path)
-    run_e2e(libs, args.model, _output(args), torch=not args.no_torch, profile=args.profile)
+    run_e2e(libs, args.model, _output(args), torch=not args.no_torch, profile=args.profile,
+            accept_ptx=_accept_ptx(args))
     return 0
 
 
@@ -114,7 +127,7 @@ def cmd_bench_mlc_e2e(args: argparse.Namespace) -> int:
         if not sep or not at or not case:
             raise FuselightError(f"--lib {item!r}: expected IMPL@CASE=PATH, e.g. mlc@llama-3-8b=llama-mlc.so")
         libs[(impl, case)] = Path(path)
-    run_mlc_e2e(libs, _output(args), model=args.model, device=args.device)
+    run_mlc_e2e(libs, _output(args), model=args.model, device=args.device, accept_ptx=_accept_ptx(args))
     return 0
 
 
@@ -216,6 +229,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="4-bit weights in an MLC-LLM scheme: q4f16_1, q4bf16_1 or q4f16_0 (default: none)")
     c.add_argument("-o", "--output", required=True, help="library path, e.g. llama.so")
     c.add_argument("--no-aot", action="store_true", help="keep CUDA as source (compiled when loaded)")
+    c.add_argument("--ptx", action="store_true", help=PTX_HELP)
     c.add_argument("--passes", default=None,
                    help="fuselight pipeline: comma-separated graph passes ('none': no passes; default: fuselight.passes.DEFAULT, less those needing rules left out)")
     c.add_argument("--no-rules", action="store_true", help="fuselight pipeline: DLight's rules only (measure the passes alone)")
@@ -242,6 +256,7 @@ def _parser() -> argparse.ArgumentParser:
     bb.add_argument("--arch", default="sm_90")
     bb.add_argument("--suite", default="full", help="a kernel suite of configs/bench.json (gpu: the GPU test tier's cases)")
     bb.add_argument("--cases", nargs="*", default=None)
+    bb.add_argument("--ptx", action="store_true", help=PTX_HELP)
     bb.set_defaults(func=cmd_bench_build)
     br = bsub.add_parser("run", help="run the kernel suite (GPU host)")
     br.add_argument("manifest", help="manifest.json written by 'bench build'")
@@ -251,14 +266,17 @@ def _parser() -> argparse.ArgumentParser:
     br.add_argument(
         "--sweep", nargs="+", type=int, default=None, help="run these values of each symbolic case's swept dimension"
     )
+    br.add_argument("--accept-ptx", action="store_true", help=ACCEPT_PTX_HELP)
     br.set_defaults(func=cmd_bench_run)
     pb = bsub.add_parser("paged-build", help="compile the KV-cache attention kernels, TVM's and ours")
     pb.add_argument("out", help="output directory")
     pb.add_argument("--arch", default="sm_90")
+    pb.add_argument("--ptx", action="store_true", help=PTX_HELP)
     pb.set_defaults(func=cmd_bench_paged_build)
     pr = bsub.add_parser("paged-run", help="check and time the KV-cache attention kernels (GPU host)")
     pr.add_argument("manifest", help="manifest.json written by 'bench paged-build'")
     pr.add_argument("-o", "--output", default=None, help="results JSON (default bench/results/<device>/paged-attention.json)")
+    pr.add_argument("--accept-ptx", action="store_true", help=ACCEPT_PTX_HELP)
     pr.set_defaults(func=cmd_bench_paged_run)
 
     be = bsub.add_parser("e2e", help="end-to-end LLaMA suite (GPU host)")
@@ -269,6 +287,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="also profile each library's decode steps: kernel time and launches by family")
     be.add_argument("-o", "--output", default=None,
                     help="results JSON (default bench/results/<device>/e2e-<model>[-<quantization>].json)")
+    be.add_argument("--accept-ptx", action="store_true", help=ACCEPT_PTX_HELP)
     be.set_defaults(func=cmd_bench_e2e)
 
     bm = bsub.add_parser("mlc-e2e", help="MLC-LLM-compiled models with and without fuselight, compared (GPU host)")
@@ -278,6 +297,7 @@ def _parser() -> argparse.ArgumentParser:
     bm.add_argument("--device", default="cuda", help="cuda, or cpu for llvm libraries")
     bm.add_argument("-o", "--output", default=None,
                     help="results JSON (default bench/results/<device>/mlc-e2e-<model>[-<quantization>].json)")
+    bm.add_argument("--accept-ptx", action="store_true", help=ACCEPT_PTX_HELP)
     bm.set_defaults(func=cmd_bench_mlc_e2e)
 
     m = sub.add_parser("mlc", help="MLC-LLM with fuselight")

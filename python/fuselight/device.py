@@ -41,6 +41,8 @@ def results_folder(device_name: str) -> str:
     """The folder under ``bench/results/`` for results measured on ``device_name`` (a record's
     ``device``): the ``results_folder`` of the description with that name, else the name in lower
     case with every run of other characters as one '-'."""
+    # A PTX build's records name the GPU it ran on, marked "(sm_80 PTX)" (library.device_label).
+    device_name = re.sub(r" \(sm_\d+a? PTX\)$", "", device_name)
     path = config_dir() / "targets" / "devices.json"
     node = read_json_object(path, missing=f"device descriptions not found: {path}")
     for entry in node.values():

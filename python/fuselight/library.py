@@ -1,7 +1,8 @@
 """A built library's artefacts beside it, what the build host writes and the GPU host reads.
 
 ``LIB.so`` (TVM's export), ``LIB.so.json`` (``metadata_path``: the sidecar, with ``cuda_sources``
-mapping each CUDA source's SHA-256 to its cubin) and ``LIB.so.cuda/`` (``aot_dir``: the cubins nvcc
+mapping each CUDA source's SHA-256 to its cubin, and for CUDA ``arch`` and ``ptx``: whether the
+cubins hold that arch's PTX, for the driver to compile at load, rather than machine code) and ``LIB.so.cuda/`` (``aot_dir``: the cubins nvcc
 compiled ahead of time, ``aot_compile_cuda``). ``fuselight.compile`` (and ``fuselight mlc compile``,
 the tuning builds) write them with ``write_library``; ``fuselight.runtime`` reads them. Nothing here
 imports TVM's compiler side: the runtime-only GPU host imports this module too.
@@ -72,8 +73,9 @@ def cuda_sources(lib_module: Any) -> list[str]:
     return found
 
 
-def aot_compile_cuda(lib_module: Any, out_dir: Path, arch: str) -> dict[str, str]:
-    """Compile every CUDA source of ``lib_module`` with nvcc into ``out_dir/<sha>.fatbin``.
+def aot_compile_cuda(lib_module: Any, out_dir: Path, arch: str, *, ptx: bool = False) -> dict[str, str]:
+    """Compile every CUDA source of ``lib_module`` with nvcc into ``out_dir/<sha>.fatbin`` (with
+    ``ptx``: fatbins of ``arch``'s PTX alone).
 
     Build-host side. Returns ``{sha256 of source: file name}`` for the library's metadata.
     """
@@ -89,7 +91,7 @@ def aot_compile_cuda(lib_module: Any, out_dir: Path, arch: str) -> dict[str, str
         if sha in table:
             continue
         name = sha + FATBIN_SUFFIX
-        compile_cuda(code, arch=arch, out=out_dir / name)
+        compile_cuda(code, arch=arch, out=out_dir / name, ptx=ptx)
         table[sha] = name
     return table
 
@@ -98,20 +100,23 @@ def write_library(
     executable: Any, path: Path, meta: dict[str, Any], target: TargetSpec, *, aot_cuda: bool = True
 ) -> Path:
     """Write ``executable`` to ``path``, ``meta`` to ``path.json`` and, for a GPU target with
-    ``aot_cuda``, its cubins to ``path.cuda/`` (``meta["cuda_sources"]``: CUDA source hash -> cubin)."""
+    ``aot_cuda``, its cubins to ``path.cuda/`` (``meta["cuda_sources"]``: CUDA source hash -> cubin;
+    ``meta["ptx"]``: whether they are ``target.arch``'s PTX)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {**meta, "cuda_sources": {}}
-    if target.is_gpu and aot_cuda:
-        meta["cuda_sources"] = aot_compile_cuda(executable, aot_dir(path), target.arch)
+    if target.is_gpu:
+        # Also without AOT cubins: the runtime then compiles the source at load, as PTX where this says so.
+        meta["ptx"] = target.ptx
+        if aot_cuda:
+            meta["cuda_sources"] = aot_compile_cuda(executable, aot_dir(path), target.arch, ptx=target.ptx)
     executable.export_library(str(path))
     metadata_path(path).write_text(json.dumps(meta, indent=1, default=str) + "\n")
     return path
 
 
-def metadata_path(library: Path) -> Path:
-    return Path(str(library) + ".json")
-
-
-def aot_dir(library: Path) -> Path:
-    return Path(str(library) + ".cuda")
+def device_label(device: str, meta: dict[str, Any]) -> str:
+    """What results call the device a library ran on: ``device``, marked where the library is PTX
+    that the driver compiled for it (``NVIDIA H100 80GB HBM3 (sm_80 PTX)``: another architecture's
+    code run here, a proxy for that GPU)."""
+    return f"{device} ({meta.get('arch')} PTX)" if meta.get("ptx") else device

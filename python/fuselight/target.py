@@ -25,6 +25,8 @@ class TargetSpec:
     kind: str
     arch: str | None
     options: dict[str, Any]
+    # CUDA carried as PTX for ``arch`` (compiled by the driver at load), not machine code.
+    ptx: bool = False
 
     @property
     def is_gpu(self) -> bool:
@@ -32,7 +34,8 @@ class TargetSpec:
 
     @property
     def name(self) -> str:
-        return f"{self.kind}-{self.arch}" if self.arch else self.kind
+        name = f"{self.kind}-{self.arch}" if self.arch else self.kind
+        return f"{name}-ptx" if self.ptx else name
 
 
 def arch_number(arch: str) -> int:
@@ -51,20 +54,23 @@ def arch_of(tvm_target) -> str:
     return f"sm_{arch_number(str(arch))}"
 
 
-def resolve(kind: str, arch: str | None = None) -> TargetSpec:
-    """Validate ``kind``/``arch``; options come from ``configs/targets``."""
+def resolve(kind: str, arch: str | None = None, *, ptx: bool = False) -> TargetSpec:
+    """Validate ``kind``/``arch``; options come from ``configs/targets``. ``ptx``: carry the CUDA as
+    PTX for ``arch`` (``fuselight.cuda_compile``), so a newer GPU runs this arch's code."""
     if kind not in SUPPORTED_KINDS:
         raise FuselightError(f"unsupported target {kind!r}: expected one of {', '.join(SUPPORTED_KINDS)}")
     if kind == "llvm":
         if arch:
             raise FuselightError(f"--arch {arch!r} applies to cuda targets only")
+        if ptx:
+            raise FuselightError("--ptx applies to cuda targets only")
         return TargetSpec("llvm", None, json.loads((config_dir() / "targets" / "llvm.json").read_text()))
     arch = arch or "sm_90"
     if arch_number(arch) < MIN_CUDA_ARCH:
         raise FuselightError(f"unsupported arch {arch!r}: fuselight needs sm_{MIN_CUDA_ARCH} or newer")
     options = json.loads((config_dir() / "targets" / "cuda-sm_90.json").read_text())
     options["arch"] = arch
-    return TargetSpec("cuda", arch, options)
+    return TargetSpec("cuda", arch, options, ptx=ptx)
 
 
 def to_tvm(spec: TargetSpec):  # -> tvm.target.Target

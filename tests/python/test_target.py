@@ -21,3 +21,27 @@ def test_gencode_and_resolve_use_it():
         cuda_compile.gencode("gfx90a")
     with pytest.raises(FuselightError, match="sm_80 or newer"):
         target.resolve("cuda", "sm_75")
+
+
+def test_ptx_build_names_the_virtual_architecture():
+    # PTX alone: nvcc's "code" is the virtual architecture, so the fatbin holds no machine code.
+    assert cuda_compile.gencode("sm_80", ptx=True) == "arch=compute_80,code=compute_80"
+    assert cuda_compile.gencode("sm_89", ptx=True) == "arch=compute_89,code=compute_89"
+    assert cuda_compile.gencode("sm_90", ptx=True) == "arch=compute_90a,code=compute_90a"
+    spec = target.resolve("cuda", "sm_86", ptx=True)
+    assert (spec.arch, spec.ptx, spec.name) == ("sm_86", True, "cuda-sm_86-ptx")
+    assert target.resolve("cuda", "sm_86").ptx is False
+    with pytest.raises(FuselightError, match="--ptx applies to cuda targets only"):
+        target.resolve("llvm", ptx=True)
+
+
+@pytest.mark.parametrize(
+    "built,device,runs",
+    [
+        ("sm_80", "sm_90", True), ("sm_86", "sm_89", True), ("sm_89", "sm_90", True), ("sm_80", "sm_80", True),
+        ("sm_89", "sm_86", False),  # PTX of a newer GPU than this one
+        ("sm_90", "sm_90", True), ("sm_90", "sm_100", False),  # compute_90a is sm_90's alone
+    ],
+)
+def test_ptx_runs_on_its_arch_and_newer(built, device, runs):
+    assert cuda_compile.ptx_runs_on(built, device) is runs

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..config import ModelConfig, load
 from ..errors import FuselightError
+from ..library import device_label
 from ..pdl_audit import audit_if_possible
 from ..quantization import QuantScheme, dequantize_torch, quantize_torch, quantized_names
 from ..runtime import init_tvm, load_library, read_metadata, release_memory
@@ -296,12 +297,12 @@ def _check_library(meta: dict[str, Any], config: ModelConfig, path: Path) -> Non
 
 
 def _open_tvm(
-    th: Any, path: Path, device: str, config: ModelConfig, params: list, max_len: int
+    th: Any, path: Path, device: str, config: ModelConfig, params: list, max_len: int, accept_ptx: bool = False
 ) -> tuple[_Runner, str]:
     """An engine over ``path`` on the shared ``params`` (TVM tensors), and the library's baseline source."""
     from ..engine import Engine
 
-    vm, dev, meta = load_library(path, device)
+    vm, dev, meta = load_library(path, device, accept_ptx=accept_ptx)
     engine = Engine(
         vm,
         params,
@@ -482,8 +483,12 @@ def run_e2e(
     decode_contexts: list[int] | None = None,
     decode_steps: int | None = None,
     profile: bool = False,
+    accept_ptx: bool = False,
 ) -> list[dict[str, Any]]:
     """Benchmark ``libs`` ({"baseline"|"fuselight": library path}) and, with ``torch``, transformers.
+
+    ``accept_ptx``: run libraries built as PTX for an older GPU (``runtime.load_module``); their
+    records' device says so (``library.device_label``).
 
     ``device`` "cpu" runs llvm libraries (for tests). Unset lists come from ``e2e`` in bench.json.
     ``profile`` (cuda): each library's decode kernels by family at each context, in the results'
@@ -530,7 +535,8 @@ def run_e2e(
         _check_library(meta, config, Path(path))
     # The GPU host's copy of the tree may have no git history: prefer the commit each build recorded
     # (transformers' records get the first library's).
-    commits = {impl: m["git_commit"] for impl, m in zip(libs, metas) if m.get("git_commit")}
+    metas_by_impl = dict(zip(libs, metas))
+    commits = {impl: m["git_commit"] for impl, m in metas_by_impl.items() if m.get("git_commit")}
     commit = next(iter(commits.values()), None) or git_commit()
 
     tvm = init_tvm()
@@ -570,10 +576,11 @@ def run_e2e(
                 runner: _Runner = _HfRunner(hf_model(config, weights, tdev), th, tdev, sdpa_backends(device))
                 source = None
             else:
-                runner, source = _open_tvm(th, Path(libs[impl]), device, config, params, max_len)
+                runner, source = _open_tvm(th, Path(libs[impl]), device, config, params, max_len, accept_ptx)
             measure = _Measure(
                 config, runner, ids, sync,
-                {**common, "git_commit": commits.get(impl, commit), "impl": impl, "baseline_source": source},
+                {**common, "git_commit": commits.get(impl, commit), "impl": impl, "baseline_source": source,
+                 "device": device_label(common["device"], metas_by_impl.get(impl, {}))},
                 {"quantization": config.quantization} if config.quantization and impl != "torch" else None,
             )
             acc_logits[impl] = measure.accuracy_logits(acc_prompt, acc_steps)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FuselightError
+from ..library import device_label
 from ..runtime import DEVICE_OF_TARGET, init_tvm, load_library, release_memory
 from . import bench_config
 from .kernels import PIPELINES, SUITE, Case, load_suite, read_manifest, select
@@ -297,11 +298,13 @@ def results_name(suite: str) -> str:
 
 
 def run_suite(
-    manifest: Path, out_json: Path | None = None, cases: list[str] | None = None, sweep: list[int] | None = None
+    manifest: Path, out_json: Path | None = None, cases: list[str] | None = None, sweep: list[int] | None = None,
+    *, accept_ptx: bool = False,
 ) -> list[dict[str, Any]]:
     """Check and time every case of ``manifest`` (or the named ``cases``); write ``out_json``.
 
-    ``sweep`` replaces the swept values of every case whose swept dimension is symbolic in its
+    ``accept_ptx``: run a suite built as PTX for an older GPU (``runtime.load_module``); the records'
+    device says so. ``sweep`` replaces the swept values of every case whose swept dimension is symbolic in its
     libraries (e.g. only the low-batch M of the GEMM cases); a case built for one value keeps it.
     Without ``out_json`` the results go to ``bench/results/<device>/<results_name(suite)>.json``; a
     partial run there (``cases``, ``sweep``, or a manifest built for some of the suite's cases)
@@ -328,7 +331,7 @@ def run_suite(
     rnd = _Random(torch, torch.device("cuda:0" if device == "cuda" else "cpu"), bench_config()["seed"])
     common = {
         "suite": SUITE,
-        "device": device_name(device),
+        "device": device_label(device_name(device), raw),
         "tvm_version": tvm.__version__,
         "git_commit": raw.get("git_commit") or git_commit(),
     }
@@ -339,7 +342,7 @@ def run_suite(
         vms, sources = {}, {}
         for pipeline in PIPELINES:
             if pipeline in libs:
-                vms[pipeline], _, meta = load_library(Path(manifest).parent / libs[pipeline], device)
+                vms[pipeline], _, meta = load_library(Path(manifest).parent / libs[pipeline], device, accept_ptx=accept_ptx)
                 sources[pipeline] = meta.get("baseline_source") or raw.get("baseline_source") or "unknown"
         print(
             f"[{i}/{len(selected)}] {case.name} ({case.op}, {case.dtype}): {case.spec.sweep_var} in {list(case.sweep)}",
@@ -354,7 +357,8 @@ def run_suite(
         release_memory()
         if device == "cuda":
             torch.cuda.empty_cache()
-    meta = {"suite": SUITE, "manifest": str(manifest), "target": target, "arch": raw.get("arch"), "failures": failures}
+    meta = {"suite": SUITE, "manifest": str(manifest), "target": target, "arch": raw.get("arch"),
+            "ptx": bool(raw.get("ptx")), "failures": failures}
     written = records
     if out_json:
         out_json = Path(out_json)

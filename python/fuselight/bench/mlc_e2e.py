@@ -33,6 +33,7 @@ from ..jsonfile import read_json_object
 from ..paths import config_dir
 from ..quantization import PER_WORD, STORAGE_DTYPE
 from ..quantization import scheme as quantization_scheme
+from ..library import device_label
 from ..runtime import init_tvm, load_library, release_memory
 from . import bench_config
 from .e2e import _relerr, quantize_on_device
@@ -199,13 +200,14 @@ def _logits(runner: Any, ids: np.ndarray, prompt: int, steps: int, long: int, sy
 
 
 def _open(
-    tvm: Any, th: Any, path: Path, device: str, case: str, config: ModelConfig | None, weights_for: Any, max_len: int
+    tvm: Any, th: Any, path: Path, device: str, case: str, config: ModelConfig | None, weights_for: Any, max_len: int,
+    accept_ptx: bool = False,
 ) -> tuple[Any, dict, dict]:
     """``(runner, fuselight sidecar, MLC metadata)`` of one library; ``weights_for(info)`` gives its tensors."""
     from ..engine import Engine
     from .e2e import _TvmRunner
 
-    vm, dev, meta = load_library(path, device)
+    vm, dev, meta = load_library(path, device, accept_ptx=accept_ptx)
     mlc_meta = read_mlc_metadata(vm)
     sizes = {**meta.get("mlc_model_config", {}), **(dataclasses.asdict(config) if config is not None else {})}
     info = model_info(case, mlc_meta, path, sizes)
@@ -233,6 +235,7 @@ class _Run:
     steps: int
     max_len: int
     tolerance: float
+    accept_ptx: bool = False  # run libraries built as PTX for an older GPU (runtime.load_module)
 
 
 def mlc_e2e_name(model: str, cases: list[str], records: list[dict[str, Any]]) -> str:
@@ -254,6 +257,7 @@ def run_mlc_e2e(
     prefill_tokens: list[int] | None = None,
     decode_contexts: list[int] | None = None,
     decode_steps: int | None = None,
+    accept_ptx: bool = False,
 ) -> list[dict[str, Any]]:
     """Compare and time ``libs`` ({(impl, case): path}, impl in ``IMPLS``, both impls per case).
 
@@ -283,7 +287,7 @@ def run_mlc_e2e(
         raise FuselightError("PyTorch sees no CUDA device")
     run = _Run(tvm, th, device, th.device("cuda:0" if device == "cuda" else "cpu"), synchronizer(device),
                bench_config()["seed"], prefill_tokens, decode_contexts, decode_steps, prompt, steps, max_len,
-               settings["agreement_relerr"])
+               settings["agreement_relerr"], accept_ptx)
     records: list[dict[str, Any]] = []
     agreement: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -337,7 +341,8 @@ def _run_case(
     mlc_meta: dict[str, Any] = {}
     for impl in IMPLS:
         print(f"{case} {impl}: loading {pair[impl]}", flush=True)
-        runner, meta, mlc_meta = _open(run.tvm, run.th, pair[impl], run.device, case, config, weights_for, run.max_len)
+        runner, meta, mlc_meta = _open(run.tvm, run.th, pair[impl], run.device, case, config, weights_for, run.max_len,
+                                       run.accept_ptx)
         info = shared["info"]
         if ids is None:
             ids = np.random.default_rng(run.seed).integers(0, info.vocab_size, size=run.max_len, dtype=np.int32)
@@ -350,7 +355,7 @@ def _run_case(
         sources[impl] = meta.get("baseline_source") or "unknown"
         logits[impl] = _logits(runner, ids, run.prompt, run.steps, long, run.sync)
         if config is not None:
-            common = {"suite": SUITE, "device": device_name(run.device), "tvm_version": run.tvm.__version__,
+            common = {"suite": SUITE, "device": device_label(device_name(run.device), meta), "tvm_version": run.tvm.__version__,
                       "git_commit": meta.get("git_commit") or git_commit(), "impl": impl,
                       "baseline_source": sources[impl]}
             measure = _Measure(config, runner, ids, run.sync, common,

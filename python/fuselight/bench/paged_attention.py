@@ -164,8 +164,9 @@ def _suite_kernels(kind: str, layout: Layout, target: Any, arch: str) -> dict[st
             "append": _dlight_scheduled(append, target)}
 
 
-def build_suite(out_dir: Path, arch: str = "sm_90") -> Path:
-    """Compile every kernel of each kind for ``arch`` into ``out_dir``; returns the manifest path."""
+def build_suite(out_dir: Path, arch: str = "sm_90", *, ptx: bool = False) -> Path:
+    """Compile every kernel of each kind for ``arch`` (``ptx``: carried as its PTX) into ``out_dir``;
+    returns the manifest path."""
     import tvm
 
     from .. import tir_pipeline
@@ -173,7 +174,7 @@ def build_suite(out_dir: Path, arch: str = "sm_90") -> Path:
     from ..target import resolve, to_tvm
     from .results import git_commit
 
-    spec = resolve("cuda", arch)
+    spec = resolve("cuda", arch, ptx=ptx)
     target = to_tvm(spec)
     layout, _ = load_points()
     out_dir = Path(out_dir)
@@ -189,7 +190,7 @@ def build_suite(out_dir: Path, arch: str = "sm_90") -> Path:
             libraries[kind][impl] = name
             print(f"built {name}", flush=True)
     manifest = out_dir / MANIFEST_NAME
-    body = {"suite": SUITE, "arch": arch, "layout": dataclasses.asdict(layout), "libraries": libraries,
+    body = {"suite": SUITE, "arch": arch, "ptx": ptx, "layout": dataclasses.asdict(layout), "libraries": libraries,
             "git_commit": git_commit()}
     manifest.write_text(json.dumps(body, indent=1) + "\n")
     return manifest
@@ -403,9 +404,12 @@ def _copy_gbps(torch: Any, dev: Any) -> float:
     return 2 * src.numel() / stats.median_us / 1e3
 
 
-def run_suite(manifest: Path, out_json: Path | None = None) -> list[dict[str, Any]]:
+def run_suite(manifest: Path, out_json: Path | None = None, *, accept_ptx: bool = False) -> list[dict[str, Any]]:
     """Check and time every point for the manifest's libraries on the GPU; write ``out_json``
-    (default ``bench/results/<device>/paged-attention.json``)."""
+    (default ``bench/results/<device>/paged-attention.json``).
+
+    ``accept_ptx``: run a suite built as PTX for an older GPU; the records' device says so."""
+    from ..library import device_label
     from ..report import text_table
     from ..runtime import init_tvm, load_module, release_memory
     from .results import default_path, make_record, write_results
@@ -425,11 +429,12 @@ def run_suite(manifest: Path, out_json: Path | None = None) -> list[dict[str, An
     dev = torch.device("cuda:0")
     rnd = torch.Generator(device=dev).manual_seed(bench_config()["seed"])
     kernels = {
-        kind: {impl: load_module(manifest.parent / name, "cuda")[0]["main"] for impl, name in libs.items()}
+        kind: {impl: load_module(manifest.parent / name, "cuda", accept_ptx=accept_ptx)[0]["main"]
+               for impl, name in libs.items()}
         for kind, libs in raw["libraries"].items()
     }
     tolerance = bench_config()["relerr_tolerance"][layout.dtype]
-    common = {"suite": SUITE, "device": device_name("cuda"), "tvm_version": tvm.__version__,
+    common = {"suite": SUITE, "device": device_label(device_name("cuda"), raw), "tvm_version": tvm.__version__,
               "git_commit": raw.get("git_commit") or "unknown"}
     records, failures = [], []
     copy_gbps = _copy_gbps(torch, dev)

@@ -280,6 +280,20 @@ def test_kernel_suite_default_output(small_suite, results_root):
     assert after[len(full):] == again and after[: len(full)] == full
 
 
+def test_kernel_suite_records_name_a_ptx_build(small_suite, tmp_path):
+    """A suite built as PTX (the manifest says so) is recorded on 'DEVICE (sm_XX PTX)'."""
+    from fuselight.bench.timing import device_name
+
+    manifest, _ = small_suite
+    raw = json.loads(manifest.read_text())
+    # The llvm build's manifest as a PTX build's would read (its libraries, beside it, are loaded alike).
+    ptx = manifest.parent / "manifest-ptx.json"
+    ptx.write_text(json.dumps({**raw, "arch": "sm_80", "ptx": True}))
+    records = kernels_run.run_suite(ptx, tmp_path / "r.json", cases=["gemm-48x64"], sweep=[3])
+    assert {r["device"] for r in records} == {f"{device_name('cpu')} (sm_80 PTX)"}
+    assert results.read_results(tmp_path / "r.json").meta["ptx"] is True
+
+
 def test_kernel_suite_flags_wrong_results(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     from fuselight.bench import kernels_build
@@ -315,11 +329,12 @@ def test_e2e_on_llvm(tmp_path, monkeypatch):
         with_torch = False
     config = load("tiny-llama")
     lib = fc.export(fc.build(config, resolve("llvm"), "baseline"), tmp_path / "tiny-baseline.so")
-    # The same library as if built at another commit: each implementation's records name their own.
+    # The same library as if built at another commit, and as if it carried sm_80 PTX: each
+    # implementation's records name their own commit, and the device its library ran as.
     other = tmp_path / "tiny-other.so"
     shutil.copy(lib, other)
     meta = json.loads(Path(f"{lib}.json").read_text())
-    Path(f"{other}.json").write_text(json.dumps({**meta, "git_commit": "0123456789ab"}))
+    Path(f"{other}.json").write_text(json.dumps({**meta, "git_commit": "0123456789ab", "arch": "sm_80", "ptx": True}))
     root = tmp_path / "bench-results"
     monkeypatch.setattr(results, "results_dir", lambda: root)
     records = run_e2e(
@@ -344,6 +359,14 @@ def test_e2e_on_llvm(tmp_path, monkeypatch):
     assert generate_check["agree"] == {"baseline": {"9": tokens}, "fuselight": {"9": tokens}}
     commits = {r["impl"]: r["git_commit"] for r in records}
     assert commits["fuselight"] == "0123456789ab" and commits["baseline"] == meta["git_commit"] != "0123456789ab"
+    from fuselight.bench.timing import device_name
+
+    devices = {r["impl"]: r["device"] for r in records}
+    assert devices["baseline"] == device_name("cpu") and devices["fuselight"] == f"{device_name('cpu')} (sm_80 PTX)"
+    from fuselight.bench.timing import device_name
+
+    devices = {r["impl"]: r["device"] for r in records}
+    assert devices["baseline"] == device_name("cpu") and devices["fuselight"] == f"{device_name('cpu')} (sm_80 PTX)"
     # tiny-llama computes in float32: both implementations match the float64 forward pass closely.
     prefill = [r for r in records if r["case"].endswith("prefill")]
     assert all(r["relerr"] < 1e-4 for r in prefill), [(r["impl"], r["relerr"]) for r in prefill]

@@ -242,6 +242,9 @@ def test_cli_errors_are_one_line(stub, tmp_path, capsys) -> None:
     assert "--no-fuselight with --fuselight-no-programmatic-launch" in capsys.readouterr().err
     assert _compile(tmp_path, "--fuselight-rules", "bogus")[0] == 2
     assert "unknown rule family 'bogus'" in capsys.readouterr().err
+    # --fuselight-ptx reaches the library's target (either pipeline): PTX is CUDA's alone.
+    assert _compile(tmp_path, "--no-fuselight", "--fuselight-ptx")[0] == 2
+    assert "--ptx applies to cuda targets only" in capsys.readouterr().err
 
 
 def test_thrust_left_out_where_tvm_lacks_it() -> None:
