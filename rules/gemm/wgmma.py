@@ -33,7 +33,7 @@ A B computed by a 4-bit dequantize (``ops.dequant``: MLC-LLM's q4f16_1, static N
 producer (the B-load hook; the consumers and the epilogue are the same): TMA still loads A, while
 all 128 producer threads stream the packed words and scales by cp.async into a staging ring, each
 its own pieces, convert them (bit for bit MLC's dequantize) into the slot's swizzled fp16/bf16 B
-tile, fence for the async proxy and arrive on the slot's full barrier (see ``Q4_STAGING``).
+tile, fence for the async proxy and arrive on the slot's full barrier (see ``WgmmaTile.q4_staging``).
 """
 
 from __future__ import annotations
@@ -86,14 +86,15 @@ CONSUMER_REGS = {1: None, 2: 232}
 # A dequantized B (4-bit words, ``ops.dequant``): the whole producer warpgroup works. Each thread
 # streams its pieces of the packed slice (16-byte pieces of 32 values along K, 4 words) and, per
 # piece, the aligned pair of scales holding its scale, by cp.async into a staging ring of
-# Q4_STAGING slices (its own data: after its own wait_group it converts them, no barrier), converts
+# ``q4_staging`` slices (its own data: after its own wait_group it converts them, no barrier), converts
 # them (half2 bit trick, bit for bit MLC's ``(dtype(q) - dtype(7)) * scale``) into the slot's
 # swizzled fp16/bf16 B tile, fences the generic-proxy writes for wgmma's async proxy and arrives on
 # the slot's "full" barrier (count 1 + 128: the leader's expect_tx for A's TMA, then every producer
-# thread). It needs more registers than TMA alone: 64, the consumers 224 (64 + 2 x 224 = 512).
-Q4_STAGING = 3
+# thread). It needs more registers than TMA alone: 56, the consumers 224. The split must give back
+# exactly what it takes (56 + 2 x 224 = 3 x 168): with 64 + 2 x 224 = 512 the consumers'
+# setmaxnreg.inc waited for registers the block never had, and every wgmma plan hung.
 Q4_PIECE = 32  # values of one 16-byte piece of packed words
-Q4_PRODUCER_REGS = 64
+Q4_PRODUCER_REGS = 56
 Q4_CONSUMER_REGS = {1: None, 2: 224}
 # Keeps the compiler from reading an accumulator before the wgmma wait above it.
 REGISTER_FENCE = "fuselight_wgmma_register_fence"
@@ -117,6 +118,8 @@ class WgmmaTile:
     stages: int
     group_m: int
     max_blocks: int
+    # Slices of a dequantized B's packed words staged ahead (see WgmmaTile.q4_staging); unused without one.
+    q4_staging: int = 3
 
     @property
     def block_m(self) -> int:
@@ -150,7 +153,7 @@ def smem_bytes(tile: WgmmaTile, ops: GemmOperands) -> int:
     """Shared memory of ``tile`` computing ``ops`` (a dequantized B adds its staging ring)."""
     if ops.dequant is None:
         return tile.smem_bytes
-    return tile.smem_bytes + Q4_STAGING * q4_staging_bytes(tile)
+    return tile.smem_bytes + tile.q4_staging * q4_staging_bytes(tile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,6 +284,7 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
         # The staging ring after the barriers (16-byte aligned: stages x 2 barriers of 8 bytes).
         staging_base = tile.stages * (tile.slot_bytes + 2 * MBAR_BYTES) + tile.epilogue_bytes
         staging_bytes = q4_staging_bytes(tile)
+        staging = tile.q4_staging
         slice_pieces = bn * BLOCK_K // Q4_PIECE  # of packed words in a slice (not the epilogue's ``pieces``)
         packed_bytes = slice_pieces * 16
         thread_pieces = slice_pieces // WARPGROUP
@@ -368,11 +372,11 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
 
     def q4_load(hsmem, j, ptid, m_tiles, bx, blocks):
         # This thread's pieces of the block's slice j (work unit j / k_tiles of the block, K slice
-        # j % k_tiles of it) and their scales into staging slot j % Q4_STAGING. (Offsets in halves.)
+        # j % k_tiles of it) and their scales into staging slot j % staging. (Offsets in halves.)
         unit = unit_tile(bx + T.truncdiv(j, k_tiles) * blocks, m_tiles)
         n0 = tile_col(unit, m_tiles)
         kslice = unit_split(bx + T.truncdiv(j, k_tiles) * blocks, m_tiles) * k_tiles + T.truncmod(j, k_tiles)
-        stage = staging_base + T.truncmod(j, Q4_STAGING) * staging_bytes
+        stage = staging_base + T.truncmod(j, staging) * staging_bytes
         for p in range(thread_pieces):
             piece = p * WARPGROUP + ptid
             row = T.Cast("int64", n0 + piece // 2)
@@ -385,7 +389,7 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
     def q4_convert(hsmem, it, kslice, slot, ptid):
         # This thread's pieces of slice ``it`` (staged by itself, waited for) into the slot's B
         # tile: row r's 16-byte piece c at c ^ (r % 8), the 128-byte swizzle TMA and wgmma use.
-        stage = staging_base + T.truncmod(it, Q4_STAGING) * staging_bytes
+        stage = staging_base + T.truncmod(it, staging) * staging_bytes
         for p in range(thread_pieces):
             piece = p * WARPGROUP + ptid
             row = piece // 2
@@ -445,11 +449,11 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
                         if consumer_regs is not None:
                             T.ptx.setmaxnreg(False, producer_regs)
                         if deq is not None:
-                            # The B-load hook for a dequantized B (see Q4_STAGING): the whole warpgroup.
+                            # The B-load hook for a dequantized B (see WgmmaTile.q4_staging): the whole warpgroup.
                             ptid: T.let[T.int32] = tid - consumers
                             slices: T.let[T.int32] = my_tiles * k_tiles
-                            # Always Q4_STAGING - 1 groups ahead (empty past the last slice): the waits count on it.
-                            for j in T.unroll(Q4_STAGING - 1):
+                            # Always staging - 1 groups ahead (empty past the last slice): the waits count on it.
+                            for j in T.unroll(staging - 1):
                                 if j < slices:
                                     q4_load(buf_dyn_shmem.data, j, ptid, m_tiles, bx, blocks)
                                 T.ptx.cp_async.commit_group()
@@ -459,16 +463,16 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
                                 for kt in T.serial(k_tiles):
                                     it: T.let[T.int32] = ti * k_tiles + kt
                                     slot: T.let[T.int32] = T.truncmod(it, stages)
-                                    # Staging slot of slice it + Q4_STAGING - 1: converted by this thread at it - 1.
-                                    if it + Q4_STAGING - 1 < slices:
-                                        q4_load(buf_dyn_shmem.data, it + Q4_STAGING - 1, ptid, m_tiles, bx, blocks)
+                                    # Staging slot of slice it + staging - 1: converted by this thread at it - 1.
+                                    if it + staging - 1 < slices:
+                                        q4_load(buf_dyn_shmem.data, it + staging - 1, ptid, m_tiles, bx, blocks)
                                     T.ptx.cp_async.commit_group()
                                     if it >= stages:
                                         T.ptx.mbarrier.try_wait(empty(buf_dyn_shmem, slot), T.truncmod(T.truncdiv(it, stages) + 1, 2))
                                     if tid == consumers:
                                         T.ptx.mbarrier.arrive.expect_tx(full(buf_dyn_shmem, slot), a_slot)
                                         T.evaluate(tma_load(buf_dyn_shmem, slot * a_slot, slot, a_map, k0 + kt, m0))
-                                    cp_async_wait(Q4_STAGING - 1)  # this thread's pieces of slice it have landed
+                                    cp_async_wait(staging - 1)  # this thread's pieces of slice it have landed
                                     q4_convert(buf_dyn_shmem.data, it, k0 + kt, slot, ptid)
                                     # The generic-proxy writes, then visible to wgmma's async proxy.
                                     T.ptx.fence.proxy_async("shared::cta")
