@@ -13,9 +13,11 @@ import hashlib
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
+from . import kv_hooks
 from .cuda_compile import compile_cuda
 from .errors import FuselightError
 from .target import TargetSpec, arch_number
@@ -98,13 +100,18 @@ def write_library(
     executable: Any, path: Path, meta: dict[str, Any], target: TargetSpec, *, aot_cuda: bool = True
 ) -> Path:
     """Write ``executable`` to ``path``, ``meta`` to ``path.json`` and, for a GPU target with
-    ``aot_cuda``, its cubins to ``path.cuda/`` (``meta["cuda_sources"]``: CUDA source hash -> cubin)."""
+    ``aot_cuda``, its cubins to ``path.cuda/`` (``meta["cuda_sources"]``: CUDA source hash -> cubin).
+    A library whose KV cache takes ``fuselight.kv_hooks``' wrappers carries their C++ build
+    (``meta["native_kv_hooks"]``), so running it calls no Python a step."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {**meta, "cuda_sources": {}}
     if target.is_gpu and aot_cuda:
         meta["cuda_sources"] = aot_compile_cuda(executable, aot_dir(path), target.arch)
-    executable.export_library(str(path))
+    with tempfile.TemporaryDirectory(prefix="fuselight-export-") as tmp:
+        addons = [str(kv_hooks.native_object(Path(tmp)))] if kv_hooks.uses_hooks(executable) else []
+        meta["native_kv_hooks"] = bool(addons)
+        executable.export_library(str(path), addons=addons)
     metadata_path(path).write_text(json.dumps(meta, indent=1, default=str) + "\n")
     return path
 
