@@ -15,6 +15,7 @@ from typing import Any
 
 from . import tir_pipeline
 from .config import ModelConfig
+from .contracts import ATTENTION_FORWARD_FUNC
 from .contracts import FUSED_ROPE_APPEND_ATTR as FUSED_ATTR
 from .contracts import FUSED_ROPE_APPEND_DECODE_ATTR as FUSED_DECODE_ATTR
 from .contracts import KERNEL_LAUNCHES_ATTR
@@ -193,7 +194,7 @@ def kernel_stats(mod: Any) -> KernelStats:
             return
         if isinstance(expr.op, relax.GlobalVar) and expr.op in prims:
             calls.append(expr.op.name_hint)
-        elif isinstance(expr.op, relax.ExternFunc) and expr.op.global_symbol == _ATTENTION_BUILTIN:
+        elif isinstance(expr.op, relax.ExternFunc) and expr.op.global_symbol in (_ATTENTION_BUILTIN, ATTENTION_FORWARD_FUNC):
             attention_calls += 1
         elif (
             expr.op.same_as(tvm.ir.Op.get("relax.call_builtin_with_ctx"))
