@@ -490,6 +490,9 @@ def _paged_decode(
 
         O_part = T.alloc_buffer((B, H_qo, kernels.num_splits(B), D), "float32", scope="global")
         lse_part = T.alloc_buffer((B, H_qo, kernels.num_splits(B)), "float32", scope="global")
+        # positions (for _PAGED_BY_POSITION): the kernel's own q positions, the same data as the
+        # split-rotary's; loads of that one buffer for RoPE and for lengths trip TVM's CSE (a value
+        # used before its definition)
         kernels.split(
             SimpleNamespace(
                 Q=Q, O_part=O_part, lse_part=lse_part, pages=pages, page_indptr=page_table_indptr,
@@ -501,7 +504,7 @@ def _paged_decode(
         kernels.merge(
             SimpleNamespace(
                 output=output, lse=lse, O_part=O_part, lse_part=lse_part, page_indptr=page_table_indptr,
-                length_info=length_info, positions=q_rope_position, pages=pages, page_size=PAGE,
+                length_info=length_info, positions=q_rope_position, page_size=PAGE,
             ),
             B, seq,
         )
@@ -584,6 +587,9 @@ def dense_decode(
         B: T.let[T.int32] = T.Cast("int32", batch)
         O_part = T.alloc_buffer((B, H_qo, kernels.num_splits(B), D), "float32", scope="global")
         lse_part = T.alloc_buffer((B, H_qo, kernels.num_splits(B)), "float32", scope="global")
+        # positions (for _PAGED_BY_POSITION): the kernel's own q positions, the same data as the
+        # split-rotary's; loads of that one buffer for RoPE and for lengths trip TVM's CSE (a value
+        # used before its definition)
         kernels.split(
             SimpleNamespace(
                 Q=Q, O_part=O_part, lse_part=lse_part, k=k, v=v, kv_len=kv_len, bshd=bshd, vec=VEC,
