@@ -14,9 +14,11 @@ import hashlib
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
+from . import kv_hooks
 from .cuda_compile import compile_cuda
 from .errors import FuselightError
 from .target import TargetSpec, arch_number
@@ -101,7 +103,9 @@ def write_library(
 ) -> Path:
     """Write ``executable`` to ``path``, ``meta`` to ``path.json`` and, for a GPU target with
     ``aot_cuda``, its cubins to ``path.cuda/`` (``meta["cuda_sources"]``: CUDA source hash -> cubin;
-    ``meta["ptx"]``: whether they are ``target.arch``'s PTX)."""
+    ``meta["ptx"]``: whether they are ``target.arch``'s PTX). A library whose KV cache takes
+    ``fuselight.kv_hooks``' wrappers carries their C++ build (``meta["native_kv_hooks"]``), so running
+    it calls no Python a step."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {**meta, "cuda_sources": {}}
@@ -110,7 +114,10 @@ def write_library(
         meta["ptx"] = target.ptx
         if aot_cuda:
             meta["cuda_sources"] = aot_compile_cuda(executable, aot_dir(path), target.arch, ptx=target.ptx)
-    executable.export_library(str(path))
+    with tempfile.TemporaryDirectory(prefix="fuselight-export-") as tmp:
+        addons = [str(kv_hooks.native_object(Path(tmp)))] if kv_hooks.uses_hooks(executable) else []
+        meta["native_kv_hooks"] = bool(addons)
+        executable.export_library(str(path), addons=addons)
     metadata_path(path).write_text(json.dumps(meta, indent=1, default=str) + "\n")
     return path
 

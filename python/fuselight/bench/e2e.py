@@ -460,7 +460,8 @@ class _Measure:
             runner.decode(next(tokens))
         prof = profile_steps(lambda: runner.decode(next(tokens)), extra, self.sync)
         profile[str(context)] = prof
-        print(f"    profile: busy {prof['busy_us']:.0f} us; exclusive " + ", ".join(
+        host = f"; host launches {prof['host_launches']:.0f}" if "host_launches" in prof else ""
+        print(f"    profile: busy {prof['busy_us']:.0f} us{host}; exclusive " + ", ".join(
             f"{k} {v['exclusive_us']:.0f} us/{v['launches']:.0f}" for k, v in prof["families"].items()), flush=True)
 
 
