@@ -90,8 +90,12 @@ def test_machine_code_build_records_no_ptx(tmp_path):
     from fuselight.target import resolve
 
     class Executable:
-        def export_library(self, path: str) -> None:
+        def export_library(self, path: str, addons: list[str]) -> None:
+            assert addons == []  # no KV-cache wrappers in this stand-in
             Path(path).write_bytes(b"lib")
+
+        def as_text(self) -> str:
+            return ""
 
     lib = library.write_library(Executable(), tmp_path / "x.so", {"target": "cuda"}, resolve("cuda", "sm_89"),
                                 aot_cuda=False)
