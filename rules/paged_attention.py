@@ -21,7 +21,7 @@ import dataclasses
 from typing import Literal
 
 import tvm
-from fuselight.contracts import DECODE_BY_POSITION_ATTR, FUSED_ROPE_APPEND_DECODE_ATTR, PAGED_ATTENTION_ATTR
+from fuselight.contracts import FUSED_ROPE_APPEND_DECODE_ATTR, PAGED_ATTENTION_ATTR
 from fuselight.errors import FuselightError
 from fuselight.target import arch_of
 from tvm import tirx
@@ -72,7 +72,6 @@ class RotaryDecodeDesc:
 
     rotary: SplitRotary
     page_size: int
-    by_position: bool = False  # lengths and the append slot from the q positions (DECODE_BY_POSITION_ATTR)
 
 
 def _interface(func: tirx.PrimFunc) -> tuple[list, list[str]] | None:
@@ -182,8 +181,7 @@ class PagedAttention(AnalyzeScheduleRule):
             return None
         if FUSED_ROPE_APPEND_DECODE_ATTR in func.attrs:
             rotary = analyze_split_rotary(func)
-            by_position = bool(func.attrs.get(DECODE_BY_POSITION_ATTR, False))
-            return None if rotary is None else RotaryDecodeDesc(rotary, int(func.attrs[FUSED_ROPE_APPEND_DECODE_ATTR]), by_position)
+            return None if rotary is None else RotaryDecodeDesc(rotary, int(func.attrs[FUSED_ROPE_APPEND_DECODE_ATTR]))
         if PAGED_ATTENTION_ATTR not in func.attrs:
             return None
         desc = analyze(func)
@@ -210,7 +208,7 @@ class PagedAttention(AnalyzeScheduleRule):
             if not self.supports(desc, target):
                 return None
             config = load_decode_config(arch_of(target))
-            kernel = flash_decode_paged_rotary(desc.rotary, desc.page_size, config, desc.by_position)
+            kernel = flash_decode_paged_rotary(desc.rotary, desc.page_size, config)
             kernel = kernel.with_attr(FUSED_ROPE_APPEND_DECODE_ATTR, True)
         else:
             kernel = paged_attention_kernel(desc, target)

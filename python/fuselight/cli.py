@@ -41,12 +41,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     cfg = _model_config(args.model, args.dtype, args.quantization)
     spec = resolve(args.target, args.arch, ptx=args.ptx)
     options = None
-    if args.passes is not None or args.no_rules or args.no_programmatic_launch or args.whole_step_graph:
+    if args.passes is not None or args.no_rules or args.no_programmatic_launch:
         passes = None if args.passes is None else tuple(p for p in args.passes.split(",") if p and p != "none")
-        if args.whole_step_graph:
-            from .passes import DEFAULT
-
-            passes = (*(DEFAULT if passes is None else passes), fc.WHOLE_STEP_PASS)
         options = fc.Options(passes=passes, rules=() if args.no_rules else None,
                              programmatic_launch=not args.no_programmatic_launch)
     built = fc.build(cfg, spec, args.pipeline, options=options, cuda_graph=args.cuda_graph)
@@ -239,9 +235,6 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--no-rules", action="store_true", help="fuselight pipeline: DLight's rules only (measure the passes alone)")
     c.add_argument("--no-programmatic-launch", action="store_true",
                    help="fuselight pipeline: launch each kernel only after the one before it has finished (no PDL)")
-    c.add_argument("--whole-step-graph", action="store_true",
-                   help="fuselight pipeline: one CUDA graph a decode step, KV-cache attention included (adds the "
-                        "capture_whole_step pass; only where the build captures graphs)")
     c.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the static parts of each function as CUDA graphs (default: on for cuda, as MLC-LLM's O2, "
                         "except where every kernel launches programmatically: the fuselight pipeline on sm_90+)")

@@ -145,23 +145,11 @@ void MakeDecodeWrappers(ffi::PackedArgs args, ffi::Any* rv) {
   *rv = Wrappers(hooks, true, args.Slice(5));
 }
 
-// TVM's attention builtin under a name outside ``vm.builtin``, which RewriteCUDAGraph never captures:
-// passes/capture_whole_step.py points a decode step's attention calls here so one graph holds the
-// step. Same arguments (cache, layer, sm_scale, qkv, out).
-void AttentionWithFusedQKV(ffi::PackedArgs args, ffi::Any* rv) {
-  static const ffi::Function builtin =
-      ffi::Function::GetGlobalRequired("vm.builtin.attention_kv_cache_attention_with_fused_qkv");
-  builtin.CallPacked(args, rv);
-}
-
 }  // namespace
 
-// The names are fuselight.contracts.HOOKS_FUNC, HOOKS_DECODE_FUNC (replacing the Python ones) and
-// ATTENTION_FORWARD_FUNC.
+// The names are fuselight.contracts.HOOKS_FUNC and HOOKS_DECODE_FUNC; replacing the Python ones.
 TVM_FFI_STATIC_INIT_BLOCK() {
   tvm::ffi::Function::SetGlobal("fuselight.kv_cache.fuse_rope_append", tvm::ffi::Function::FromPacked(MakeWrappers), true);
   tvm::ffi::Function::SetGlobal("fuselight.kv_cache.fuse_rope_append_decode",
                                 tvm::ffi::Function::FromPacked(MakeDecodeWrappers), true);
-  tvm::ffi::Function::SetGlobal("fuselight.kv_cache.attention_with_fused_qkv",
-                                tvm::ffi::Function::FromPacked(AttentionWithFusedQKV), true);
 }

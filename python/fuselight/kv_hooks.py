@@ -35,14 +35,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .contracts import ATTENTION_FORWARD_FUNC
 from .contracts import HOOKS_DECODE_FUNC as DECODE_GLOBAL_NAME
 from .contracts import HOOKS_FUNC as GLOBAL_NAME
 from .errors import FuselightError
 
 NATIVE_SOURCE = Path(__file__).with_name("kv_hooks.cc")
 # The VM's instruction text names the factory a library's KV cache is created with.
-_FACTORIES = (GLOBAL_NAME, DECODE_GLOBAL_NAME, ATTENTION_FORWARD_FUNC)
+_FACTORIES = (GLOBAL_NAME, DECODE_GLOBAL_NAME)
 
 
 class RopeAppendHooks:
@@ -132,8 +131,7 @@ def register() -> None:
 
 
 def uses_hooks(executable: Any) -> bool:
-    """Whether a ``tvm.relax.VMExecutable`` creates its KV cache through these wrappers (or calls the
-    attention forwarder of ``kv_hooks.cc``, which only the C++ build provides)."""
+    """Whether a ``tvm.relax.VMExecutable`` creates its KV cache through these wrappers."""
     text = executable.as_text()
     return any(name in text for name in _FACTORIES)
 
