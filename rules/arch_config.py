@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fuselight.device import DeviceModel, device_model
@@ -26,17 +27,16 @@ Analytic = Callable[[DeviceModel], Any]
 TileBytes = Callable[[dict[str, int]], int]
 
 
-def arch_entry(family: str, name: str, arch: str, analytic: Analytic) -> tuple[Any, str]:
-    """``configs/<family>/<name>.json[arch]`` where measured, else ``analytic(device)`` for a
+def arch_entry(path: Path, arch: str, analytic: Analytic) -> tuple[Any, str]:
+    """The config file ``path``'s entry for ``arch`` where measured, else ``analytic(device)`` for a
     described arch, with where it came from (for errors); FuselightError for an undescribed one."""
-    path = config_dir() / family / f"{name}.json"
-    node: Any = read_json_object(path, missing=f"{family} config not found: {path}")
+    node: Any = read_json_object(path, missing=f"config not found: {path}")
     if arch in node:
         return node[arch], f"{path}[{arch!r}]"
     device = device_model(arch)
     if device is None:
         raise FuselightError(f"{path}: no entry {arch!r} and no device description of it (unsupported target arch)")
-    return analytic(device), f"{family}/{name} for {arch} (analytic, configs/targets/devices.json)"
+    return analytic(device), f"{path.name} for {arch} (analytic, from configs/targets/devices.json)"
 
 
 def load_arch_config(family: str, name: str, arch: str, cls: type[C], *keys: str, analytic: Analytic) -> C:
@@ -45,7 +45,7 @@ def load_arch_config(family: str, name: str, arch: str, cls: type[C], *keys: str
 
     family: the template family (``attention``, ``gemm``); name: the config file in it.
     """
-    node, where = arch_entry(family, name, arch, analytic)
+    node, where = arch_entry(config_dir() / family / f"{name}.json", arch, analytic)
     for key in keys:
         if not isinstance(node, dict) or key not in node:
             raise FuselightError(f"{where}: no entry {key!r} (unsupported shape)")
@@ -165,7 +165,7 @@ def mma_sync(device: DeviceModel, tile_bytes: TileBytes) -> dict:
     return fitted_tiles(device, MMA_SHAPES, tile_bytes)
 
 
-def dispatch(device: DeviceModel, measured_efficiency: dict[str, float], tiles: dict[str, dict]) -> dict:
+def dispatch(device: DeviceModel, measured_efficiency: dict[str, float], tiles: dict[str, Any]) -> dict:
     """GEMM dispatch tunables where the arch has no measured table: the sm_90 grid and split-K
     factors, the analytic cost function (no learned model), mma.sync at the datasheet's tensor-core
     peak (it is the tensor-core instruction below sm_90), a tile's efficiency the one measured on sm_90

@@ -87,8 +87,7 @@ def load_dispatch(arch: str) -> Dispatch:
     tiles = load_tiles(arch)
     measured_efficiency = {str(k): float(v) for entry in node.values() if isinstance(entry, dict)
                            for k, v in entry.get("efficiency", {}).items()}
-    cfg, where = arch_entry("gemm", "dispatch", arch,
-                            lambda d: arch_config.dispatch(d, measured_efficiency, {name: {} for name in tiles}))
+    cfg, where = arch_entry(path, arch, lambda d: arch_config.dispatch(d, measured_efficiency, tiles))
     try:
         efficiency = {str(k): float(v) for k, v in cfg["efficiency"].items()}
         has_wgmma = WGMMA in efficiency and device.has("wgmma")
@@ -212,7 +211,7 @@ def _cost(plan: Plan, m: int, n: int, k: int, d: Dispatch) -> float:
     return estimate_us(plan, m, n, k, d)
 
 
-def _fits(plan: Plan, ops: GemmOperands, smem_limit: int) -> bool:
+def _fits(plan: Plan, ops: GemmOperands, smem_limit: int | None = None) -> bool:
     try:
         if isinstance(plan, WgmmaPlan):
             check_tile(plan.tile, ops, plan.split_k)
@@ -309,7 +308,8 @@ def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, Plan]]:
     device = device_model(arch)
     if ops.dequant is None or device is None:
         return []
-    cfg, where = arch_entry("gemm", "mma_sync_q4", arch, lambda d: arch_config.mma_sync_q4(d, q4_tile_bytes))
+    cfg, where = arch_entry(config_dir() / "gemm" / "mma_sync_q4.json", arch,
+                            lambda d: arch_config.mma_sync_q4(d, q4_tile_bytes))
     limit = device.smem_per_block_optin
     try:
         tiles = {str(name): GemmTile(**fields) for name, fields in cfg["tiles"].items()}

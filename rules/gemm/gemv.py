@@ -56,6 +56,7 @@ from typing import Any
 
 from fuselight.device import least
 from fuselight.errors import FuselightError
+from fuselight.paths import config_dir
 
 from .. import arch_config
 from ..arch_config import arch_entry, from_fields
@@ -183,7 +184,8 @@ def load_gemv_configs(arch: str, quantized: bool = False) -> list[GemvConfig]:
     ``gemv_q4.json``, for dequantized weights; the analytic buckets where it has no entry for ``arch``),
     by increasing ``max_m``. FuselightError naming the field of a bad one, or for an undescribed arch."""
     name = CONFIG_NAME_Q4 if quantized else CONFIG_NAME
-    node, where = arch_entry(CONFIG_FAMILY, name, arch, arch_config.gemv_q4 if quantized else arch_config.gemv)
+    node, where = arch_entry(config_dir() / CONFIG_FAMILY / f"{name}.json", arch,
+                             arch_config.gemv_q4 if quantized else arch_config.gemv)
     if not isinstance(node, dict):
         raise FuselightError(f"{where}: must be an object of M buckets")
     configs = []

@@ -16,6 +16,7 @@ import dataclasses
 
 from fuselight.device import least, most, require_device, warp_size
 from fuselight.errors import FuselightError
+from fuselight.paths import config_dir
 
 from .. import arch_config
 from ..arch_config import arch_entry
@@ -282,7 +283,8 @@ def tile_bytes(fields: dict[str, int]) -> int:
 def load_tiles(arch: str) -> dict[str, GemmTile]:
     """The named candidate tiles for ``arch`` (e.g. ``sm_90``): ``configs/gemm/mma_sync.json``'s, or
     the analytic ones (``arch_config.mma_sync``), each within the arch's shared memory."""
-    entries, where_arch = arch_entry("gemm", "mma_sync", arch, lambda d: arch_config.mma_sync(d, tile_bytes))
+    entries, where_arch = arch_entry(config_dir() / "gemm" / "mma_sync.json", arch,
+                                     lambda d: arch_config.mma_sync(d, tile_bytes))
     if not isinstance(entries, dict) or not entries:
         raise FuselightError(f"{where_arch}: must be a non-empty object of named tiles")
     limit = require_device(arch).smem_per_block_optin
