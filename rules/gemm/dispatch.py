@@ -314,7 +314,7 @@ def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, Plan]]:
     try:
         tiles = {str(name): GemmTile(**fields) for name, fields in cfg["tiles"].items()}
         for name, tile in tiles.items():
-            check_gemm_tile(tile, name, limit)
+            check_gemm_tile(tile, name)  # its 4-bit shared memory is checked against ``limit`` by _fits
         wgmma = ({_wgmma_name(str(name)): WgmmaTile(**fields) for name, fields in cfg.get("wgmma_tiles", {}).items()}
                  if device.has("wgmma") else {})
         table = [
