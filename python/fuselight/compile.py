@@ -214,6 +214,14 @@ def kernel_stats(mod: Any) -> KernelStats:
     )
 
 
+def effective_options(target: TargetSpec, pipeline: str, options: Options | None) -> Options | None:
+    """``options``, except for a fuselight build for an arch without a device description: none of our
+    passes or rules (nothing would claim a kernel there) and no programmatic launch (``UNDESCRIBED``)."""
+    if pipeline == "fuselight" and not target.described:
+        return Options(passes=(), rules=(), programmatic_launch=False)
+    return options
+
+
 def build(
     config: ModelConfig,
     target: TargetSpec,
@@ -238,8 +246,7 @@ def build(
 
     if prefill_chunk_size is None:
         prefill_chunk_size = int(runtime_config()["prefill_chunk_size"])
-    if pipeline == "fuselight" and not target.described:
-        options = Options(passes=(), rules=(), programmatic_launch=False)  # DLight schedules everything
+    options = effective_options(target, pipeline, options)
     source = baseline_source()
     tvm_target = to_tvm(target)
     start = time.perf_counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 from .errors import FuselightError
 from .jsonfile import read_json_object
@@ -107,7 +108,7 @@ def require_device(arch: str) -> DeviceModel:
     return device
 
 
-def _path():
+def _path() -> Path:
     return config_dir() / "targets" / "devices.json"
 
 
@@ -117,9 +118,8 @@ def _table() -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _parse_cached(arch: str, _mtime_ns: int) -> DeviceModel:
-    path = _path()
-    entry = _table()[arch]
+def _parse_cached(arch: str, path: Path, _mtime_ns: int) -> DeviceModel:
+    entry = read_json_object(path, missing=f"device descriptions not found: {path}")[arch]
     try:
         caps = frozenset(str(c) for c in entry["capabilities"])
         unknown = sorted(caps - set(CAPABILITIES))
@@ -137,4 +137,5 @@ def _parse_cached(arch: str, _mtime_ns: int) -> DeviceModel:
 
 
 def _parse(arch: str) -> DeviceModel:
-    return _parse_cached(arch, _path().stat().st_mtime_ns)
+    path = _path()
+    return _parse_cached(arch, path, path.stat().st_mtime_ns)
