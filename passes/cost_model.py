@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
-from ..device import require_device
+from ..device import device_model, require_device
 from ..errors import FuselightError
 from ..jsonfile import read_json_object
 from ..paths import config_dir
@@ -23,9 +24,28 @@ class CostConfig:
     tile_reuse: int
 
 
-def load(arch: str) -> CostConfig:
-    """The cost model for ``arch``; FuselightError where the arch has no device description."""
-    device = require_device(arch)
+# Where the target in scope has no device description (a CPU build, whose graphs the passes still
+# rewrite), the cost model prices launches and recomputes as on this one.
+REFERENCE_ARCH = "sm_90"
+
+
+def arch_in_scope(arch: str | None) -> str:
+    """``arch``, or (None) the arch of the CUDA target in scope if it has a device description, else
+    ``REFERENCE_ARCH``."""
+    if arch is not None:
+        return arch
+    import tvm
+
+    target = tvm.target.Target.current(allow_none=True)
+    scoped = str(target.attrs.get("arch", "")) if target is not None and target.kind.name == "cuda" else ""
+    m = re.match(r"^sm_(\d+)", scoped)
+    return f"sm_{m.group(1)}" if m and device_model(f"sm_{m.group(1)}") is not None else REFERENCE_ARCH
+
+
+def load(arch: str | None = None) -> CostConfig:
+    """The cost model for ``arch`` (None: ``arch_in_scope``); FuselightError where the arch has no
+    device description."""
+    device = require_device(arch_in_scope(arch))
     path = config_dir() / "passes" / "cost.json"
     table = read_json_object(path, missing=f"cost model config not found: {path}")
     try:
