@@ -16,12 +16,14 @@ import pytest
 import tvm
 from fuselight import config, tir_pipeline
 from fuselight import pipeline as pl
+from fuselight.computations import AttentionSpec, attention_prim_func
 from fuselight.cuda_compile import compile_cuda
 from fuselight.device import device_model
 from fuselight.errors import FuselightError
 from fuselight.model.llama import export_module
 from fuselight.model.weights import hf_config
 from fuselight.rules import arch_config, fuselight_rules
+from fuselight.rules.flash_attention import FlashAttention
 from fuselight.rules.flash.decode import load_decode_config
 from fuselight.rules.flash.prefill import load_prefill_config
 from fuselight.quant_prim_funcs import q4_linear
@@ -40,7 +42,8 @@ HOPPER_ONLY = re.compile(r"wgmma|cp\.async\.bulk|cp_async_bulk|setmaxnreg|gridde
 # The one fusion that differs: gate/up with SiLU-mul is one matmul with a paired epilogue, which only
 # the wgmma template computes; elsewhere it stays a matmul and its SiLU-mul.
 WGMMA_ONLY_FUSION = "gate_up_matmul_swiglu"
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+ATTENTION = AttentionSpec(num_qo_heads=8, num_kv_heads=2, head_dim=64, scale=0.125, causal=True, additive_mask=False,
+                          layout="BSHD", dtype="float16", softmax_dtype="float32", same_length=True)
 
 
 def _model(quantization: str | None) -> config.ModelConfig:
@@ -83,11 +86,21 @@ def _families(claimed: dict[str, tuple[str, object]]) -> dict[str, set[str]]:
     return out
 
 
+def _flash_attention(arch: str) -> tvm.tirx.PrimFunc | None:
+    """The flash-attention rule's kernel (prefill, and split-KV decode where Sq is 1 at run time) for
+    a fused GQA attention of head dim 64 (what ``passes/fuse_attention`` hands it), or None."""
+    target = to_tvm(resolve("cuda", arch))
+    func = attention_prim_func(ATTENTION).with_attr("target", target)
+    sch = FlashAttention().apply(func, target, False)
+    return None if sch is None else sch.mod["main"]
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_source(arch: str) -> str:
-    """The CUDA of every kernel claimed for ``arch`` (both weight formats), as a build lowers it."""
+    """The CUDA of every kernel claimed for ``arch`` (both weight formats, and the dense flash
+    attention), as a build lowers it."""
     target = to_tvm(resolve("cuda", arch))
-    funcs = {}
+    funcs = {"flash_attention": _flash_attention(arch).with_attr("global_symbol", "flash_attention")}
     for q in QUANTIZATIONS:
         for name, (_, func) in _claimed(arch, q).items():
             symbol = f"{q or 'f16'}_{name}"
@@ -111,6 +124,13 @@ def test_every_family_claims_on_every_described_arch_what_it_claims_on_sm90(arch
     assert len(ours["matmul"]) == len(hopper["matmul"]) >= 4
     assert not any(WGMMA_ONLY_FUSION in n for n in ours["matmul"])
     assert {n for n in hopper["matmul"] if WGMMA_ONLY_FUSION not in n} <= ours["matmul"]
+
+
+@pytest.mark.parametrize("arch", UNMEASURED)
+def test_flash_attention_claims_the_fused_attention_on_every_described_arch(arch):
+    ours, hopper = _flash_attention(arch), _flash_attention("sm_90")
+    assert ours is not None and hopper is not None
+    assert [p.name for p in ours.params] == [p.name for p in hopper.params]
 
 
 @pytest.mark.parametrize("arch", UNMEASURED)
