@@ -165,19 +165,16 @@ def mma_sync(device: DeviceModel, tile_bytes: TileBytes) -> dict:
     return fitted_tiles(device, MMA_SHAPES, tile_bytes)
 
 
-def dispatch(device: DeviceModel, measured_efficiency: dict[str, float], tiles: dict[str, Any]) -> dict:
-    """GEMM dispatch tunables where the arch has no measured table: the sm_90 grid and split-K
-    factors, the analytic cost function (no learned model), mma.sync at the datasheet's tensor-core
-    peak (it is the tensor-core instruction below sm_90), a tile's efficiency the one measured on sm_90
-    for its shape at any stage count (0.5 for a shape never measured), and the per-SM operand rate
-    measured on sm_90 (45 GB/s, cp.async through L2: no datasheet gives it)."""
+def dispatch(device: DeviceModel, defaults: dict[str, Any], measured_efficiency: dict[str, float],
+             tiles: dict[str, Any]) -> dict:
+    """GEMM dispatch where the arch has no measured entry: ``defaults`` (dispatch.json's ``analytic``
+    entry) and, for each candidate tile, the efficiency measured on another arch for its shape at any
+    stage count (the lowest measured one for a shape never measured: no unmeasured tile wins on a guess)."""
+    del device  # its facts enter the Dispatch directly (rules/gemm/dispatch.py)
     by_shape = {_shape(name): e for name, e in measured_efficiency.items() if not name.startswith("wgmma")}
-    return {
-        "mma_sync_peak_fraction": 1.0, "sm_gbps": 45.0, "min_static_m": 16,
-        "m_grid": [16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192],
-        "split_k": [1, 2, 4, 8], "keep_within": 0.05, "cost_model": "analytic",
-        "efficiency": {name: by_shape.get(_shape(name), 0.5) for name in tiles},
-    }
+    fallback = min(by_shape.values())
+    return {**{k: v for k, v in defaults.items() if not k.startswith("_")},
+            "efficiency": {name: by_shape.get(_shape(name), fallback) for name in tiles}}
 
 
 def _shape(name: str) -> str:

@@ -87,7 +87,7 @@ def load_dispatch(arch: str) -> Dispatch:
     tiles = load_tiles(arch)
     measured_efficiency = {str(k): float(v) for entry in node.values() if isinstance(entry, dict)
                            for k, v in entry.get("efficiency", {}).items()}
-    cfg, where = arch_entry(path, arch, lambda d: arch_config.dispatch(d, measured_efficiency, tiles))
+    cfg, where = arch_entry(path, arch, lambda d: arch_config.dispatch(d, node["analytic"], measured_efficiency, tiles))
     try:
         efficiency = {str(k): float(v) for k, v in cfg["efficiency"].items()}
         has_wgmma = WGMMA in efficiency and device.has("wgmma")
