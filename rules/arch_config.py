@@ -4,10 +4,11 @@ where the arch has one, else the analytic one below, computed from the device mo
 
 Only sm_90 is measured (the GPU host's); an arch that is described but unmeasured (sm_80, sm_86,
 sm_89) gets configs that fit its shared memory, registers and threads, with grid sizes from its SM
-count; the template-level choices (warps, unrolls, split bounds) are the ones measured best on
-sm_90, none of which depends on a Hopper feature. An arch without a description gets no config: the
+count. An arch without a description gets no config: the
 rules then leave its functions to DLight. A template's shared-memory formula stays with the
-template; the analytic functions take it as an argument.
+template; the analytic functions take it as an argument. The choices that do not depend on the
+device (warps, unrolls, split bounds: those measured best on sm_90) are each file's ``analytic``
+entry, not code.
 """
 
 from __future__ import annotations
@@ -23,20 +24,27 @@ from fuselight.jsonfile import read_json_object
 from fuselight.paths import config_dir
 
 C = TypeVar("C")
-Analytic = Callable[[DeviceModel], Any]
+ANALYTIC = "analytic"  # the key of a config file's arch-independent choices
+Analytic = Callable[[DeviceModel, Any], Any]  # (device, the file's "analytic" entry) -> the arch's entry
 TileBytes = Callable[[dict[str, int]], int]
 
 
 def arch_entry(path: Path, arch: str, analytic: Analytic) -> tuple[Any, str]:
-    """The config file ``path``'s entry for ``arch`` where measured, else ``analytic(device)`` for a
-    described arch, with where it came from (for errors); FuselightError for an undescribed one."""
+    """The config file ``path``'s entry for ``arch`` where measured, else, for a described arch,
+    ``analytic(device, template)`` of the file's ``analytic`` entry (the arch-independent choices),
+    with where it came from (for errors); FuselightError for an undescribed arch."""
     node: Any = read_json_object(path, missing=f"config not found: {path}")
     if arch in node:
         return node[arch], f"{path}[{arch!r}]"
     device = device_model(arch)
     if device is None:
         raise FuselightError(f"{path}: no entry {arch!r} and no device description of it (unsupported target arch)")
-    return analytic(device), f"{path.name} for {arch} (analytic, from configs/targets/devices.json)"
+    if not isinstance(node.get(ANALYTIC), dict):
+        raise FuselightError(f"{path}: no entry {arch!r} and no {ANALYTIC!r} entry to derive one from")
+    try:
+        return analytic(device, node[ANALYTIC]), f"{path}[{ANALYTIC!r}] for {arch}"
+    except (KeyError, TypeError, ValueError) as err:
+        raise FuselightError(f"{path}[{ANALYTIC!r}]: malformed ({err!r})") from None
 
 
 def load_arch_config(family: str, name: str, arch: str, cls: type[C], *keys: str, analytic: Analytic) -> C:
@@ -71,127 +79,116 @@ def from_fields(cls: type[C], node: Any, where: str) -> C:
 # --- the analytic configs, one function per config file --------------------------------------
 
 
-def prefill(device: DeviceModel, head_dims: tuple[int, ...], smem: Callable[[int, int, int], int]) -> dict:
-    """Flash prefill: 4 warps (64 query rows), the longest KV tile (128, 64, 32, 16 rows) whose
-    ``smem(warps, tile_kv, head_dim)`` fits the static shared memory of a block."""
-    warps = 4
+def _plain(t: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in t.items() if not k.startswith("_")}
+
+
+def prefill(device: DeviceModel, t: dict, head_dims: tuple[int, ...], smem: Callable[[int, int, int], int]) -> dict:
+    """Flash prefill: ``t["warps"]``, the first of ``t["tile_kv"]`` whose ``smem(warps, tile_kv,
+    head_dim)`` fits the device's static shared memory of a block."""
     out = {}
     for head_dim in head_dims:
-        tile_kv = next((t for t in (128, 64, 32, 16) if smem(warps, t, head_dim) <= device.smem_per_block), None)
+        tile_kv = next((kv for kv in t["tile_kv"] if smem(t["warps"], kv, head_dim) <= device.smem_per_block), None)
         if tile_kv is not None:
-            out[str(head_dim)] = {"warps": warps, "tile_kv": tile_kv}
+            out[str(head_dim)] = {"warps": t["warps"], "tile_kv": tile_kv}
     return out
 
 
-def decode(device: DeviceModel) -> dict:
-    """Split-KV decode: split until 8 blocks an SM (a few waves of 4-warp blocks, as on sm_90)."""
-    return {"warps": 4, "rows_per_step": 2, "target_blocks": 8 * device.sms, "max_splits": 64,
-            "min_rows_per_split": 32, "merge_groups": 16}
+def decode(device: DeviceModel, t: dict) -> dict:
+    """Split-KV decode: split until ``blocks_per_sm`` blocks an SM."""
+    fields = _plain(t)
+    return {**fields, "target_blocks": fields.pop("blocks_per_sm") * device.sms}
 
 
-def rope_append(device: DeviceModel) -> dict:
-    """RoPE + append: 8 warps a block."""
-    return {"threads": 8 * device.warp_size}
+def rope_append(device: DeviceModel, t: dict) -> dict:
+    """RoPE + append: ``warps`` warps a block."""
+    return {"threads": t["warps"] * device.warp_size}
 
 
-def rowwise(device: DeviceModel) -> dict:
-    """Row reductions: 8-warp blocks; rows split while there are fewer than two blocks an SM."""
+def rowwise(device: DeviceModel, t: dict) -> dict:
+    """Row reductions: block sizes in warps; rows split while fewer than ``below_rows_per_sm`` an
+    SM, until ``blocks_per_sm`` blocks an SM."""
+    row, split = _plain(t["row"]), _plain(t["split"])
     return {
-        "row": {"block_threads": 8 * device.warp_size, "warp_max_cols": 1024, "warp_rows_per_block": 4,
-                "max_reg_elements": 32, "load_bytes": 16},
-        "split": {"split_threads": 16 * device.warp_size, "below_rows": 2 * device.sms, "min_cols": 16384,
-                  "target_blocks": 2 * device.sms, "min_chunk": 4096, "max_splits": 64},
+        "row": {**row, "block_threads": row.pop("block_warps") * device.warp_size},
+        "split": {**split, "split_threads": split.pop("split_warps") * device.warp_size,
+                  "below_rows": split.pop("below_rows_per_sm") * device.sms,
+                  "target_blocks": split.pop("blocks_per_sm") * device.sms},
     }
 
 
-def gemv(device: DeviceModel) -> dict:
-    """GEMV buckets (fp16 weights): at M = 1 the row template, 16 warps a block where the grid is
-    at most 2 (one resident block an SM) or 4 (two) blocks an SM, else 8 warps at 2 blocks an SM;
-    the mma template above. The L2 prefetch ahead of the grid wait needs TMA's bulk prefetch and
-    griddepcontrol."""
-    row16 = {"max_m": 1, "rows_per_warp": 1, "warps": 16, "unroll": 4}
-    buckets = {
-        "m1_2_per_sm_k4096": {**row16, "max_blocks": 2 * device.sms, "max_k": 4096, "min_blocks_per_sm": 1},
-        "m1_2_per_sm": {**row16, "max_blocks": 2 * device.sms, "min_blocks_per_sm": 1},
-        "m1_4_per_sm": {**row16, "max_blocks": 4 * device.sms, "min_blocks_per_sm": 2},
-        "m1": {"max_m": 1, "rows_per_warp": 1, "warps": 8, "unroll": 8, "min_blocks_per_sm": 2},
-        **{f"m{m}": {"max_m": m, "warps": 16, "unroll": 4, "min_blocks_per_sm": 1, "lane_run": 2} for m in (2, 4, 8)},
-        "m16": {"max_m": 16, "warps": 4, "unroll": 4, "min_blocks_per_sm": 1, "lane_run": 2},
-    }
-    if device.has("tma") and device.has("griddepcontrol"):
-        buckets["m1_2_per_sm_k4096"]["prefetch_l2_percent"] = 25
+def gemv(device: DeviceModel, t: dict) -> dict:
+    """GEMV buckets: ``max_blocks_per_sm`` x the SMs; the L2 prefetch ahead of the grid wait (TMA's
+    bulk prefetch, then griddepcontrol.wait) only where the device has both."""
+    prefetch = device.has("tma") and device.has("griddepcontrol")
+    buckets = {}
+    for name, fields in _plain(t).items():
+        b = dict(fields)
+        if "max_blocks_per_sm" in b:
+            b["max_blocks"] = b.pop("max_blocks_per_sm") * device.sms
+        if not prefetch:
+            b.pop("prefetch_l2_percent", None)
+        buckets[name] = b
     return buckets
 
 
-def gemv_q4(device: DeviceModel) -> dict:
-    """GEMV buckets (4-bit weights): 8 warps at 2 blocks an SM, the row template at M = 1."""
-    del device  # the same on every described arch: 512 threads at 2 blocks fit every SM's threads
-    return {
-        "m1": {"max_m": 1, "rows_per_warp": 2, "warps": 8, "unroll": 4, "min_blocks_per_sm": 2},
-        **{f"m{m}": {"max_m": m, "warps": 8, "unroll": 1, "min_blocks_per_sm": 2, "lane_run": 1} for m in (2, 4, 8, 16)},
-    }
-
-
-# mma.sync tile shapes (block_m, block_n, block_k, warps_m, warps_n) and the most stages worth having.
-MMA_SHAPES = ((128, 256, 64, 2, 4, 3), (256, 128, 64, 4, 2, 3), (128, 128, 64, 2, 2, 4), (128, 128, 32, 2, 2, 5),
-              (64, 256, 64, 2, 4, 4), (32, 256, 64, 1, 8, 4), (64, 128, 64, 2, 2, 4), (32, 128, 64, 1, 4, 5),
-              (16, 128, 64, 1, 4, 6))
-Q4_SHAPES = ((128, 256, 64, 2, 4, 4), (32, 256, 64, 1, 8, 4), (128, 128, 64, 2, 2, 4), (128, 128, 64, 2, 4, 4),
-             (64, 128, 64, 2, 2, 4), (32, 128, 64, 1, 4, 5))
+def gemv_q4(device: DeviceModel, t: dict) -> dict:
+    """GEMV buckets for 4-bit weights: no field depends on the device."""
+    del device
+    return _plain(t)
 
 
 def tile_name(t: dict[str, int], prefix: str = "") -> str:
-    """``mMnNkK wWMxWN sS`` (the configs' naming)."""
-    return (f"{prefix}m{t['block_m']}n{t['block_n']}k{t['block_k']}w{t['warps_m']}x{t['warps_n']}s{t['stages']}")
-
-
-def fitted_tiles(device: DeviceModel, shapes: tuple, tile_bytes: TileBytes, prefix: str = "") -> dict[str, dict]:
-    """Each shape with the most stages (at least 2) whose ``tile_bytes`` fit the block's opt-in shared
-    memory and whose threads fit a block; shapes that fit with no stages are left out."""
-    tiles = {}
-    for bm, bn, bk, wm, wn, most in shapes:
-        if wm * wn * device.warp_size > device.max_threads_per_block:
-            continue
-        for stages in range(most, 1, -1):
-            t = {"block_m": bm, "block_n": bn, "block_k": bk, "warps_m": wm, "warps_n": wn, "stages": stages}
-            if tile_bytes(t) <= device.smem_per_block_optin:
-                tiles[tile_name(t, prefix)] = t
-                break
-    return tiles
-
-
-def mma_sync(device: DeviceModel, tile_bytes: TileBytes) -> dict:
-    """The mma.sync GEMM's candidate tiles (``fitted_tiles`` of ``MMA_SHAPES``)."""
-    return fitted_tiles(device, MMA_SHAPES, tile_bytes)
-
-
-def dispatch(device: DeviceModel, defaults: dict[str, Any], measured_efficiency: dict[str, float],
-             tiles: dict[str, Any]) -> dict:
-    """GEMM dispatch where the arch has no measured entry: ``defaults`` (dispatch.json's ``analytic``
-    entry) and, for each candidate tile, the efficiency measured on another arch for its shape at any
-    stage count (the lowest measured one for a shape never measured: no unmeasured tile wins on a guess)."""
-    del device  # its facts enter the Dispatch directly (rules/gemm/dispatch.py)
-    by_shape = {_shape(name): e for name, e in measured_efficiency.items() if not name.startswith("wgmma")}
-    fallback = min(by_shape.values())
-    return {**{k: v for k, v in defaults.items() if not k.startswith("_")},
-            "efficiency": {name: by_shape.get(_shape(name), fallback) for name in tiles}}
+    """``mMnNkKwWMxWNsS`` (the configs' naming)."""
+    return f"{prefix}m{t['block_m']}n{t['block_n']}k{t['block_k']}w{t['warps_m']}x{t['warps_n']}s{t['stages']}"
 
 
 def _shape(name: str) -> str:
+    """A tile's name without its stages."""
     return name.rsplit("s", 1)[0]
 
 
-def mma_sync_q4(device: DeviceModel, tile_bytes: TileBytes) -> dict:
-    """The 4-bit GEMM: the mma.sync tiles of ``Q4_SHAPES`` that fit, by M range as measured on
-    sm_90 (32-row tiles to 64, 64-row to 256, 128-row beyond), split-K until a range fills every SM."""
-    tiles = fitted_tiles(device, Q4_SHAPES, tile_bytes, prefix="q4-")
+def fitted_tiles(device: DeviceModel, tiles: dict[str, dict], tile_bytes: TileBytes, prefix: str = "") -> dict[str, dict]:
+    """Each tile with the most stages (at most its own, at least 2) whose ``tile_bytes`` fit the
+    device's opt-in shared memory of a block, renamed for them; a tile whose threads exceed a block
+    or that fits with no stages is left out."""
+    fitted = {}
+    for fields in tiles.values():
+        if fields["warps_m"] * fields["warps_n"] * device.warp_size > device.max_threads_per_block:
+            continue
+        for stages in range(fields["stages"], 1, -1):
+            f = {**fields, "stages": stages}
+            if tile_bytes(f) <= device.smem_per_block_optin:
+                fitted[tile_name(f, prefix)] = f
+                break
+    return fitted
 
-    def pick(*shapes: str) -> list[str]:
-        return [n for s in shapes for n in tiles if _shape(n) == s]
 
-    big, rest = pick("q4-m128n256k64w2x4"), pick("q4-m32n256k64w1x8")
-    ranges = [[64, pick("q4-m32n128k64w1x4")], [256, pick("q4-m64n128k64w2x2")],
-              [1024, pick("q4-m128n128k64w2x4", "q4-m64n128k64w2x2")],
-              [None, [f"{big[0]}+{rest[0]}"] if big and rest else pick("q4-m128n128k64w2x4", "q4-m64n128k64w2x2")]]
-    return {"tiles": tiles, "ranges": [[upper, names] for upper, names in ranges if names],
-            "split_k": [1, 2, 4], "min_blocks": device.sms}
+def mma_sync(device: DeviceModel, t: dict, tile_bytes: TileBytes) -> dict:
+    """The mma.sync GEMM's candidate tiles (``fitted_tiles``)."""
+    return fitted_tiles(device, _plain(t), tile_bytes)
+
+
+def dispatch(device: DeviceModel, t: dict, measured_efficiency: dict[str, float], tiles: dict[str, Any]) -> dict:
+    """GEMM dispatch: ``t`` and, for each candidate tile, the efficiency measured on another arch for
+    its shape at any stage count (the lowest measured one for a shape never measured: no unmeasured
+    tile wins on a guess)."""
+    del device  # its facts enter the Dispatch directly (rules/gemm/dispatch.py)
+    by_shape = {_shape(name): e for name, e in measured_efficiency.items() if not name.startswith("wgmma")}
+    fallback = min(by_shape.values())
+    return {**_plain(t), "efficiency": {name: by_shape.get(_shape(name), fallback) for name in tiles}}
+
+
+def mma_sync_q4(device: DeviceModel, t: dict, tile_bytes: TileBytes) -> dict:
+    """The 4-bit GEMM: ``t``'s tiles fitted (``fitted_tiles``); each range keeps the plans whose
+    tiles (named without stages, ``main+rest``) all fit; ``min_blocks`` = ``blocks_per_sm`` x the SMs."""
+    tiles = fitted_tiles(device, t["tiles"], tile_bytes, prefix="q4-")
+    by_shape = {_shape(name): name for name in tiles}
+
+    def fitted(plan: str) -> str | None:
+        names = [by_shape.get(part) for part in plan.split("+")]
+        return None if None in names else "+".join(names)
+
+    ranges = [[upper, [f for f in map(fitted, plans) if f is not None]] for upper, plans in t["ranges"]]
+    return {"tiles": tiles, "ranges": [r for r in ranges if r[1]], "split_k": t["split_k"],
+            "min_blocks": t["blocks_per_sm"] * device.sms}

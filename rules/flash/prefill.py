@@ -61,7 +61,7 @@ class PrefillConfig:
 def load_prefill_config(arch: str, head_dim: int) -> PrefillConfig:
     """The config for ``arch`` (e.g. ``sm_90``) and ``head_dim`` from ``configs/attention/prefill.json``."""
     cfg = load_arch_config("attention", "prefill", arch, PrefillConfig, str(head_dim),
-                           analytic=lambda d: arch_config.prefill(d, HEAD_DIMS, shared_bytes))
+                           analytic=lambda d, t: arch_config.prefill(d, t, HEAD_DIMS, shared_bytes))
     check_config(cfg, head_dim, require_device(arch).smem_per_block)
     return cfg
 

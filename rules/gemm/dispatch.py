@@ -87,7 +87,7 @@ def load_dispatch(arch: str) -> Dispatch:
     tiles = load_tiles(arch)
     measured_efficiency = {str(k): float(v) for entry in node.values() if isinstance(entry, dict)
                            for k, v in entry.get("efficiency", {}).items()}
-    cfg, where = arch_entry(path, arch, lambda d: arch_config.dispatch(d, node["analytic"], measured_efficiency, tiles))
+    cfg, where = arch_entry(path, arch, lambda d, t: arch_config.dispatch(d, t, measured_efficiency, tiles))
     try:
         efficiency = {str(k): float(v) for k, v in cfg["efficiency"].items()}
         has_wgmma = WGMMA in efficiency and device.has("wgmma")
@@ -309,7 +309,7 @@ def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, Plan]]:
     if ops.dequant is None or device is None:
         return []
     cfg, where = arch_entry(config_dir() / "gemm" / "mma_sync_q4.json", arch,
-                            lambda d: arch_config.mma_sync_q4(d, q4_tile_bytes))
+                            lambda d, t: arch_config.mma_sync_q4(d, t, q4_tile_bytes))
     limit = device.smem_per_block_optin
     try:
         tiles = {str(name): GemmTile(**fields) for name, fields in cfg["tiles"].items()}

@@ -285,7 +285,7 @@ def load_tiles(arch: str) -> dict[str, GemmTile]:
     """The named candidate tiles for ``arch`` (e.g. ``sm_90``): ``configs/gemm/mma_sync.json``'s, or
     the analytic ones (``arch_config.mma_sync``), each within the arch's shared memory."""
     entries, where_arch = arch_entry(config_dir() / "gemm" / "mma_sync.json", arch,
-                                     lambda d: arch_config.mma_sync(d, tile_bytes))
+                                     lambda d, t: arch_config.mma_sync(d, t, tile_bytes))
     if not isinstance(entries, dict) or not entries:
         raise FuselightError(f"{where_arch}: must be a non-empty object of named tiles")
     limit = require_device(arch).smem_per_block_optin
