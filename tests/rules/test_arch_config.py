@@ -49,9 +49,9 @@ ATTENTION = AttentionSpec(num_qo_heads=8, num_kv_heads=2, head_dim=64, scale=0.1
 
 
 def _model(quantization: str | None) -> config.ModelConfig:
-    """Two layers at hidden 1024 and head dim 128: every family's kernels (FuseAddRMSNorm needs
+    """One layer at hidden 1024 and head dim 128: every family's kernels (FuseAddRMSNorm needs
     hidden % 1024 == 0, the attention kernels head dim 64 or 128)."""
-    raw = {**hf_config(config.load("tiny-llama")), "hidden_size": 1024, "intermediate_size": 2816,
+    raw = {**hf_config(config.load("tiny-llama")), "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 1,
            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 2000}
     cfg = config.from_dict(raw, name="arch-llama")
     return cfg.with_quantization(quantization) if quantization else cfg.with_dtype("float16")
@@ -109,7 +109,7 @@ def _cuda_source(arch: str) -> str:
             funcs[symbol] = func.with_attr("global_symbol", symbol).with_attr("target", target)
     every_kernel = tir_pipeline.programmatic_launch_supported("cuda", arch)
     exe = tvm.compile(tvm.IRModule(funcs), target=target, tir_pipeline=tir_pipeline.register(every_kernel))
-    return exe.imports[0].inspect_source("cuda")
+    return exe.mod.imports[0].inspect_source("cuda")
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
@@ -135,7 +135,10 @@ def test_flash_attention_claims_the_fused_attention_on_every_described_arch(arch
     assert [p.name for p in ours.params] == [p.name for p in hopper.params]
 
 
-@pytest.mark.parametrize("arch", UNMEASURED)
+# One TVM build and nvcc a minute or two each: sm_80's in CI, sm_86's and sm_89's (the same templates,
+# other tiles and grid sizes) with the slow tests.
+@pytest.mark.parametrize("arch", ["sm_80", pytest.param("sm_86", marks=pytest.mark.slow),
+                                  pytest.param("sm_89", marks=pytest.mark.slow)])
 def test_kernels_have_no_hopper_only_instruction_and_nvcc_compiles_them(arch):
     source = _cuda_source(arch)
     assert source.count("__global__") >= 20  # every family's kernels, both weight formats
@@ -147,8 +150,8 @@ def test_kernels_have_no_hopper_only_instruction_and_nvcc_compiles_them(arch):
 
 
 def test_the_hopper_pattern_finds_sm90s_instructions():
-    """The check above can fail: sm_90's kernels use wgmma and griddepcontrol."""
-    found = set(HOPPER_ONLY.findall(_cuda_source("sm_90")))
+    """The check above can fail: sm_90's kernels (their TIR, which names the PTX) use wgmma and griddepcontrol."""
+    found = {m for _, func in _claimed("sm_90", None).values() for m in HOPPER_ONLY.findall(func.script())}
     assert {"wgmma", "griddepcontrol"} <= found
 
 
