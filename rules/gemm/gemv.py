@@ -54,7 +54,7 @@ import dataclasses
 import math
 from typing import Any
 
-from fuselight.device import least
+from fuselight.device import least, require_device
 from fuselight.errors import FuselightError
 from fuselight.paths import config_dir
 
@@ -184,6 +184,7 @@ def load_gemv_configs(arch: str, quantized: bool = False) -> list[GemvConfig]:
     ``gemv_q4.json``, for dequantized weights; the analytic buckets where it has no entry for ``arch``),
     by increasing ``max_m``. FuselightError naming the field of a bad one, or for an undescribed arch."""
     name = CONFIG_NAME_Q4 if quantized else CONFIG_NAME
+    device = require_device(arch)
     node, where = arch_entry(config_dir() / CONFIG_FAMILY / f"{name}.json", arch,
                              arch_config.gemv_q4 if quantized else arch_config.gemv)
     if not isinstance(node, dict):
@@ -192,6 +193,9 @@ def load_gemv_configs(arch: str, quantized: bool = False) -> list[GemvConfig]:
     for bucket, fields in node.items():
         cfg = from_fields(GemvConfig, fields, f"{where}[{bucket!r}]")
         check_gemv_config(cfg, f"{where}[{bucket!r}]")
+        if cfg.prefetch_l2_percent is not None and not (device.has("tma") and device.has("griddepcontrol")):
+            raise FuselightError(f"{where}[{bucket!r}]: prefetch_l2_percent needs TMA and griddepcontrol, "
+                                 f"which {arch} lacks")
         configs.append(cfg)
     configs.sort(key=_bucket_order)
     if len({(c.max_m, c.max_blocks, c.max_k) for c in configs}) != len(configs):

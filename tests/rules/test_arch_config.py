@@ -206,3 +206,16 @@ def test_undescribed_arch_has_no_config():
     for load in (lambda: load_tiles("sm_75"), lambda: load_decode_config("sm_100"), lambda: dispatch.load_dispatch("sm_75")):
         with pytest.raises(FuselightError, match="no device description"):
             load()
+
+
+def test_a_gemv_prefetch_asked_of_an_arch_without_tma_is_refused(tmp_path, monkeypatch):
+    from fuselight.rules.gemm import gemv
+
+    raw = json.loads((config_dir() / "gemm" / "gemv.json").read_text())
+    raw["sm_80"] = raw["sm_90"]  # sm_90's measured buckets, one with the L2 bulk prefetch
+    (tmp_path / "gemm").mkdir()
+    (tmp_path / "gemm" / "gemv.json").write_text(json.dumps(raw))
+    monkeypatch.setattr(gemv, "config_dir", lambda: tmp_path)
+    with pytest.raises(FuselightError, match="prefetch_l2_percent needs TMA and griddepcontrol, which sm_80 lacks"):
+        load_gemv_configs("sm_80")
+    assert any(c.prefetch_l2_percent for c in load_gemv_configs("sm_90"))
