@@ -59,7 +59,7 @@ class ApplyFusionPlan:
     and ``skipped`` list the groups of two or more bindings (``Outlined``)."""
 
     def __init__(
-        self, dims: Mapping[str, int] | None = None, arch: str = "sm_90", decide_yellow: YellowHook | None = None
+        self, dims: Mapping[str, int] | None = None, arch: str | None = None, decide_yellow: YellowHook | None = None
     ) -> None:
         self.dims = dict(dims) if dims is not None else None
         self.arch = arch

@@ -24,13 +24,13 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.target import Target
 
+from ..device import require_device
 from ..errors import FuselightError
 from ..target import arch_of
 from .base import AnalyzeScheduleRule, host_branch, with_kernels
 from .gemm.analysis import MatmulDesc, analyze_matmul
 from .gemm.dispatch import load_dispatch
 from .gemm.gemv import (
-    STATIC_SHARED_BYTES,
     GemvConfig,
     check_gemv,
     config_for,
@@ -50,9 +50,8 @@ def gemv_config(ops: GemmOperands, m: int, target: Target) -> GemvConfig | None:
         cfg = config_for(load_gemv_configs(arch, ops.dequant is not None), m, grid_blocks(ops), ops.k)
         if cfg is None:
             return None
-        # The kernel's shared memory is static: CUDA's static limit, or the target's if lower.
-        limit = min(int(target.attrs.get("max_shared_memory_per_block", STATIC_SHARED_BYTES)), STATIC_SHARED_BYTES)
-        check_gemv(ops, cfg, limit)
+        # The kernel's shared memory is static: the device's static limit.
+        check_gemv(ops, cfg, require_device(arch).smem_per_block)
     except FuselightError:
         return None
     return cfg

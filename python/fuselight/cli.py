@@ -40,6 +40,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     cfg = _model_config(args.model, args.dtype, args.quantization)
     spec = resolve(args.target, args.arch, ptx=args.ptx)
+    if args.pipeline == "fuselight" and not spec.described:
+        print(fc.UNDESCRIBED.format(arch=spec.arch))
     options = None
     if args.passes is not None or args.no_rules or args.no_programmatic_launch:
         passes = None if args.passes is None else tuple(p for p in args.passes.split(",") if p and p != "none")

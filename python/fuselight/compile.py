@@ -25,6 +25,9 @@ from .options import Options
 from .target import TargetSpec
 
 PIPELINES = ("baseline", "fuselight")
+# What a fuselight build for an arch without a device description says (once).
+UNDESCRIBED = ("{arch}: no device description in configs/targets/devices.json: fuselight's passes and rules "
+               "are off, DLight schedules every kernel")
 # TVM's paged KV cache launches these kernels for one decode attention call of one layer besides the
 # attention kernel itself: q/k rotary split, K/V append into pages.
 # The KV cache's own kernels around each attention call: split-rotary and append (TVM's), or one
@@ -211,6 +214,14 @@ def kernel_stats(mod: Any) -> KernelStats:
     )
 
 
+def effective_options(target: TargetSpec, pipeline: str, options: Options | None) -> Options | None:
+    """``options``, except for a fuselight build for an arch without a device description: none of our
+    passes or rules (nothing would claim a kernel there) and no programmatic launch (``UNDESCRIBED``)."""
+    if pipeline == "fuselight" and not target.described:
+        return Options(passes=(), rules=(), programmatic_launch=False)
+    return options
+
+
 def build(
     config: ModelConfig,
     target: TargetSpec,
@@ -223,7 +234,8 @@ def build(
     """Export our model for ``target``, run ``pipeline`` (with ``options``) over it, and compile.
 
     Prefills longer than ``prefill_chunk_size`` tokens (default: ``configs/runtime.json``) are run
-    in chunks by the engine. ``cuda_graph`` captures the static parts of each function as CUDA
+    in chunks by the engine. A fuselight build for an arch without a device description runs no
+    passes or rules of ours (``UNDESCRIBED``). ``cuda_graph`` captures the static parts of each function as CUDA
     graphs; None: on for CUDA (as in MLC-LLM's default ``O2``) unless every kernel launches
     programmatically (``graphs_by_default``).
     """
@@ -234,6 +246,7 @@ def build(
 
     if prefill_chunk_size is None:
         prefill_chunk_size = int(runtime_config()["prefill_chunk_size"])
+    options = effective_options(target, pipeline, options)
     source = baseline_source()
     tvm_target = to_tvm(target)
     start = time.perf_counter()

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench.results import Results, point_key, read_results
+from .device import devices
 from .errors import FuselightError
 from .jsonfile import read_json_object
 from .paths import config_dir
@@ -88,6 +89,10 @@ def load_config(path: Path | None = None) -> dict[str, Any]:
             raise FuselightError(f"{path}: families[{i}] ({fam['name']}) 'figure' must be tflops or gbps")
         for j, target in enumerate(fam.get("targets", [])):
             _check_target(target, f"{path}: families[{i}] ({fam['name']}) targets[{j}]")
+    # The bandwidth peak of a device is its measured copy rate, from the device model.
+    for device in devices():
+        if device.dram_measured_gbps is not None:
+            cfg["peaks"].setdefault(device.name, {})["gbps"] = device.dram_measured_gbps
     return cfg
 
 

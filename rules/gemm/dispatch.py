@@ -24,13 +24,16 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from fuselight.device import device_model, require_device
 from fuselight.errors import FuselightError
 from fuselight.jsonfile import read_json_object
 from fuselight.paths import config_dir
 from tvm import tirx
 
+from .. import arch_config
+from ..arch_config import arch_entry
 from .operands import GemmOperands
-from .plan import GemmPlan, GemmTile, check_plan, check_tile as check_gemm_tile, load_tiles
+from .plan import GemmPlan, GemmTile, check_plan, check_tile as check_gemm_tile, load_tiles, q4_tile_bytes
 from .wgmma import WgmmaPlan, WgmmaTile, check_tile, load_wgmma_tiles
 
 Plan = GemmPlan | WgmmaPlan
@@ -49,12 +52,14 @@ def _wgmma_name(tile_name: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Dispatch:
-    """The dispatch config of one arch (see ``configs/gemm/dispatch.json``)."""
+    """The dispatch config of one arch: its device facts (``fuselight.device``) and the tunables of
+    ``configs/gemm/dispatch.json`` (measured) or ``arch_config.dispatch`` (analytic)."""
 
     sms: int
     smem_per_sm: int  # bytes
+    smem_per_block: int  # bytes a block may opt in to
     threads_per_sm: int
-    peak_tflops: float  # mma.sync fp16 with fp32 accumulate, whole GPU
+    peak_tflops: float  # mma.sync fp16 with fp32 accumulate, whole GPU (the device's peak x mma_sync_peak_fraction)
     wgmma_peak_tflops: float  # wgmma, the same
     dram_gbps: float
     sm_gbps: float  # operand streaming rate of one SM (mma.sync's cp.async pipeline), bounds small-M GEMMs
@@ -73,50 +78,56 @@ class Dispatch:
 
 
 def load_dispatch(arch: str) -> Dispatch:
-    """The dispatch config for ``arch`` (``sm_90``); FuselightError when it has none."""
+    """The dispatch config for ``arch`` (``sm_90``); FuselightError when it has none (no device
+    description). Device facts come from the device model; wgmma plans only where the device has
+    wgmma and measured wgmma tiles."""
     path = config_dir() / "gemm" / "dispatch.json"
     node: Any = read_json_object(path, missing=f"gemm dispatch config not found: {path}")
-    if arch not in node:
-        raise FuselightError(f"{path}: no entry {arch!r} (no GEMM dispatch for this arch)")
-    cfg = node[arch]
+    device = require_device(arch)
     tiles = load_tiles(arch)
+    measured_efficiency = {str(k): float(v) for entry in node.values() if isinstance(entry, dict)
+                           for k, v in entry.get("efficiency", {}).items()}
+    cfg, where = arch_entry(path, arch, lambda d, t: arch_config.dispatch(d, t, measured_efficiency, tiles))
     try:
         efficiency = {str(k): float(v) for k, v in cfg["efficiency"].items()}
-        wgmma_tiles = {_wgmma_name(n): t for n, t in load_wgmma_tiles(arch).items()} if WGMMA in efficiency else {}
+        has_wgmma = WGMMA in efficiency and device.has("wgmma")
+        wgmma_tiles = {_wgmma_name(n): t for n, t in load_wgmma_tiles(arch).items()} if has_wgmma else {}
         wgmma = {name: t for name, t in wgmma_tiles.items() if name in efficiency}
-        unknown = sorted(set(efficiency) - set(tiles) - set(wgmma))
+        # Without wgmma on the device its tiles' efficiencies are not asked for.
+        unknown = sorted(k for k in efficiency if k not in tiles and k not in wgmma and (has_wgmma or not k.startswith(WGMMA)))
         if unknown:
-            raise FuselightError(f"{path}[{arch!r}]: efficiency for unknown tiles {unknown}")
+            raise FuselightError(f"{where}: efficiency for unknown tiles {unknown}")
         cost_model = str(cfg.get("cost_model", "analytic"))
         if cost_model not in COST_MODELS:
-            raise FuselightError(f"{path}[{arch!r}]: cost_model {cost_model!r} is not one of {list(COST_MODELS)}")
+            raise FuselightError(f"{where}: cost_model {cost_model!r} is not one of {list(COST_MODELS)}")
         measured = {
             shape: [(int(upper), _plan(tiles, wgmma, str(name))) for upper, name in table]
             for shape, table in cfg.get("measured", {}).items()
         }
         return Dispatch(
-            sms=int(cfg["sms"]),
-            smem_per_sm=int(cfg["smem_per_sm"]),
-            threads_per_sm=int(cfg["threads_per_sm"]),
-            peak_tflops=float(cfg["peak_tflops"]),
-            wgmma_peak_tflops=float(cfg["wgmma_peak_tflops"]),
-            dram_gbps=float(cfg["dram_gbps"]),
+            sms=device.sms,
+            smem_per_sm=device.smem_per_sm,
+            smem_per_block=device.smem_per_block_optin,
+            threads_per_sm=device.max_threads_per_sm,
+            peak_tflops=device.fp16_tensor_tflops * float(cfg["mma_sync_peak_fraction"]),
+            wgmma_peak_tflops=device.fp16_tensor_tflops if device.has("wgmma") else 0.0,
+            dram_gbps=device.dram_gbps,
             sm_gbps=float(cfg["sm_gbps"]),
-            wgmma_sm_gbps=float(cfg["wgmma_sm_gbps"]),
-            launch_us=float(cfg["launch_us"]),
+            wgmma_sm_gbps=float(cfg.get("wgmma_sm_gbps", cfg["sm_gbps"])),
+            launch_us=device.launch_us,
             min_static_m=int(cfg["min_static_m"]),
             m_grid=tuple(int(m) for m in cfg["m_grid"]),
             split_k=tuple(int(s) for s in cfg["split_k"]),
             keep_within=float(cfg["keep_within"]),
             efficiency=efficiency,
-            tiles={name: tiles[name] for name in efficiency if name not in wgmma},
+            tiles={name: tiles[name] for name in efficiency if name in tiles},
             wgmma=wgmma,
             measured=measured,
             arch=arch,
             cost_model=cost_model,
         )
     except (KeyError, TypeError, ValueError) as err:
-        raise FuselightError(f"{path}[{arch!r}]: malformed dispatch config ({err!r})") from None
+        raise FuselightError(f"{where}: malformed dispatch config ({err!r})") from None
 
 
 def plan_name(plan: Plan, d: Dispatch) -> str:
@@ -200,12 +211,12 @@ def _cost(plan: Plan, m: int, n: int, k: int, d: Dispatch) -> float:
     return estimate_us(plan, m, n, k, d)
 
 
-def _fits(plan: Plan, ops: GemmOperands) -> bool:
+def _fits(plan: Plan, ops: GemmOperands, smem_limit: int | None = None) -> bool:
     try:
         if isinstance(plan, WgmmaPlan):
             check_tile(plan.tile, ops, plan.split_k)
         else:
-            check_plan(plan, ops)
+            check_plan(plan, ops, smem_limit)
     except FuselightError:
         return False
     return True
@@ -214,7 +225,7 @@ def _fits(plan: Plan, ops: GemmOperands) -> bool:
 def _measured(ops: GemmOperands, d: Dispatch) -> list[tuple[int, Plan]] | None:
     """The measured ranges for ``ops``' shape, if the table has them and every plan fits ``ops``."""
     table = d.measured.get(f"{ops.n}x{ops.k}")
-    return table if table and all(_fits(plan, ops) for _, plan in table) else None
+    return table if table and all(_fits(plan, ops, d.smem_per_block) for _, plan in table) else None
 
 
 def candidates(ops: GemmOperands, d: Dispatch) -> list[Plan]:
@@ -224,7 +235,7 @@ def candidates(ops: GemmOperands, d: Dispatch) -> list[Plan]:
     for main, rest, split in itertools.product(tiles, [None, *tiles], d.split_k):
         if rest is None or (rest.block_m < main.block_m and rest.block_n == main.block_n):
             plans.append(GemmPlan(main=main, rest=rest, split_k=split))
-    return [p for p in plans if _fits(p, ops)]
+    return [p for p in plans if _fits(p, ops, d.smem_per_block)]
 
 
 def best_plan(
@@ -294,16 +305,18 @@ def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, Plan]]:
     wgmma plan first, an mma.sync one where wgmma cannot: a symbolic N, the LM head). Empty: the
     arch has no entry, or no plan of a range can serve ``ops`` (the function is left to the next
     rule). A static M gets the one range holding it."""
-    path = config_dir() / "gemm" / "mma_sync_q4.json"
-    node: Any = read_json_object(path, missing=f"gemm config not found: {path}")
-    if ops.dequant is None or arch not in node:
+    device = device_model(arch)
+    if ops.dequant is None or device is None:
         return []
-    cfg = node[arch]
+    cfg, where = arch_entry(config_dir() / "gemm" / "mma_sync_q4.json", arch,
+                            lambda d, t: arch_config.mma_sync_q4(d, t, q4_tile_bytes))
+    limit = device.smem_per_block_optin
     try:
         tiles = {str(name): GemmTile(**fields) for name, fields in cfg["tiles"].items()}
         for name, tile in tiles.items():
-            check_gemm_tile(tile, name)
-        wgmma = {_wgmma_name(str(name)): WgmmaTile(**fields) for name, fields in cfg.get("wgmma_tiles", {}).items()}
+            check_gemm_tile(tile, name)  # its 4-bit shared memory is checked against ``limit`` by _fits
+        wgmma = ({_wgmma_name(str(name)): WgmmaTile(**fields) for name, fields in cfg.get("wgmma_tiles", {}).items()}
+                 if device.has("wgmma") else {})
         table = [
             (None if upper is None else int(upper), [str(n) for n in (names if isinstance(names, list) else [names])])
             for upper, names in cfg["ranges"]
@@ -318,10 +331,10 @@ def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, Plan]]:
             for name in names:
                 _plan(tiles, wgmma, name)
     except (KeyError, TypeError, ValueError) as err:
-        raise FuselightError(f"{path}[{arch!r}]: malformed config ({err!r})") from None
+        raise FuselightError(f"{where}: malformed config ({err!r})") from None
     ranges: list[tuple[int, Plan]] = []
     for i, (upper, names) in enumerate(table):
-        plan = next((p for p in (_plan(tiles, wgmma, name) for name in names) if _fits(p, ops)), None)
+        plan = next((p for p in (_plan(tiles, wgmma, name) for name in names) if _fits(p, ops, limit)), None)
         if plan is None:
             return []
         if i == len(table) - 1:
@@ -331,7 +344,7 @@ def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, Plan]]:
             tile = plan.tile if isinstance(plan, WgmmaPlan) else plan.main
             for split in splits:
                 blocks = -(-upper // tile.block_m) * (ops.n // tile.block_n) * split
-                if _fits(dataclasses.replace(plan, split_k=split), ops):
+                if _fits(dataclasses.replace(plan, split_k=split), ops, limit):
                     plan = dataclasses.replace(plan, split_k=split)
                     if blocks >= min_blocks:
                         break

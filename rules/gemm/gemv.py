@@ -54,11 +54,12 @@ import dataclasses
 import math
 from typing import Any
 
+from fuselight.device import least, require_device
 from fuselight.errors import FuselightError
-from fuselight.jsonfile import read_json_object
 from fuselight.paths import config_dir
 
-from ..arch_config import load_arch_config
+from .. import arch_config
+from ..arch_config import arch_entry, from_fields
 from .operands import GemmOperands
 from .plan import WARP
 
@@ -69,8 +70,7 @@ MAX_TOKEN_TILES = 2  # so M <= 16
 STEP_K = 32
 PIECE_WORDS = 4  # 16 bytes as 32-bit registers
 PIECE = 2 * PIECE_WORDS  # 16-bit elements of a piece
-MAX_THREADS = 1024
-STATIC_SHARED_BYTES = 48 * 1024  # CUDA's limit on a block's static shared memory
+MAX_THREADS = least("max_threads_per_block")
 DTYPE_ABBREV = {"float16": "fp16", "bfloat16": "bf16"}
 CONFIG_FAMILY, CONFIG_NAME = "gemm", "gemv"
 # The buckets for 4-bit dequantized weights (``GemmOperands.dequant``), keyed alike.
@@ -181,23 +181,25 @@ def check_gemv_config(cfg: GemvConfig, where: str = "GEMV config") -> None:
 
 def load_gemv_configs(arch: str, quantized: bool = False) -> list[GemvConfig]:
     """The M buckets of ``arch`` (``sm_90``) from ``configs/gemm/gemv.json`` (``quantized``: from
-    ``gemv_q4.json``, for dequantized weights), by increasing ``max_m``; empty where the file has no
-    entry for ``arch``. FuselightError naming the field of a bad one."""
+    ``gemv_q4.json``, for dequantized weights; the analytic buckets where it has no entry for ``arch``),
+    by increasing ``max_m``. FuselightError naming the field of a bad one, or for an undescribed arch."""
     name = CONFIG_NAME_Q4 if quantized else CONFIG_NAME
-    path = config_dir() / CONFIG_FAMILY / f"{name}.json"
-    node: Any = read_json_object(path, missing=f"gemv config not found: {path}")
-    if arch not in node:
-        return []
-    if not isinstance(node[arch], dict):
-        raise FuselightError(f"{path}[{arch!r}]: must be an object of M buckets")
+    device = require_device(arch)
+    node, where = arch_entry(config_dir() / CONFIG_FAMILY / f"{name}.json", arch,
+                             arch_config.gemv_q4 if quantized else arch_config.gemv)
+    if not isinstance(node, dict):
+        raise FuselightError(f"{where}: must be an object of M buckets")
     configs = []
-    for bucket in node[arch]:
-        cfg = load_arch_config(CONFIG_FAMILY, name, arch, GemvConfig, bucket)
-        check_gemv_config(cfg, f"{path}[{arch!r}][{bucket!r}]")
+    for bucket, fields in node.items():
+        cfg = from_fields(GemvConfig, fields, f"{where}[{bucket!r}]")
+        check_gemv_config(cfg, f"{where}[{bucket!r}]")
+        if cfg.prefetch_l2_percent is not None and not (device.has("tma") and device.has("griddepcontrol")):
+            raise FuselightError(f"{where}[{bucket!r}]: prefetch_l2_percent needs TMA and griddepcontrol, "
+                                 f"which {arch} lacks")
         configs.append(cfg)
     configs.sort(key=_bucket_order)
     if len({(c.max_m, c.max_blocks, c.max_k) for c in configs}) != len(configs):
-        raise FuselightError(f"{path}[{arch!r}]: two buckets with the same 'max_m', 'max_blocks' and 'max_k'")
+        raise FuselightError(f"{where}: two buckets with the same 'max_m', 'max_blocks' and 'max_k'")
     return configs
 
 

@@ -45,7 +45,9 @@ from fuselight.errors import FuselightError
 from fuselight.jsonfile import read_json_object
 from fuselight.paths import config_dir
 
-from ..arch_config import load_arch_config
+from fuselight.device import most, require_device, warp_size
+
+from ..arch_config import from_fields
 from .operands import B_LAYOUTS, DTYPES, GemmOperands
 from .split_k import reduction
 
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
     import tvm
 
 WARPGROUP = 128  # threads
-WARP = 32
+WARP = warp_size()
 WGMMA_M, WGMMA_K = 64, 16
 # wgmma's n runs 8..256 in steps of 8; one 128-byte swizzle row holds 64 halves of K.
 WGMMA_N_STEP, WGMMA_N_MAX = 8, 256
@@ -75,8 +77,8 @@ DESC_LBO = 1
 DESC_SWIZZLE_128B = 3
 # cuTensorMapEncodeTiled enums: no interleave, 128-byte swizzle, 256-byte L2 promotion, zero fill.
 TMA_INTERLEAVE_NONE, TMA_SWIZZLE_128B, TMA_L2_PROMOTION_256B, TMA_OOB_ZERO = 0, 3, 3, 0
-# Shared memory a block may opt in to on sm_90 (227 KiB).
-MAX_DYNAMIC_SMEM = 232448
+# Shared memory a block may opt in to on the devices with wgmma (the device model's).
+MAX_DYNAMIC_SMEM = most("smem_per_block_optin", "wgmma")
 # Register split after setmaxnreg, per consumer warpgroup count (counts are multiples of 8).
 # setmaxnreg.inc waits until the block's own pool has the registers: with two consumer warpgroups
 # ptxas gives all 384 threads 168 (64 Ki a block), and 40 + 2 x 232 = 3 x 168. With one, ptxas
@@ -170,12 +172,19 @@ def load_wgmma_tiles(arch: str) -> dict[str, WgmmaTile]:
     load_wgmma_tile(arch)  # names the problem if the file, the arch or its default tile is missing
     path = config_dir() / "gemm" / "wgmma.json"
     names = read_json_object(path, missing=f"gemm config not found: {path}")[arch]
-    return {name: load_arch_config("gemm", "wgmma", arch, WgmmaTile, name) for name in names}
+    return {name: from_fields(WgmmaTile, names[name], f"{path}[{arch!r}][{name!r}]") for name in names}
 
 
 def load_wgmma_tile(arch: str) -> WgmmaTile:
-    """The default (large-M) tile for ``arch`` from ``configs/gemm/wgmma.json``."""
-    return load_arch_config("gemm", "wgmma", arch, WgmmaTile, DEFAULT_TILE)
+    """The default (large-M) tile for ``arch`` from ``configs/gemm/wgmma.json``: measured only (no
+    analytic tiles), and only for a device with wgmma."""
+    if not require_device(arch).has("wgmma"):
+        raise FuselightError(f"wgmma gemm: {arch} has no wgmma (configs/targets/devices.json)")
+    path = config_dir() / "gemm" / "wgmma.json"
+    node = read_json_object(path, missing=f"gemm config not found: {path}")
+    if DEFAULT_TILE not in node.get(arch, {}):
+        raise FuselightError(f"{path}: no entry {arch!r} with a {DEFAULT_TILE!r} tile (no measured wgmma tiles)")
+    return from_fields(WgmmaTile, node[arch][DEFAULT_TILE], f"{path}[{arch!r}][{DEFAULT_TILE!r}]")
 
 
 def check_tile(tile: WgmmaTile, ops: GemmOperands, split_k: int = 1) -> None:
