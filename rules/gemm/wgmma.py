@@ -79,12 +79,11 @@ DESC_SWIZZLE_128B = 3
 TMA_INTERLEAVE_NONE, TMA_SWIZZLE_128B, TMA_L2_PROMOTION_256B, TMA_OOB_ZERO = 0, 3, 3, 0
 # Shared memory a block may opt in to on the devices with wgmma (the device model's).
 MAX_DYNAMIC_SMEM = most("smem_per_block_optin", "wgmma")
-# Register split after setmaxnreg, per consumer warpgroup count (counts are multiples of 8).
-# setmaxnreg.inc waits until the block's own pool has the registers: with two consumer warpgroups
-# ptxas gives all 384 threads 168 (64 Ki a block), and 40 + 2 x 232 = 3 x 168. With one, ptxas
-# allocates what the code needs (about 105 at block_n 128), too few to move: no rebalancing (None).
+# Register split after setmaxnreg (``consumer_regs``). The producer warpgroup shrinks to
+# PRODUCER_REGS (TMA alone needs few); the consumers grow into what it gives back.
 PRODUCER_REGS = 40
-CONSUMER_REGS = {1: None, 2: 232}
+SUPPORTED_WARPGROUPS = (1, 2)
+SETMAXNREG_STEP = 8  # setmaxnreg counts are multiples of 8 (PTX ISA)
 # A dequantized B (4-bit words, ``ops.dequant``): the whole producer warpgroup works. Each thread
 # streams its pieces of the packed slice (16-byte pieces of 32 values along K, 4 words) and, per
 # piece, the aligned pair of scales holding its scale, by cp.async into a staging ring of
@@ -92,12 +91,9 @@ CONSUMER_REGS = {1: None, 2: 232}
 # them (half2 bit trick, bit for bit MLC's ``(dtype(q) - dtype(7)) * scale``) into the slot's
 # swizzled fp16/bf16 B tile, fences the generic-proxy writes for wgmma's async proxy and arrives on
 # the slot's "full" barrier (count 1 + 128: the leader's expect_tx for A's TMA, then every producer
-# thread). It needs more registers than TMA alone: 56, the consumers 224. The split must give back
-# exactly what it takes (56 + 2 x 224 = 3 x 168): with 64 + 2 x 224 = 512 the consumers'
-# setmaxnreg.inc waited for registers the block never had, and every wgmma plan hung.
+# thread). It needs more registers than TMA alone (``consumer_regs`` gives the consumers the rest).
 Q4_PIECE = 32  # values of one 16-byte piece of packed words
 Q4_PRODUCER_REGS = 56
-Q4_CONSUMER_REGS = {1: None, 2: 224}
 # Keeps the compiler from reading an accumulator before the wgmma wait above it.
 REGISTER_FENCE = "fuselight_wgmma_register_fence"
 REGISTER_FENCE_SOURCE = f"""
@@ -158,6 +154,24 @@ def smem_bytes(tile: WgmmaTile, ops: GemmOperands) -> int:
     return tile.smem_bytes + tile.q4_staging * q4_staging_bytes(tile)
 
 
+def consumer_regs(warpgroups: int, producer_regs: int) -> int | None:
+    """What each consumer warpgroup grows to once the producer has shrunk to ``producer_regs``, or
+    None (no rebalancing) with one consumer warpgroup, where ptxas allocates what the code needs
+    (about 105 at block_n 128), too few to move.
+
+    The launch gives every thread the block's register file over its threads (in steps of 8: 168
+    for 384 threads). ``setmaxnreg.inc`` waits until the block's own pool holds what it asks, so
+    the consumers may take exactly what the producer gives back and no more: with one register
+    too many a thread-slot, every kernel hangs (the first 4-bit wgmma GEMM did, at 64 + 2 x 224)."""
+    if warpgroups == 1:
+        return None
+    threads = WARPGROUP * (warpgroups + 1)
+    per_thread = min(most("regs_per_block", "wgmma") // threads, most("max_regs_per_thread", "wgmma"))
+    per_thread -= per_thread % SETMAXNREG_STEP
+    share = ((warpgroups + 1) * per_thread - producer_regs) // warpgroups
+    return share - share % SETMAXNREG_STEP
+
+
 @dataclasses.dataclass(frozen=True)
 class WgmmaPlan:
     """A tile with K split over ``split_k`` work units per output tile (> 1: each stores fp32
@@ -203,9 +217,9 @@ def check_tile(tile: WgmmaTile, ops: GemmOperands, split_k: int = 1) -> None:
         )
     if tile.block_n % EPI_COLS:
         raise FuselightError(f"wgmma tile: block_n {tile.block_n} must be a multiple of {EPI_COLS} (the epilogue chunk)")
-    if tile.warpgroups not in CONSUMER_REGS:
+    if tile.warpgroups not in SUPPORTED_WARPGROUPS:
         raise FuselightError(
-            f"wgmma tile: warpgroups {tile.warpgroups} unsupported (supported: {sorted(CONSUMER_REGS)})"
+            f"wgmma tile: warpgroups {tile.warpgroups} unsupported (supported: {list(SUPPORTED_WARPGROUPS)})"
         )
     if not isinstance(ops.n, int) or ops.n % tile.block_n:
         raise FuselightError(f"wgmma gemm: n {ops.n} is not a multiple of block_n {tile.block_n}")
@@ -285,11 +299,11 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
     reduce_blocks = reduction(ops, split_k) if split_k > 1 else None
     deq = ops.dequant
     total_smem = smem_bytes(tile, ops)
-    producer_regs, consumer_regs = PRODUCER_REGS, CONSUMER_REGS[tile.warpgroups]
+    producer_regs = PRODUCER_REGS if ops.dequant is None else Q4_PRODUCER_REGS
+    grown_regs = consumer_regs(tile.warpgroups, producer_regs)
     if deq is not None:
         from .mma_sync import Q4_CP_ASYNC, Q4_DEQUANT, cp_async_wait_source, q4_dequant_source
 
-        producer_regs, consumer_regs = Q4_PRODUCER_REGS, Q4_CONSUMER_REGS[tile.warpgroups]
         # The staging ring after the barriers (16-byte aligned: stages x 2 barriers of 8 bytes).
         staging_base = tile.stages * (tile.slot_bytes + 2 * MBAR_BYTES) + tile.epilogue_bytes
         staging_bytes = q4_staging_bytes(tile)
@@ -455,7 +469,7 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
                         T.ptx.fence.proxy_async("shared::cta")
                     T.tvm_storage_sync("shared")
                     if wg == tile.warpgroups:
-                        if consumer_regs is not None:
+                        if grown_regs is not None:
                             T.ptx.setmaxnreg(False, producer_regs)
                         if deq is not None:
                             # The B-load hook for a dequantized B (see WgmmaTile.q4_staging): the whole warpgroup.
@@ -504,8 +518,8 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
                                         T.evaluate(tma_load(buf_dyn_shmem, b_base + slot * b_slot, slot, b_map, k0 + kt, n0 // 2))
                                         T.evaluate(tma_load(buf_dyn_shmem, b_base + slot * b_slot + b_slot // 2, slot, b_map, k0 + kt, pair + n0 // 2))
                     else:
-                        if consumer_regs is not None:
-                            T.ptx.setmaxnreg(True, consumer_regs)
+                        if grown_regs is not None:
+                            T.ptx.setmaxnreg(True, grown_regs)
                         for ti in T.serial(my_tiles):
                             m0: T.let[T.int32] = tile_row(unit_tile(bx + ti * blocks, m_tiles), m_tiles)
                             n0: T.let[T.int32] = tile_col(unit_tile(bx + ti * blocks, m_tiles), m_tiles)
