@@ -49,8 +49,8 @@ def gencode(arch: str) -> str:
     return f"arch=compute_{version}{suffix},code=sm_{version}{suffix}"
 
 
-def compile_cuda(source: str, arch: str = "sm_90", out: Path | None = None, *, fast_math: bool = True) -> bytes:
-    """Compile CUDA C ``source`` to a fatbin for ``arch``; also write it to ``out`` if given.
+def compile_cuda(source: str, arch: str = "sm_90", *, fast_math: bool = True) -> bytes:
+    """Compile CUDA C ``source`` to a fatbin for ``arch``.
 
     ``fast_math`` matches TVM's own compile (it passes ``--use_fast_math``): leave it on for code that
     must behave as it would when TVM compiles it at load time.
@@ -68,9 +68,5 @@ def compile_cuda(source: str, arch: str = "sm_90", out: Path | None = None, *, f
         if proc.returncode != 0:
             first_error = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:500])
             raise FuselightError(f"nvcc failed for {arch}: {first_error}")
-        binary = fatbin.read_bytes()
-    if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_bytes(binary)
-    return binary
+        return fatbin.read_bytes()
 

@@ -51,8 +51,8 @@ def cache_path(sha: str, arch: str, cache_dir: Path | None = None) -> Path:
 
 def cached_fatbin(code: str, arch: str, cache_dir: Path | None = None) -> bytes:
     """nvcc's fatbin of CUDA ``code`` for ``arch`` (``compile_cuda``'s flags), from the disk cache
-    (``cache_path``) where it was compiled before, else compiled and cached. The key is the source's hash and the arch, not nvcc's version: clear the cache after
-    changing the toolkit."""
+    (``cache_path``) where it was compiled before, else compiled and cached. The key is the source's
+    hash and the arch, not nvcc's version: clear the cache after changing the toolkit."""
     cache = cache_path(source_hash(code), arch, cache_dir)
     if cache.is_file():
         return cache.read_bytes()
