@@ -29,15 +29,15 @@ from ..errors import FuselightError
 from ..target import arch_of
 from .base import AnalyzeScheduleRule, host_branch, with_kernels
 from .gemm.analysis import MatmulDesc, analyze_matmul
-from .gemm.dispatch import load_dispatch
+from .gemm.estimate import load_dispatch
 from .gemm.gemv import (
-    GemvConfig,
     check_gemv,
     config_for,
     gemv_body,
     grid_blocks,
     load_gemv_configs,
 )
+from .gemm.gemv_common import GemvConfig
 from .gemm.operands import GemmOperands
 
 

@@ -29,7 +29,8 @@ from ..target import arch_of
 from .base import AnalyzeScheduleRule, host_branch, with_kernels
 from .gemm import gemm_body
 from .gemm.analysis import MatmulDesc, analyze_matmul
-from .gemm.dispatch import load_dispatch, plan_ranges, q4_plan_ranges
+from .gemm.dispatch import plan_ranges, q4_plan_ranges
+from .gemm.estimate import load_dispatch
 from .gemm.gemv import gemv_body
 from .gemv import symbolic_m_buckets
 

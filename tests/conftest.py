@@ -1,12 +1,22 @@
-"""Shared test helpers: our model compiled for the CPU, once per config per session."""
+"""Shared test helpers: our model compiled for the CPU, once per config per session; nvcc's cache."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from fuselight.config import ModelConfig
+from fuselight.library import CACHE_ENV
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nvcc_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The disk cache of compiled CUDA (``fuselight.library.cached_fatbin``) for this session only:
+    a source compiled twice runs nvcc once, and nothing lands in the user's cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("cuda-cache")))
+        yield
 
 
 def compile_for_cpu(config: ModelConfig) -> tuple[Any, Any]:

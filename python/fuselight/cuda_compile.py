@@ -61,11 +61,8 @@ def ptx_runs_on(ptx_arch: str, device_arch: str) -> bool:
     return built == device or (built < FIRST_ARCH_SPECIFIC and built <= device)
 
 
-def compile_cuda(
-    source: str, arch: str = "sm_90", out: Path | None = None, *, fast_math: bool = True, ptx: bool = False
-) -> bytes:
-    """Compile CUDA C ``source`` to a fatbin for ``arch`` (with ``ptx``: holding its PTX only); also
-    write it to ``out`` if given.
+def compile_cuda(source: str, arch: str = "sm_90", *, fast_math: bool = True, ptx: bool = False) -> bytes:
+    """Compile CUDA C ``source`` to a fatbin for ``arch`` (with ``ptx``: holding its PTX only).
 
     ``fast_math`` matches TVM's own compile (it passes ``--use_fast_math``): leave it on for code that
     must behave as it would when TVM compiles it at load time.
@@ -83,9 +80,5 @@ def compile_cuda(
         if proc.returncode != 0:
             first_error = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:500])
             raise FuselightError(f"nvcc failed for {arch}{' PTX' if ptx else ''}: {first_error}")
-        binary = fatbin.read_bytes()
-    if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_bytes(binary)
-    return binary
+        return fatbin.read_bytes()
 

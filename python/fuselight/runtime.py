@@ -4,8 +4,8 @@ TVM 0.26 keeps CUDA *source* inside an exported library and compiles it when the
 through the global function ``tvm_callback_cuda_compile``. TVM's own callback needs the compiler
 library, so on a runtime-only host ``register_cuda_compiler`` installs ours. It answers each source,
 found by the SHA-256 of its text, from (1) the cubins compiled at build time next to a library
-(``fuselight.library.aot_compile_cuda`` writes them, ``load_library`` registers them), (2) a disk
-cache, (3) nvcc.
+(``fuselight.library.aot_compile_cuda`` writes them, ``load_library`` registers them), (2) the disk
+cache of compiled sources (``fuselight.library.cached_fatbin``, the build host's too), (3) nvcc.
 
 Nothing here imports TVM's compiler side (``import tvm.relax`` fails on such a host), and TVM itself
 is imported on first use. The library's artefacts (sidecar, AOT cubins) are ``fuselight.library``'s.
@@ -20,15 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from . import kv_hooks
-from .cuda_compile import compile_cuda, nvcc_path, ptx_runs_on
+from .cuda_compile import nvcc_path, ptx_runs_on
 from .errors import FuselightError
 from .jsonfile import read_json_object
-from .library import FATBIN_SUFFIX as _FATBIN_SUFFIX
-from .library import aot_dir, cuda_sources, metadata_path, source_hash
+from .library import aot_dir, cache_path, cached_fatbin, cuda_sources, default_cache_dir, metadata_path, source_hash
 from .target import arch_number
 
 CALLBACK_NAME = "tvm_callback_cuda_compile"
-CACHE_ENV = "FUSELIGHT_CACHE_DIR"
 # "1": the benchmark commands and the GPU test tier accept a PTX library built for an older GPU
 # (``load_module(accept_ptx=True)``): that architecture's code, compiled by the driver, run as its proxy.
 ACCEPT_PTX_ENV = "FUSELIGHT_ACCEPT_PTX"
@@ -74,11 +72,6 @@ def init_tvm() -> Any:
     return tvm
 
 
-def default_cache_dir() -> Path:
-    env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "fuselight" / "cuda"
-
-
 def register_cuda_compiler(cache_dir: Path | None = None, arch: str | None = None) -> None:
     """Install ``tvm_callback_cuda_compile``: AOT cubin by hash, else disk cache, else nvcc.
 
@@ -114,23 +107,17 @@ def cuda_binary(code: str) -> bytes:
     if aot is not None and aot.is_file():
         return aot.read_bytes()
     arch = _STATE.arch or device_arch()
-    form = f"{arch}-ptx" if _STATE.ptx else arch
-    cache = (_STATE.cache_dir or default_cache_dir()) / f"{sha}-{form}{_FATBIN_SUFFIX}"
-    if cache.is_file():
-        return cache.read_bytes()
+    cache_dir = _STATE.cache_dir or default_cache_dir()
+    if cache_path(sha, arch, cache_dir, ptx=_STATE.ptx).is_file():
+        return cached_fatbin(code, arch, cache_dir, ptx=_STATE.ptx)
     if nvcc_path() is None:
         raise FuselightError(
             f"no precompiled cubin for CUDA source {sha[:12]} and nvcc is not on PATH: "
             "build the library with ahead-of-time CUDA (the default) or install the CUDA toolkit"
         )
+    form = f"{arch} PTX" if _STATE.ptx else arch
     print(f"compiling CUDA source {sha[:12]} with nvcc for {form} (no precompiled cubin)", flush=True)
-    binary = compile_cuda(code, arch=arch, ptx=_STATE.ptx)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    # Write then rename, so a concurrent run never reads half a file.
-    tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(binary)
-    tmp.replace(cache)
-    return binary
+    return cached_fatbin(code, arch, cache_dir, ptx=_STATE.ptx)
 
 
 def device_arch(device: Any = None) -> str:

@@ -6,7 +6,7 @@ in one launch. Each warp owns ``cfg.rows_per_warp`` output columns and streams t
 loads the 16-byte piece ``32 s + l`` of a row at step s, so one load instruction of a warp reads
 512 contiguous bytes, ``cfg.unroll`` steps of every row in flight before they are used. The token
 row sits in shared memory (copied once a block, or normed into it by the norm prologue of
-``gemv.norm_prologue``); products are summed in float32, then over the warp's lanes by butterfly
+``gemv_common.norm_prologue``); products are summed in float32, then over the warp's lanes by butterfly
 shuffles, and the column's lane runs the epilogue.
 
 A bucket with ``prefetch_l2_percent`` also has each warp ask L2 for that share of its weight rows
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .gemv import PIECE, PIECE_WORDS, Q4_PIECE, GemvConfig, index_dtype, norm_prologue
+from .gemv_common import PIECE, PIECE_WORDS, Q4_PIECE, GemvConfig, index_dtype, norm_prologue
 from .operands import GemmOperands
 from .plan import WARP
 

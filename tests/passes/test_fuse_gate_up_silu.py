@@ -16,7 +16,7 @@ from fuselight.passes import AccumulateMatmulFP32, FuseGateUpSiLU
 from fuselight.computations import gate_up_silu_te
 from fuselight.contracts import OP_PATTERN_ATTR, OPAQUE_OP_PATTERN, RULE_ATTR
 from fuselight.passes.fuse_gate_up_silu import PRIMFUNC_NAME
-from fuselight.rules.gemm import dispatch
+from fuselight.rules.gemm import estimate
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemm.plan import GemmPlan, check_plan
 from fuselight.rules.gemv import Gemv
@@ -229,11 +229,11 @@ def test_wgmma_paired_kernel_compiles(cuda, tmp_path) -> None:
 
 def test_mma_sync_rejects_paired_epilogues() -> None:
     ops = analyze_matmul(_fused_func(tirx.Var("m", "int64"), n=1024, k=256)).operands
-    d = dispatch.load_dispatch("sm_90")
+    d = estimate.load_dispatch("sm_90")
     tile = next(iter(d.tiles.values()))
     with pytest.raises(FuselightError, match="paired"):
         check_plan(GemmPlan(main=tile), ops)
-    assert all(isinstance(p, dispatch.WgmmaPlan) for p in dispatch.candidates(ops, d))
+    assert all(isinstance(p, estimate.WgmmaPlan) for p in estimate.candidates(ops, d))
 
 
 def test_dlight_cannot_schedule_the_fused_function(cuda) -> None:

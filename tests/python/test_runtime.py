@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fuselight import runtime
+from fuselight import library, runtime
 from fuselight.library import aot_dir, metadata_path
 from fuselight.cuda_compile import nvcc_path
 from fuselight.errors import FuselightError
@@ -59,6 +59,28 @@ def test_callback_prefers_aot_cubin_over_cache(tmp_path, callback_state):
     other_cache = callback_state.cache_dir / f"{runtime.source_hash(other)}-sm_90.fatbin"
     other_cache.write_bytes(b"OTHER-CACHED")
     assert _call_registered(other) == b"OTHER-CACHED"
+
+
+def test_cached_fatbin_runs_nvcc_once_per_source_and_arch(tmp_path, monkeypatch):
+    compiled = []
+
+    def fake_nvcc(code, arch="sm_90"):
+        compiled.append((code, arch))
+        return f"{arch}:{len(code)}".encode()
+
+    monkeypatch.setattr(library, "compile_cuda", fake_nvcc)
+    source = "__global__ void k(float* x) { x[threadIdx.x] *= 3.0f; }\n"
+    cache = tmp_path / "cache"
+    assert library.cached_fatbin(source, "sm_90", cache) == b"sm_90:56"
+    assert library.cache_path(runtime.source_hash(source), "sm_90", cache).read_bytes() == b"sm_90:56"
+    # The same source again (a rebuild whose kernels did not change): no nvcc.
+    assert library.cached_fatbin(source, "sm_90", cache) == b"sm_90:56"
+    assert compiled == [(source, "sm_90")]
+    # Another arch or another source is compiled.
+    assert library.cached_fatbin(source, "sm_80", cache) == b"sm_80:56"
+    assert library.cached_fatbin(source + " ", "sm_90", cache) == b"sm_90:57"
+    assert len(compiled) == 3
+    assert sorted(p.name.endswith(".fatbin") for p in cache.iterdir()) == [True] * 3
 
 
 def test_callback_without_cubin_or_nvcc_fails_clearly(tmp_path, callback_state, monkeypatch):

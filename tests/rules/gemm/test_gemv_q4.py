@@ -17,7 +17,7 @@ import pytest
 
 tvm = pytest.importorskip("tvm")
 from fuselight.quant_prim_funcs import q4_linear
-from fuselight.rules.gemm import gemv, gemv_rows
+from fuselight.rules.gemm import gemv, gemv_common, gemv_rows
 from fuselight.rules.base import with_kernels
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemv import Gemv
@@ -28,10 +28,10 @@ from tvm import te, tirx
 from tvm.script import tirx as T
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-ROWS = gemv.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, rows_per_warp=2)
+ROWS = gemv_common.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, rows_per_warp=2)
 # The mma template at M = 1 (the alternative to ROWS) and at 16 (two token tiles).
-MMA1 = gemv.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, lane_run=2)
-MMA16 = gemv.GemvConfig(max_m=16, warps=4, unroll=2, min_blocks_per_sm=2, lane_run=2)
+MMA1 = gemv_common.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, lane_run=2)
+MMA16 = gemv_common.GemvConfig(max_m=16, warps=4, unroll=2, min_blocks_per_sm=2, lane_run=2)
 # Llama-3-8B's decode projections (N x K) and the LM head (symbolic vocabulary).
 LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
@@ -312,7 +312,7 @@ def test_nvcc_compiles_every_variant(cuda):
     assert compile_cuda(source, "sm_90")
 
 
-def _shipped_m1() -> gemv.GemvConfig:
+def _shipped_m1() -> gemv_common.GemvConfig:
     return gemv.config_for(gemv.load_gemv_configs("sm_90", quantized=True), 1, 4096 // 16, 4096)
 
 
@@ -428,11 +428,11 @@ def test_a_and_b_fragments_meet_the_same_k(warps, lane_run, steps):
         for step in range(steps):
             for q in range(4):
                 pw = gemv.piece_word(step, warp, q, warps, lane_run)
-                for s in range(2 * gemv.PIECE_WORDS):
+                for s in range(2 * gemv_common.PIECE_WORDS):
                     a_k, b_k = {}, {}
                     for reg in range(4):
                         word, j = gemv.q4_a_pair(s, reg)
-                        assert 0 <= word < gemv.PIECE_WORDS and 0 <= j < 4
+                        assert 0 <= word < gemv_common.PIECE_WORDS and 0 <= j < 4
                         for half in range(2):
                             k = per_word * (pw + word) + j + 4 * half
                             a_k.setdefault(_a_slot(q, reg, half), set()).add(k)  # rows g and g + 8 alike

@@ -14,7 +14,7 @@ tvm = pytest.importorskip("tvm")
 from fuselight.device import device_model
 from fuselight.errors import FuselightError
 from fuselight.rules.base import with_kernels
-from fuselight.rules.gemm import gemv, gemv_rows
+from fuselight.rules.gemm import gemv, gemv_common, gemv_rows
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.target import resolve, to_tvm
 from fuselight.tune.gemm import matmul_prim_func
@@ -22,7 +22,7 @@ from test_fuse_norm_gemv import _fused, _gate_up, _nt_matmul
 from test_gemv import _linear_residual, _lm_head
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-ROWS = gemv.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, rows_per_warp=1)
+ROWS = gemv_common.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, rows_per_warp=1)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def cuda():
     return to_tvm(resolve("cuda", "sm_90"))
 
 
-def _kernel(func, cfg: gemv.GemvConfig = ROWS):
+def _kernel(func, cfg: gemv_common.GemvConfig = ROWS):
     ops = analyze_matmul(func, prologue=True).operands
     return with_kernels(func, gemv.gemv_body(ops, cfg)), ops
 
