@@ -64,9 +64,9 @@ def test_callback_prefers_aot_cubin_over_cache(tmp_path, callback_state):
 def test_cached_fatbin_runs_nvcc_once_per_source_and_arch(tmp_path, monkeypatch):
     compiled = []
 
-    def fake_nvcc(code, arch="sm_90"):
-        compiled.append((code, arch))
-        return f"{arch}:{len(code)}".encode()
+    def fake_nvcc(code, arch="sm_90", ptx=False):
+        compiled.append((code, arch, ptx))
+        return f"{arch}{'-ptx' if ptx else ''}:{len(code)}".encode()
 
     monkeypatch.setattr(library, "compile_cuda", fake_nvcc)
     source = "__global__ void k(float* x) { x[threadIdx.x] *= 3.0f; }\n"
@@ -75,12 +75,14 @@ def test_cached_fatbin_runs_nvcc_once_per_source_and_arch(tmp_path, monkeypatch)
     assert library.cache_path(runtime.source_hash(source), "sm_90", cache).read_bytes() == b"sm_90:56"
     # The same source again (a rebuild whose kernels did not change): no nvcc.
     assert library.cached_fatbin(source, "sm_90", cache) == b"sm_90:56"
-    assert compiled == [(source, "sm_90")]
-    # Another arch or another source is compiled.
+    assert compiled == [(source, "sm_90", False)]
+    # Another arch, another source or the arch's PTX is compiled, and cached apart.
     assert library.cached_fatbin(source, "sm_80", cache) == b"sm_80:56"
     assert library.cached_fatbin(source + " ", "sm_90", cache) == b"sm_90:57"
-    assert len(compiled) == 3
-    assert sorted(p.name.endswith(".fatbin") for p in cache.iterdir()) == [True] * 3
+    assert library.cached_fatbin(source, "sm_80", cache, ptx=True) == b"sm_80-ptx:56"
+    assert library.cached_fatbin(source, "sm_80", cache, ptx=True) == b"sm_80-ptx:56"
+    assert len(compiled) == 4 and compiled[-1] == (source, "sm_80", True)
+    assert sorted(p.name.endswith(".fatbin") for p in cache.iterdir()) == [True] * 4
 
 
 def test_callback_without_cubin_or_nvcc_fails_clearly(tmp_path, callback_state, monkeypatch):
