@@ -42,7 +42,8 @@ of each token row those words meet (four 16-byte chunks) and pairs their halves 
 (``q4_b_pair``: tokens (j, j + 4), (j + 1, j + 5) of a chunk), so A and B meet at the same k. The
 scale is applied before the mma because the four lanes of an mma's k carry four different groups
 of 32 (a group's words are one lane's piece); N may be symbolic (the LM head: the grid is computed
-at launch). No prologue.
+at launch). The norm prologue and the paired epilogue work as with float weights (the normed rows
+in shared memory hold tokens in order, as the global rows do).
 
 A bucket that sets ``rows_per_warp`` (M = 1) runs the row-streaming template of ``gemv_rows``
 instead, with the same prologue (``norm_prologue``).
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 from fuselight.errors import FuselightError
@@ -284,8 +286,6 @@ def check_gemv(ops: GemmOperands, cfg: GemvConfig, max_shared_bytes: int | None 
 def check_dequant(ops: GemmOperands, cfg: GemvConfig) -> None:
     """FuselightError where the templates cannot dequantize ``ops``' weights (see ``Q4_BITS``)."""
     d = ops.dequant
-    if ops.prologue is not None:
-        raise FuselightError("GEMV: dequantized weights with a norm prologue are not served")
     if d.bits != Q4_BITS or d.storage_dtype != "uint32" or d.per_word != 32 // Q4_BITS:
         raise FuselightError(f"GEMV: needs 4-bit values packed in uint32, got {d.bits}-bit in {d.storage_dtype}")
     if d.layout != "NK":
@@ -559,13 +559,18 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     return body.body
 
 
-def norm_prologue(ops: GemmOperands, threads: int, blocks: int, x_stride: int) -> Any:
+def norm_prologue(ops: GemmOperands, threads: int, blocks: Any, x_stride: int,
+                  staging: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None) -> Any:
     """The GEMV templates' norm prologue (``ops.prologue``, static M) as a TIR macro
     ``norm_rows(xs, tid, bx)``: thread ``tid`` of block ``bx`` (of ``blocks``, ``threads`` each)
     reads its pieces of the M rows of ``x`` (+ the residual) in 16-byte pieces, the block sums the
     squares of ``x + r`` in float32, and writes the normed rows, rounded to the activation dtype as
     the norm kernel rounds them, to the shared buffer ``xs`` (row ``r`` at ``2 r x_stride``
-    elements). ``x + r`` is written out in slices, one per block. The caller syncs the block after."""
+    elements). ``x + r`` is written out in slices, one per block. The caller syncs the block after.
+
+    staging: ``(slot, order)`` where the template reads its token row permuted (the row template's
+    4-bit dot product): piece ``p`` of 8 tokens goes to piece ``slot(p)``, its element ``e`` being
+    token ``order(e)`` of the piece; None: in order."""
     from tvm.script import tirx as T
 
     norm, k, dtype = ops.prologue, ops.k, ops.dtype
@@ -584,9 +589,11 @@ def norm_prologue(ops: GemmOperands, threads: int, blocks: int, x_stride: int) -
             Tg = T.decl_buffer((rows_p * k,), dtype, data=norm.total.data)
         t_reg = T.sblock_alloc_buffer((thread_pieces * PIECE,), dtype, scope="local")
         piece = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
+        if staging is not None:
+            staged = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
         part = T.sblock_alloc_buffer((1,), "float32", scope="local")
         ssq = T.sblock_alloc_buffer((1,), "float32", scope="local")
-        for row in T.unroll(rows_p):
+        for row in T.serial(rows_p):
             part[0] = T.float32(0)
             for i in T.unroll(thread_pieces):
                 p: T.let[T.int32] = i * threads + T.Cast("int32", tid)
@@ -618,7 +625,13 @@ def norm_prologue(ops: GemmOperands, threads: int, blocks: int, x_stride: int) -
                         piece[e] = Wn[p * PIECE + e]
                     for e in T.unroll(PIECE):
                         piece[e] = T.Cast(dtype, rstd * T.Cast("float32", t_reg[i * PIECE + e]) * T.Cast("float32", piece[e]))
-                    for e in T.vectorized(PIECE):
-                        xs[row * x_stride * 2 + p * PIECE + e] = piece[e]
+                    if staging is None:
+                        for e in T.vectorized(PIECE):
+                            xs[row * x_stride * 2 + p * PIECE + e] = piece[e]
+                    else:
+                        for e in T.unroll(PIECE):
+                            staged[e] = piece[staging[1](e)]
+                        for e in T.vectorized(PIECE):
+                            xs[row * x_stride * 2 + staging[0](p) * PIECE + e] = staged[e]
     # fmt: on
     return norm_rows
