@@ -35,6 +35,7 @@ import dataclasses
 from typing import Any
 
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 
@@ -157,6 +158,7 @@ class _Rewriter(FunctionRewriter):
         super().__init__(mod)
         self.target = target  # None: fuse wherever it matches, untagged
         self.matches: dict[relax.Call, _Match] = {}
+        self.kernels: dict[tuple, tvm.ir.GlobalVar | None] = {}
         for _, func in mod.functions_items():
             if not isinstance(func, relax.Function):
                 continue
@@ -171,23 +173,34 @@ class _Rewriter(FunctionRewriter):
         found = self.matches.get(call)
         if found is None:
             return super().visit_call_(call)
+        gv = self._kernel(found)
+        if gv is None:
+            return super().visit_call_(call)
+        weights = [found.w] if found.dequantize is None else list(found.dequantize.args[1].fields)
+        # Typed by the graph's own shape variables (the function may have been made for another's).
+        x_shape, width = _shape(found.x), _shape(found.w)[0]
+        out_ty = relax.TensorType([*x_shape[:-1], tirx.IntImm(str(width.ty.dtype), int(width) // 2)], found.out_dtype)
+        return relax.call_tir(gv, [self.visit_expr(e) for e in (found.x, *weights)], out_ty)
+
+    def _kernel(self, found: _Match) -> tvm.ir.GlobalVar | None:
+        """The fused function's GlobalVar (added once per distinct computation), or None where it is
+        not made: a dequantize the rules' analysis does not see in it, or no rule takes it."""
+        deq = None if found.dequantize is None else found.dequantize.args[0]
+        key = (*(tvm_ffi.structural_hash(e.ty) for e in (found.x, found.w)), found.acc_dtype, found.out_dtype, deq)
+        if key in self.kernels:
+            return self.kernels[key]
         func = gate_up_silu_prim_func(_shape(found.x), str(found.x.ty.dtype), _shape(found.w), str(found.w.ty.dtype),
                                       found.acc_dtype, found.out_dtype)
-        # Typed by the graph's own shape variables (a spliced function has its own).
-        out_ty = relax.TensorType(list(func.params[-1].ty.shape), found.out_dtype)
-        weights = [found.w]
-        if found.dequantize is not None:
-            dequantize = self.mod[found.dequantize.args[0]]
-            if not isinstance(dequantize, tirx.PrimFunc):
-                return super().visit_call_(call)
-            func = with_dequantized_weight(func, dequantize)
-            desc = analyze_matmul(func, dequant=True)
+        if deq is not None:
+            dequantize = self.mod[deq]
+            func = with_dequantized_weight(func, dequantize) if isinstance(dequantize, tirx.PrimFunc) else None
+            desc = None if func is None else analyze_matmul(func, dequant=True)
             if desc is None or desc.operands.dequant is None:
-                return super().visit_call_(call)  # a dequantize the rules would not see: unfused
-            weights = list(found.dequantize.args[1].fields)
-        if self.target is not None:
-            if not any(rule.takes(func, self.target) for rule in RULES):
-                return super().visit_call_(call)
-            func = func.with_attrs({RULE_ATTR: RULE_FAMILY, OP_PATTERN_ATTR: OPAQUE_OP_PATTERN})
-        gv = self.builder_.add_func(func, PRIMFUNC_NAME)
-        return relax.call_tir(gv, [self.visit_expr(e) for e in (found.x, *weights)], out_ty)
+                func = None  # a dequantize the rules would not see: unfused
+        if func is not None and self.target is not None:
+            if any(rule.takes(func, self.target) for rule in RULES):
+                func = func.with_attrs({RULE_ATTR: RULE_FAMILY, OP_PATTERN_ATTR: OPAQUE_OP_PATTERN})
+            else:
+                func = None
+        self.kernels[key] = None if func is None else self.builder_.add_func(func, PRIMFUNC_NAME)
+        return self.kernels[key]
