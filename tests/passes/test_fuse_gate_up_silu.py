@@ -5,12 +5,14 @@ epilogue and rejects near-misses; the Gemv and Matmul rules build it for sm_90 a
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
+from cuda_source import kernel_body, kernel_names
 from fuselight.errors import FuselightError
 from fuselight.passes import AccumulateMatmulFP32, FuseGateUpSiLU
 from fuselight.computations import gate_up_silu_te
@@ -274,9 +276,29 @@ def test_gemv_rule_builds_the_paired_kernel(cuda, m: int) -> None:
     assert Matmul().apply(func, cuda, False) is None  # static M below min_static_m: the Gemv rule's
 
 
+def _q4_fused_func(rows: int, scheme: str = "q4f16_1") -> tirx.PrimFunc:
+    """What the pass makes of ``_q4_mlp(rows)`` on sm_90 (Llama-3-8B's gate+up: 28672 x 4096)."""
+    mod = AccumulateMatmulFP32()(_q4_mlp(rows, scheme, k=4096, half=14336))
+    with to_tvm(resolve("cuda", "sm_90")):
+        fused = FuseGateUpSiLU()(mod)
+    return next(f for gv, f in fused.functions_items() if gv.name_hint.startswith(PRIMFUNC_NAME))
+
+
 @needs_nvcc
 def test_gemv_paired_kernel_compiles(cuda, tmp_path) -> None:
-    _nvcc(_cuda_source(Gemv().apply(_fused_func(1, n=512, k=256), cuda, False).mod["main"], cuda), tmp_path)
+    funcs = {"fp16": _fused_func(1, n=512, k=256), "q4_m1": _q4_fused_func(1), "q4_m8": _q4_fused_func(8),
+             "q4bf16_m1": _q4_fused_func(1, "q4bf16_1")}
+    kernels = {name: Gemv().apply(f, cuda, False).mod["main"].with_attr("global_symbol", name) for name, f in funcs.items()}
+    source = tvm.compile(tvm.IRModule(kernels), target=cuda).mod.imports[0].inspect_source("cuda")
+    assert kernel_names(source) == {f"{name}_kernel" for name in funcs}  # one launch each
+    for name in ("q4_m1", "q4_m8", "q4bf16_m1"):
+        # Packed words in, silu(gate) * up out: the in-register conversion (row template at M = 1,
+        # mma fragments at 8) and the epilogue's exp in the same kernel.
+        body = kernel_body(source, f"{name}_kernel")
+        convert = "fuselight_q4_pair" if name == "q4_m8" else "fuselight_q4_dot32"
+        assert re.search(convert + r"_(fp|bf)16\(", body) and re.search(r"\bh?exp", body), name
+        assert [str(p.ty.dtype) for p in kernels[name].params].count("uint32") == 1
+    _nvcc(source, tmp_path)
 
 
 def test_matmul_rule_builds_the_paired_wgmma_kernel(cuda) -> None:
