@@ -92,11 +92,15 @@ class Gemv(AnalyzeScheduleRule):
     @classmethod
     def supports(cls, desc: MatmulDesc, target: Target) -> bool:
         """Whether ``schedule`` builds ``desc`` on ``target``: M below the Matmul rule's and a GEMV
-        bucket that takes the operands."""
+        bucket that takes the operands; a symbolic M (dequantized weights), buckets that take them
+        and an epilogue DLight's schedule above them takes (not a paired one: its Matmul rule fails
+        an assertion on that)."""
         try:
             min_static_m = load_dispatch(arch_of(target)).min_static_m
         except FuselightError:
             return False
+        if desc.m_static is None:
+            return not desc.operands.paired and bool(symbolic_m_buckets(desc.operands, target))
         return desc.m_static < min_static_m and gemv_config(desc.operands, desc.m_static, target) is not None
 
     def schedule(self, func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:

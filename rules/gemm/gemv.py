@@ -42,7 +42,8 @@ of each token row those words meet (four 16-byte chunks) and pairs their halves 
 (``q4_b_pair``: tokens (j, j + 4), (j + 1, j + 5) of a chunk), so A and B meet at the same k. The
 scale is applied before the mma because the four lanes of an mma's k carry four different groups
 of 32 (a group's words are one lane's piece); N may be symbolic (the LM head: the grid is computed
-at launch). No prologue.
+at launch). The norm prologue and the paired epilogue work as with float weights (the normed rows
+in shared memory hold tokens in order, as the global rows do).
 
 A bucket that sets ``rows_per_warp`` (M = 1) runs the row-streaming template of ``gemv_rows``
 instead, with the same prologue (``gemv_common.norm_prologue``).
@@ -255,8 +256,6 @@ def check_gemv(ops: GemmOperands, cfg: GemvConfig, max_shared_bytes: int | None 
 def check_dequant(ops: GemmOperands, cfg: GemvConfig) -> None:
     """FuselightError where the templates cannot dequantize ``ops``' weights (see ``Q4_BITS``)."""
     d = ops.dequant
-    if ops.prologue is not None:
-        raise FuselightError("GEMV: dequantized weights with a norm prologue are not served")
     if d.bits != Q4_BITS or d.storage_dtype != "uint32" or d.per_word != 32 // Q4_BITS:
         raise FuselightError(f"GEMV: needs 4-bit values packed in uint32, got {d.bits}-bit in {d.storage_dtype}")
     if d.layout != "NK":

@@ -5,6 +5,7 @@ share: the 16-byte piece a lane loads, the 4-bit weights they dequantize, a buck
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from .operands import GemmOperands
@@ -67,13 +68,18 @@ def static_m(ops: GemmOperands) -> int | None:
     return int(m.value) if hasattr(m, "value") else None
 
 
-def norm_prologue(ops: GemmOperands, threads: int, blocks: int, x_stride: int) -> Any:
+def norm_prologue(ops: GemmOperands, threads: int, blocks: Any, x_stride: int,
+                  staging: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None) -> Any:
     """The GEMV templates' norm prologue (``ops.prologue``, static M) as a TIR macro
     ``norm_rows(xs, tid, bx)``: thread ``tid`` of block ``bx`` (of ``blocks``, ``threads`` each)
     reads its pieces of the M rows of ``x`` (+ the residual) in 16-byte pieces, the block sums the
     squares of ``x + r`` in float32, and writes the normed rows, rounded to the activation dtype as
     the norm kernel rounds them, to the shared buffer ``xs`` (row ``r`` at ``2 r x_stride``
-    elements). ``x + r`` is written out in slices, one per block. The caller syncs the block after."""
+    elements). ``x + r`` is written out in slices, one per block. The caller syncs the block after.
+
+    staging: ``(slot, order)`` where the template reads its token row permuted (the row template's
+    4-bit dot product): piece ``p`` of 8 tokens goes to piece ``slot(p)``, its element ``e`` being
+    token ``order(e)`` of the piece; None: in order."""
     from tvm.script import tirx as T
 
     norm, k, dtype = ops.prologue, ops.k, ops.dtype
@@ -92,9 +98,11 @@ def norm_prologue(ops: GemmOperands, threads: int, blocks: int, x_stride: int) -
             Tg = T.decl_buffer((rows_p * k,), dtype, data=norm.total.data)
         t_reg = T.sblock_alloc_buffer((thread_pieces * PIECE,), dtype, scope="local")
         piece = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
+        if staging is not None:
+            staged = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
         part = T.sblock_alloc_buffer((1,), "float32", scope="local")
         ssq = T.sblock_alloc_buffer((1,), "float32", scope="local")
-        for row in T.unroll(rows_p):
+        for row in T.serial(rows_p):
             part[0] = T.float32(0)
             for i in T.unroll(thread_pieces):
                 p: T.let[T.int32] = i * threads + T.Cast("int32", tid)
@@ -126,7 +134,13 @@ def norm_prologue(ops: GemmOperands, threads: int, blocks: int, x_stride: int) -
                         piece[e] = Wn[p * PIECE + e]
                     for e in T.unroll(PIECE):
                         piece[e] = T.Cast(dtype, rstd * T.Cast("float32", t_reg[i * PIECE + e]) * T.Cast("float32", piece[e]))
-                    for e in T.vectorized(PIECE):
-                        xs[row * x_stride * 2 + p * PIECE + e] = piece[e]
+                    if staging is None:
+                        for e in T.vectorized(PIECE):
+                            xs[row * x_stride * 2 + p * PIECE + e] = piece[e]
+                    else:
+                        for e in T.unroll(PIECE):
+                            staged[e] = piece[staging[1](e)]
+                        for e in T.vectorized(PIECE):
+                            xs[row * x_stride * 2 + staging[0](p) * PIECE + e] = staged[e]
     # fmt: on
     return norm_rows

@@ -5,12 +5,14 @@ epilogue and rejects near-misses; the Gemv and Matmul rules build it for sm_90 a
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
+from cuda_source import kernel_body, kernel_names
 from fuselight.errors import FuselightError
 from fuselight.passes import AccumulateMatmulFP32, FuseGateUpSiLU
 from fuselight.computations import gate_up_silu_te
@@ -21,6 +23,9 @@ from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemm.plan import GemmPlan, check_plan
 from fuselight.rules.gemv import Gemv
 from fuselight.rules.matmul import Matmul
+from fuselight.model.weights import numpy_dtype
+from fuselight.passes.weight_source import materialized_weights
+from fuselight.quantization import SCHEMES, random_quantized, te_dequantize
 from fuselight.target import resolve, to_tvm
 from tvm import relax, te, tirx
 from tvm.script import tirx as T
@@ -78,6 +83,71 @@ def test_pass_fuses_and_keeps_the_numbers(dtype: str, accumulate: bool, swap: bo
     np.testing.assert_allclose(got.astype("float64"), want.astype("float64"), rtol=tol, atol=tol)
     # Not a trivial output: silu(gate) * up of unit-scale values.
     assert np.abs(want).mean() > 0.05
+
+
+def _q4_mlp(rows, scheme: str, k: int = K, half: int = HALF) -> tvm.IRModule:
+    """``_mlp`` with its weight stored in ``scheme`` (NK): ``main(x, q, s)``, the weight a
+    ``call_tir`` of the scheme's dequantize as our model and MLC-LLM emit it."""
+    s = SCHEMES[scheme]
+    (qs, ss) = s.packed_shapes(2 * half, k)
+    x = relax.Var("x", relax.TensorType([1, rows, k], s.model_dtype))
+    q = relax.Var("q", relax.TensorType(list(qs), "uint32"))
+    scale = relax.Var("s", relax.TensorType(list(ss), s.model_dtype))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, q, scale]):
+        with bb.dataflow():
+            w = bb.emit_te(lambda q, sc: te_dequantize(q, sc, s), q, scale, primfunc_name_hint="dequantize")
+            y = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w))))
+            halves = bb.emit(relax.op.split(y, 2, axis=-1))
+            gate, up = bb.emit(relax.TupleGetItem(halves, 0)), bb.emit(relax.TupleGetItem(halves, 1))
+            out = bb.emit_output(relax.op.multiply(bb.emit(relax.op.nn.silu(gate)), up))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _q4_inputs(rng, rows: int, scheme: str, k: int = K, half: int = HALF) -> list[np.ndarray]:
+    s = SCHEMES[scheme]
+    q, scale = random_quantized(rng, 2 * half, k, 1 / np.sqrt(k), s)
+    x = rng.standard_normal((1, rows, k)).astype(numpy_dtype(s.model_dtype))
+    return [x, q, scale.astype(numpy_dtype(s.model_dtype))]
+
+
+@pytest.mark.parametrize("scheme", ["q4f16_1", "q4bf16_1"])
+@pytest.mark.parametrize("rows", [1, tirx.Var("seq_len", "int64")], ids=["decode", "prefill"])
+def test_pass_carries_the_dequantize_and_keeps_the_numbers(scheme: str, rows) -> None:
+    mod = AccumulateMatmulFP32()(_q4_mlp(rows, scheme))
+    fused = FuseGateUpSiLU(schedule=False)(mod)
+    assert _fused_calls(fused) == 1 and materialized_weights(fused) == [] and len(materialized_weights(mod)) == 1
+    funcs = [f for gv, f in fused.functions_items() if gv.name_hint.startswith(PRIMFUNC_NAME)]
+    # One function: the dequantize's stages, the matmul reading them, the paired epilogue.
+    desc = analyze_matmul(funcs[0], dequant=True)
+    assert desc.operands.dequant.dtype == SCHEMES[scheme].model_dtype and desc.operands.paired
+    assert desc.epilogue_stages == ("silu_multiply",) and len(desc.operands.dequant.stages) == 1
+    n = 5 if isinstance(rows, tirx.Var) else rows
+    inputs = _q4_inputs(np.random.default_rng(n + len(scheme)), n, scheme)
+    want, got = _run(mod, *inputs).astype("float64"), _run(fused, *inputs).astype("float64")
+    assert got.shape == (1, n, HALF)
+    # The same roundings (the dequantize's, the output's), the sum in float32 either way.
+    tol = 1e-2 if scheme == "q4bf16_1" else 2e-3
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+    assert np.abs(want).mean() > 0.05
+
+
+@pytest.mark.parametrize("rows, fused", [(1, True), (8, True), (tirx.Var("seq_len", "int64"), False)],
+                         ids=["m1", "m8", "prefill"])
+def test_pass_fuses_a_quantized_gate_up_where_the_gemv_rule_takes_it(cuda, rows, fused: bool) -> None:
+    # A static M runs the GEMV templates, which dequantize and pair; a symbolic one would run the
+    # mma.sync plans (no paired epilogue) or DLight above the GEMV buckets: the graph stays.
+    mod = AccumulateMatmulFP32()(_q4_mlp(rows, "q4f16_1", k=512, half=256))
+    with cuda:
+        out = FuseGateUpSiLU()(mod)
+    assert _fused_calls(out) == int(fused)
+    if not fused:
+        tvm.ir.assert_structural_equal(out, mod)
+        return
+    func = next(f for gv, f in out.functions_items() if gv.name_hint.startswith(PRIMFUNC_NAME))
+    assert func.attrs[RULE_ATTR] == "gemm" and Gemv.takes(func, cuda) and not Matmul.takes(func, cuda)
+    assert materialized_weights(out) == []
 
 
 @pytest.mark.parametrize(
@@ -206,9 +276,29 @@ def test_gemv_rule_builds_the_paired_kernel(cuda, m: int) -> None:
     assert Matmul().apply(func, cuda, False) is None  # static M below min_static_m: the Gemv rule's
 
 
+def _q4_fused_func(rows: int, scheme: str = "q4f16_1") -> tirx.PrimFunc:
+    """What the pass makes of ``_q4_mlp(rows)`` on sm_90 (Llama-3-8B's gate+up: 28672 x 4096)."""
+    mod = AccumulateMatmulFP32()(_q4_mlp(rows, scheme, k=4096, half=14336))
+    with to_tvm(resolve("cuda", "sm_90")):
+        fused = FuseGateUpSiLU()(mod)
+    return next(f for gv, f in fused.functions_items() if gv.name_hint.startswith(PRIMFUNC_NAME))
+
+
 @needs_nvcc
 def test_gemv_paired_kernel_compiles(cuda, tmp_path) -> None:
-    _nvcc(_cuda_source(Gemv().apply(_fused_func(1, n=512, k=256), cuda, False).mod["main"], cuda), tmp_path)
+    funcs = {"fp16": _fused_func(1, n=512, k=256), "q4_m1": _q4_fused_func(1), "q4_m8": _q4_fused_func(8),
+             "q4bf16_m1": _q4_fused_func(1, "q4bf16_1")}
+    kernels = {name: Gemv().apply(f, cuda, False).mod["main"].with_attr("global_symbol", name) for name, f in funcs.items()}
+    source = tvm.compile(tvm.IRModule(kernels), target=cuda).mod.imports[0].inspect_source("cuda")
+    assert kernel_names(source) == {f"{name}_kernel" for name in funcs}  # one launch each
+    for name in ("q4_m1", "q4_m8", "q4bf16_m1"):
+        # Packed words in, silu(gate) * up out: the in-register conversion (row template at M = 1,
+        # mma fragments at 8) and the epilogue's exp in the same kernel.
+        body = kernel_body(source, f"{name}_kernel")
+        convert = "fuselight_q4_pair" if name == "q4_m8" else "fuselight_q4_dot32"
+        assert re.search(convert + r"_(fp|bf)16\(", body) and re.search(r"\bh?exp", body), name
+        assert [str(p.ty.dtype) for p in kernels[name].params].count("uint32") == 1
+    _nvcc(source, tmp_path)
 
 
 def test_matmul_rule_builds_the_paired_wgmma_kernel(cuda) -> None:
