@@ -16,16 +16,17 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from fuselight.device import device_model, require_device
+from fuselight.device import device_model
 from fuselight.errors import FuselightError
-from fuselight.jsonfile import read_json_object
 from fuselight.paths import config_dir
 from tvm import tirx
 
+from .. import arch_config
+from ..arch_config import arch_entry
 from .cost_model import load_model
 from .estimate import Dispatch, Plan, candidates, estimate_us, fits, parse_plan, wgmma_name
 from .operands import GemmOperands
-from .plan import GemmTile, check_tile as check_gemm_tile
+from .plan import GemmTile, check_tile as check_gemm_tile, q4_tile_bytes
 from .wgmma import WgmmaPlan, WgmmaTile
 
 

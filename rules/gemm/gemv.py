@@ -62,7 +62,6 @@ from .. import arch_config
 from ..arch_config import arch_entry, from_fields
 from .gemv_common import (
     MMA_N,
-    PIECE,
     PIECE_WORDS,
     Q4_BITS,
     Q4_PIECE,
