@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import shutil
 
 import numpy as np
 import pytest
+from conftest import needs_nvcc
 
 tvm = pytest.importorskip("tvm")
 from fuselight import rules
@@ -22,7 +22,6 @@ from relax_module import single_function as _module
 from tvm import relax, te, tirx
 
 op = relax.op
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 TOLERANCE = {"float32": 1e-5, "float16": 1e-2}
 
 

@@ -5,10 +5,10 @@ epilogue and rejects near-misses; the Gemv and Matmul rules build it for sm_90 a
 
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import pytest
+from conftest import needs_nvcc
 
 tvm = pytest.importorskip("tvm")
 from fuselight.errors import FuselightError
@@ -25,7 +25,6 @@ from fuselight.target import resolve, to_tvm
 from tvm import relax, te, tirx
 from tvm.script import tirx as T
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 K, HALF = 96, 40  # the MLP's hidden size and intermediate size (the weight has 2 * HALF rows)
 
 

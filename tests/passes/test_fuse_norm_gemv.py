@@ -7,13 +7,12 @@ build for sm_90 and nvcc compiles them (GPU numerics against float64: the measur
 from __future__ import annotations
 
 import re
-import shutil
 
 import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
-from conftest import relative_error
+from conftest import needs_nvcc, relative_error
 from fuselight.baseline.fuse_add_rms_norm import FuseAddRMSNorm
 from fuselight.baseline.fuse_transpose_matmul import FuseTransposeMatmul, nt_matmul
 from fuselight.passes import (
@@ -33,7 +32,6 @@ from fuselight.target import resolve, to_tvm
 from relax_module import single_function
 from tvm import relax, te, tirx
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 HIDDEN = 1024  # a multiple of 1024: FuseAddRMSNorm applies on cuda
 EPS = 1e-5
 

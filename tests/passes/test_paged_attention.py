@@ -7,9 +7,9 @@ model's KV cache at fuselight's kernels only where it should, and the suite's po
 """
 
 import dataclasses
-import shutil
 
 import pytest
+from conftest import require_nvcc
 import tvm
 from fuselight import config as model_config
 from fuselight.bench.paged_attention import Layout, Point, load_points
@@ -89,8 +89,8 @@ def test_decode_template_keeps_tvm_signature_and_splits_in_two_kernels(d, h_kv):
     src = tvm.compile(tvm.IRModule({"main": ours}), target=CUDA).mod.imports[0].inspect_source("cuda")
     assert src.count("__global__") == 4  # split and merge, each declared then defined
     assert "uint4" in src  # 16-byte K/V loads
-    if shutil.which("nvcc"):
-        compile_cuda(src, arch="sm_90")
+    require_nvcc()
+    compile_cuda(src, arch="sm_90")
 
 
 def test_decode_template_errors_name_the_problem():

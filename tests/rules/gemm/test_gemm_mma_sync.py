@@ -8,9 +8,9 @@ nvcc accepts the source; the candidate tiles load and the checks name the field 
 
 import dataclasses
 import re
-import shutil
 
 import pytest
+from conftest import needs_nvcc
 from fuselight.cuda_compile import compile_cuda
 from fuselight.errors import FuselightError
 from fuselight.rules.gemm.mma_sync import mma_sync_gemm
@@ -20,7 +20,6 @@ from fuselight.rules.gemm.plan import GemmPlan, GemmTile, check_plan, load_tiles
 from fuselight.target import resolve, to_tvm
 from fuselight.tune.gemm import matmul_prim_func
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 
 N, K = 512, 256
 BIG = GemmTile(128, 256, 64, 2, 4, 3)  # 144 KiB of shared memory

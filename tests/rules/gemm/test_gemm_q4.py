@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import shutil
 
 import numpy as np
 import pytest
+from conftest import needs_nvcc
 from fuselight.paths import config_dir
 
 tvm = pytest.importorskip("tvm")
@@ -37,7 +37,6 @@ from fuselight.rules.matmul import Matmul
 from fuselight.target import resolve, to_tvm
 from tvm import te, tirx
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (None, 4096)]
 
 

@@ -11,9 +11,9 @@ handle is refused with a FuselightError naming it.
 """
 
 import dataclasses
-import shutil
 
 import pytest
+from conftest import needs_nvcc
 from fuselight.cuda_compile import compile_cuda
 from fuselight.errors import FuselightError
 from fuselight.rules.gemm.operands import Epilogue, GemmOperands
@@ -27,7 +27,6 @@ from fuselight.rules.gemm.wgmma import (
 )
 from fuselight.target import resolve, to_tvm
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 N, K = 512, 256
 TILE = load_wgmma_tile("sm_90")
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import shutil
 
 import pytest
+from conftest import needs_nvcc
 import tvm
 from fuselight.errors import FuselightError
 from fuselight.rules.gemm import dispatch, gemv
@@ -21,7 +21,6 @@ from fuselight.tune.gemm import matmul_prim_func
 from tvm import tirx
 from tvm.script import tirx as T
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 # Our LLaMA's decode projections (fp16 out through a cast): qkv, o_proj, gate_up, down.
 LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 LM_HEAD = (128256, 4096)

@@ -10,10 +10,10 @@ float64: ``bench/probes/q4_gemv.py``)."""
 from __future__ import annotations
 
 import re
-import shutil
 
 import numpy as np
 import pytest
+from conftest import needs_nvcc
 
 tvm = pytest.importorskip("tvm")
 from fuselight.quant_prim_funcs import q4_linear
@@ -27,7 +27,6 @@ import tvm_ffi
 from tvm import te, tirx
 from tvm.script import tirx as T
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 ROWS = gemv.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, rows_per_warp=2)
 # The mma template at M = 1 (the alternative to ROWS) and at 16 (two token tiles).
 MMA1 = gemv.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, lane_run=2)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shutil
 
 import pytest
+from conftest import needs_nvcc
 
 tvm = pytest.importorskip("tvm")
 from fuselight.errors import FuselightError
@@ -20,7 +20,6 @@ from fuselight.tune.gemm import matmul_prim_func
 from test_fuse_norm_gemv import _fused, _gate_up, _nt_matmul
 from test_gemv import _linear_residual, _lm_head
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 ROWS = gemv.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, rows_per_warp=1)
 
 

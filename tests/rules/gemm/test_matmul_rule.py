@@ -9,6 +9,7 @@ import json
 import shutil
 
 import pytest
+from conftest import needs_nvcc
 import tvm
 from fuselight.errors import FuselightError
 from fuselight.rules.gemm import dispatch
@@ -21,7 +22,6 @@ from fuselight.target import resolve, to_tvm
 from fuselight.tune.gemm import matmul_prim_func
 from tvm import tirx
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 
