@@ -28,6 +28,8 @@ class Kernel:
     vectorized: Counter  # extents of vectorized loops (8 halves: a 16-byte access)
     attrs: dict[str, Any]  # attribute statements inside the kernel (launch bounds), key -> value
     values: dict[str, list]  # buffer name -> the expressions stored to it
+    loads: dict[str, list]  # buffer name -> the index expressions it is read at
+    bounds: Counter  # constants c of the comparisons ``x < c`` (the guards of ragged edges)
 
     @property
     def outputs(self) -> set[str]:
@@ -73,7 +75,7 @@ def _is_grid(node: Any) -> bool:
 
 
 def _kernel(root: Any) -> Kernel:
-    k = Kernel({}, {}, Counter(), set(), Counter(), {}, {})
+    k = Kernel({}, {}, Counter(), set(), Counter(), {}, {}, {}, Counter())
 
     def visit(node: Any) -> None:
         if isinstance(node, tirx.For) and node.thread_binding is not None:
@@ -89,6 +91,10 @@ def _kernel(root: Any) -> Kernel:
                 k.allocs[buf.name] = (_scope(buf), str(buf.dtype), _shape(buf))
         elif isinstance(node, tirx.AllocBuffer):
             k.allocs[node.buffer.name] = (_scope(node.buffer), str(node.buffer.dtype), _shape(node.buffer))
+        elif isinstance(node, tirx.BufferLoad):
+            k.loads.setdefault(node.buffer.name, []).extend(node.indices)
+        elif isinstance(node, tirx.LT) and isinstance(node.b, tirx.IntImm):
+            k.bounds[int(node.b)] += 1
         elif isinstance(node, tirx.BufferStore):
             k.stores.add(node.buffer.name)
             k.values.setdefault(node.buffer.name, []).append(node.value)
@@ -100,6 +106,13 @@ def _kernel(root: Any) -> Kernel:
 
     stmt_functor.post_order_visit(root, visit)
     return k
+
+
+def constants(expr: Any) -> set[int]:
+    """The integer constants an expression contains."""
+    found: set[int] = set()
+    stmt_functor.post_order_visit(expr, lambda n: found.add(int(n)) if isinstance(n, tirx.IntImm) else None)
+    return found
 
 
 def kernels(func: tirx.PrimFunc) -> list[Kernel]:
