@@ -24,6 +24,7 @@ class Kernel:
     launch: dict[str, Any]  # thread tag -> extent, e.g. {"blockIdx.x": 256, "threadIdx.x": 512}
     allocs: dict[str, tuple[str, str, tuple]]  # buffer name -> (scope, dtype, shape)
     calls: Counter  # op name (an extern call: its function name) -> call sites
+    call_args: dict[str, list]  # op name -> the argument lists of its call sites
     stores: set[str]  # names of the buffers stored to
     vectorized: Counter  # extents of vectorized loops (8 halves: a 16-byte access)
     attrs: dict[str, Any]  # attribute statements inside the kernel (launch bounds), key -> value
@@ -75,7 +76,7 @@ def _is_grid(node: Any) -> bool:
 
 
 def _kernel(root: Any) -> Kernel:
-    k = Kernel({}, {}, Counter(), set(), Counter(), {}, {}, {}, Counter())
+    k = Kernel({}, {}, Counter(), {}, set(), Counter(), {}, {}, {}, Counter())
 
     def visit(node: Any) -> None:
         if isinstance(node, tirx.For) and node.thread_binding is not None:
@@ -103,6 +104,7 @@ def _kernel(root: Any) -> Kernel:
             if name in _EXTERN_OPS and isinstance(node.args[0], tirx.StringImm):
                 name = node.args[0].value
             k.calls[name] += 1
+            k.call_args.setdefault(name, []).append(list(node.args))
 
     stmt_functor.post_order_visit(root, visit)
     return k
