@@ -22,6 +22,7 @@ from fuselight.rules.gemm.plan import GemmPlan, check_plan
 from fuselight.rules.gemv import Gemv
 from fuselight.rules.matmul import Matmul
 from fuselight.target import resolve, to_tvm
+from tir_query import constants, kernel, kernels
 from tvm import relax, te, tirx
 from tvm.script import tirx as T
 
@@ -196,12 +197,13 @@ def _nvcc(src: str, tmp_path) -> None:
 @pytest.mark.parametrize("m", [1, 4])
 def test_gemv_rule_builds_the_paired_kernel(cuda, m: int) -> None:
     func = _fused_func(m, n=512, k=256)
-    sch = Gemv().apply(func, cuda, False)
-    assert sch is not None
-    src = _cuda_source(sch.mod["main"], cuda)
-    # One launch; both accumulators of an output combined by one thread (silu's exp in the epilogue).
-    # With the shipped buckets one token row streams whole rows, more run on the tensor cores.
-    assert "hexp" in src and ("mma.sync" in src) == (m > 1)
+    # One launch writing the 256 outputs only; both accumulators of an output combined by one thread
+    # (silu's sigmoid in the epilogue). With the shipped buckets one token row streams whole rows
+    # (a gate and an up sum a lane), more run on the tensor cores (4 floats a lane per 8 tokens, each half).
+    kern = kernel(Gemv().apply(func, cuda, False).mod["main"])
+    assert kern.outputs == {"silu_multiply"} and kern.calls["tirx.sigmoid"] == 1
+    assert ("tirx.ptx.mma_legacy" in kern.calls) == (m > 1)
+    assert kern.allocs["acc"] == ("local", "float32", (4 if m > 1 else 2,))
     assert Matmul().apply(func, cuda, False) is None  # static M below min_static_m: the Gemv rule's
 
 
@@ -212,12 +214,13 @@ def test_gemv_paired_kernel_compiles(cuda, tmp_path) -> None:
 
 def test_matmul_rule_builds_the_paired_wgmma_kernel(cuda) -> None:
     func = _fused_func(tirx.Var("seq_len", "int64"), n=1024, k=256)
-    sch = Matmul().apply(func, cuda, False)
-    assert sch is not None
-    src = _cuda_source(sch.mod["main"], cuda)
-    assert "wgmma.mma_async" in src and "hexp" in src
-    # Two B boxes a slot: the gate rows and the up rows pair_offset (512) further.
-    assert src.count("ptx_cp_async_bulk_tensor_g2s_cta_tile_2d((") >= 3 and "+ 512)" in src
+    gemms = [k for k in kernels(Matmul().apply(func, cuda, False).mod["main"]) if "tirx.ptx.wgmma_mma_async_ss" in k.calls]
+    assert gemms  # the GEMV's buckets below, a wgmma kernel for each range above
+    for kern in gemms:
+        assert kern.outputs - {"epi"} == {"silu_multiply"} and kern.calls["tirx.sigmoid"] == 1
+        # Three boxes a slot: A's rows, B's gate rows at n0 / 2, and its up rows pair_offset (512) further.
+        a_box, gate_box, up_box = (args[-1] for args in kern.call_args["tirx.ptx.cp_async_bulk_tensor_g2s_cta"])
+        assert 512 not in constants(gate_box) and 512 in constants(up_box)
 
 
 @needs_nvcc
