@@ -117,6 +117,19 @@ def constants(expr: Any) -> set[int]:
     return found
 
 
+def evaluate(expr: Any, values: dict[str, int]) -> int:
+    """``expr`` with its variables (by name) set to ``values``, folded to an int."""
+    from tvm import arith
+
+    names: dict[str, Any] = {}
+    stmt_functor.post_order_visit(expr, lambda n: names.setdefault(n.name, n) if isinstance(n, tirx.Var) else None)
+    missing = set(names) - set(values)
+    assert not missing, f"no value for {sorted(missing)} in {expr}"
+    bound = stmt_functor.substitute(expr, {v: tirx.const(values[name], v.ty.dtype if hasattr(v.ty, "dtype") else "int32")
+                                           for name, v in names.items()})
+    return int(arith.Analyzer().simplify(bound))
+
+
 def kernels(func: tirx.PrimFunc) -> list[Kernel]:
     """The kernels ``func`` launches, in program order (both arms of a host-side branch included)."""
     roots: list[Any] = []

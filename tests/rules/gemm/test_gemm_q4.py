@@ -16,6 +16,7 @@ import re
 import numpy as np
 import pytest
 from conftest import needs_nvcc
+from tir_query import evaluate, kernels
 from fuselight.paths import config_dir
 
 tvm = pytest.importorskip("tvm")
@@ -191,13 +192,20 @@ def test_rule_takes_mlcs_prefill_projection(cuda):
 
 def test_rule_takes_the_lm_head_with_a_symbolic_vocabulary(cuda):
     func = q4_linear(None, 4096, m=None, epilogue="cast_fp32")
-    kernel = _scheduled(func, cuda)
-    assert kernel is not None
-    src = _source(kernel, cuda)
-    assert "int64_t vocab_size" in src or "vocab_size" in kernel.script()
-    assert "fuselight_q4_dequant32_fp16(" in src
-    # The last column tile is clamped on load and stored one column at a time past the vocabulary.
-    assert "min(" in src
+    found = kernels(_scheduled(func, cuda))
+    # configs/gemm/gemv_q4.json's five buckets (M <= 1, 2, 4, 8, 16: the row template, then mma),
+    # then mma_sync_q4.json's four ranges; all write the logits only, over a grid that follows the
+    # vocabulary at run time.
+    assert len(found) == 5 + 4
+    for kern in found:
+        assert kern.outputs - {"C_smem"} == {"compute2"} and "vocab_size" in kern.launch["blockIdx.x"]
+    # The last row tile is clamped on load: a row past the vocabulary reads the last row's words
+    # (512 a row), whatever the lane's piece.
+    vocab = 1000
+    for index in found[0].loads["W"]:
+        last = evaluate(index, {"col0": vocab - 1, "j": 0, "p": 0, "e": 0, "vocab_size": vocab})
+        assert last == (vocab - 1) * 512
+        assert evaluate(index, {"col0": vocab + 7, "j": 0, "p": 0, "e": 0, "vocab_size": vocab}) == last
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import re
 import numpy as np
 import pytest
 from conftest import needs_nvcc
+from tir_query import evaluate, kernel
 
 tvm = pytest.importorskip("tvm")
 from fuselight.quant_prim_funcs import q4_linear
@@ -311,18 +312,16 @@ def test_nvcc_compiles_every_variant(cuda):
     assert compile_cuda(source, "sm_90")
 
 
-def _shipped_m1() -> gemv.GemvConfig:
-    return gemv.config_for(gemv.load_gemv_configs("sm_90", quantized=True), 1, 4096 // 16, 4096)
-
-
 def test_each_piece_reads_its_groups_scale(cuda):
-    # Lane l's piece at step 1 is 32 + l: group 32 -> scale 32 + l of the row; group 128 -> scale
-    # (32 + l) / 4 = 8 + l / 4 (one scale for 4 consecutive pieces).
-    g32 = _source(_scheduled(q4_linear(4096, 4096, group=32), cuda), cuda)
-    g128 = _source(_scheduled(q4_linear(4096, 4096, group=128), cuda), cuda)
-    rows = _shipped_m1().rows_per_warp  # a warp's rows: 128 (32) scales each
-    assert re.search(rf"sc_ptr\[1\] = S_ptr\[.*\* {128 * rows}\)\) \+ \(\(\(int\)threadIdx.x\) & 31\)\) \+ 32\)\];", g32)
-    assert re.search(rf"sc_ptr\[1\] = S_ptr\[.*\* {32 * rows}\)\) \+ \(\(\(\(int\)threadIdx.x\) & 31\) >> 2\)\) \+ 8\)\];", g128)
+    # A piece is 32 weights (4 packed words): piece p of row r reads scale r * K / group + 32 p / group
+    # (group 32: a scale a piece; group 128: one scale for 4 consecutive pieces).
+    for group in (32, 128):
+        kern = kernel(_scheduled(q4_linear(4096, 4096, group=group), cuda))
+        assert kern.loads["S"]
+        for index in kern.loads["S"]:
+            for row, piece in ((0, 0), (5, 1), (6, 7), (4095, 127)):
+                got = evaluate(index, {"col0": row, "j": 0, "p": piece})
+                assert got == row * (4096 // group) + piece * 32 // group, (group, row, piece)
 
 
 # ---- the arithmetic -------------------------------------------------------------------------
