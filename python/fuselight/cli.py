@@ -73,9 +73,11 @@ def cmd_bench_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_paged_build(args: argparse.Namespace) -> int:
-    from .bench.paged_attention import build_suite
+    from .bench.paged_attention import build_gpu_tier, build_suite
 
-    print(f"paged-attention suite built: {build_suite(Path(args.out), arch=args.arch)}")
+    manifests = build_gpu_tier(Path(args.out), args.arch) if args.gpu_tier else [build_suite(Path(args.out), arch=args.arch)]
+    for manifest in manifests:
+        print(f"paged-attention suite built: {manifest}")
     return 0
 
 
@@ -242,6 +244,8 @@ def _parser() -> argparse.ArgumentParser:
     pb = bsub.add_parser("paged-build", help="compile the KV-cache attention kernels, TVM's and ours")
     pb.add_argument("out", help="output directory")
     pb.add_argument("--arch", default="sm_90")
+    pb.add_argument("--gpu-tier", action="store_true",
+                    help="one suite per layout of the GPU test tier (paged_attention.gpu), into OUT/paged-<layout>/")
     pb.set_defaults(func=cmd_bench_paged_build)
     pr = bsub.add_parser("paged-run", help="check and time the KV-cache attention kernels (GPU host)")
     pr.add_argument("manifest", help="manifest.json written by 'bench paged-build'")

@@ -12,25 +12,14 @@ Skipped where there is no CUDA device or no build.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 import pytest
+from gpu_tier import BUILD, RESULTS, cuda_available
 
-BUILD = os.environ.get("FUSELIGHT_GPU_BUILD")
-MANIFEST = Path(BUILD) / "manifest.json" if BUILD else None
-
-
-def _cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
+MANIFEST = BUILD / "manifest.json" if BUILD else None
 
 pytestmark = pytest.mark.skipif(
-    MANIFEST is None or not MANIFEST.is_file() or not _cuda(),
+    MANIFEST is None or not MANIFEST.is_file() or not cuda_available(),
     reason="GPU tier: needs a CUDA device and FUSELIGHT_GPU_BUILD (built by 'fuselight bench build DIR --suite gpu')",
 )
 
@@ -50,7 +39,7 @@ def results(tmp_path_factory) -> tuple[list[dict], list[str]]:
 
     from fuselight.bench.kernels_run import run_suite
 
-    out = Path(os.environ.get("FUSELIGHT_GPU_RESULTS") or tmp_path_factory.mktemp("gpu") / "gpu-tests.json")
+    out = RESULTS or tmp_path_factory.mktemp("gpu") / "gpu-tests.json"
     records = run_suite(MANIFEST, out)
     return records, json.loads(out.read_text())["meta"]["failures"]
 
