@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 BUILD = Path(os.environ["FUSELIGHT_GPU_BUILD"]) if os.environ.get("FUSELIGHT_GPU_BUILD") else None
-# FUSELIGHT_GPU_RESULTS names the kernel suite's results file; each paged-attention layout's goes beside it.
+# FUSELIGHT_GPU_RESULTS names the kernel suite's results file; the paged-attention layouts' go beside it.
 RESULTS = Path(os.environ["FUSELIGHT_GPU_RESULTS"]) if os.environ.get("FUSELIGHT_GPU_RESULTS") else None
 
 

@@ -4,8 +4,9 @@ groups 1, 3, 4 and 7), at prime and page-edge lengths, against float64 with outp
 K/V rows) poisoned first (``bench.paged_attention``).
 
 Built on the build host by ``fuselight bench paged-build DIR --gpu-tier`` (``DIR/paged-<layout>/``);
-point ``FUSELIGHT_GPU_BUILD`` at DIR. Each layout's results go beside ``FUSELIGHT_GPU_RESULTS``
-(``<stem>-paged-<layout>.json``). Skipped where there is no CUDA device or no such build.
+point ``FUSELIGHT_GPU_BUILD`` at DIR. The results (pass/fail and error per point and layout) go
+beside ``FUSELIGHT_GPU_RESULTS``, as ``<stem>-paged.json``. Skipped where there is no CUDA device or
+no such build.
 """
 
 from __future__ import annotations
@@ -24,28 +25,31 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict:
-    """Each layout run once, when first asked for: ``layout -> (records, failures)``."""
-    return {}
-
-
-def _run(layout: str, runs: dict, tmp_path_factory) -> tuple[list[dict], list[str]]:
+def runs(tmp_path_factory) -> dict[str, tuple[list[dict], list[str]]]:
+    """Every layout run once: ``layout -> (records, failures)``; all of them written to one results
+    file, ``<FUSELIGHT_GPU_RESULTS stem>-paged.json`` (each record's case prefixed by its layout)."""
     from fuselight.bench.paged_attention import run_suite
+    from fuselight.bench.results import write_results
 
-    if layout not in runs:
-        folder = RESULTS.parent if RESULTS else tmp_path_factory.mktemp("gpu")
-        stem = RESULTS.stem if RESULTS else "gpu-tests"
-        out = folder / f"{stem}-{layout}.json"
-        records = run_suite(BUILD / layout / "manifest.json", out)
-        runs[layout] = records, json.loads(out.read_text())["meta"]["failures"]
-    return runs[layout]
+    tmp = tmp_path_factory.mktemp("paged")
+    found, records, failures = {}, [], []
+    for layout in LAYOUTS:
+        out = tmp / f"{layout}.json"
+        layout_records = run_suite(BUILD / layout / "manifest.json", out)
+        layout_failures = json.loads(out.read_text())["meta"]["failures"]
+        found[layout] = layout_records, layout_failures
+        records += [{**r, "case": f"{layout}/{r['case']}"} for r in layout_records]
+        failures += [f"{layout}/{f}" for f in layout_failures]
+    path = RESULTS.with_name(f"{RESULTS.stem}-paged.json") if RESULTS else tmp / "gpu-tests-paged.json"
+    write_results(path, records, {"suite": "paged_attention", "layouts": LAYOUTS, "failures": failures})
+    return found
 
 
 @pytest.mark.parametrize("layout", LAYOUTS or ["(no build)"])
-def test_layout_matches_float64(layout: str, runs: dict, tmp_path_factory) -> None:
+def test_layout_matches_float64(layout: str, runs: dict) -> None:
     from fuselight.bench.paged_attention import load_points
 
-    records, failures = _run(layout, runs, tmp_path_factory)
+    records, failures = runs[layout]
     points = {p.name for p in load_points("gpu")[1]}
     # Every point ran for TVM's kernels and ours: nothing skipped silently.
     for impl in ("baseline", "fuselight"):
