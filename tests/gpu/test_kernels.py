@@ -1,7 +1,7 @@
 """The GPU tier, kernel suite: GEMMs (fp16 mma.sync and wgmma from the smallest tile to the largest,
 q4f16_1 / q4bf16_1), GEMVs (the row and mma templates), gate+up SiLU-mul, RMSNorm and add+RMSNorm,
 softmax, flash prefill and split-KV decode (GQA groups 1 to 7, head dim 64 and 128), fp16 and bf16,
-run on the GPU against float64, outputs poisoned first (the KV-cache kernels: test_paged_attention.py).
+run on the GPU against float64, outputs poisoned first (the KV-cache kernels: test_kv_cache_kernels.py).
 
 Runs on the GPU host with the runtime-only TVM, over libraries built on the build host by one
 command (``fuselight bench build DIR --suite gpu``: the ``gpu`` suite of ``configs/bench.json``, both
