@@ -59,7 +59,7 @@ class ApplyFusionPlan:
     and ``skipped`` list the groups of two or more bindings (``Outlined``)."""
 
     def __init__(
-        self, dims: Mapping[str, int] | None = None, arch: str = "sm_90", decide_yellow: YellowHook | None = None
+        self, dims: Mapping[str, int] | None = None, arch: str | None = None, decide_yellow: YellowHook | None = None
     ) -> None:
         self.dims = dict(dims) if dims is not None else None
         self.arch = arch
@@ -203,13 +203,23 @@ def _outline(builder, checked: _BuildCheck, index: _Bindings, group: Group, reco
             record.reason = f"{b.var.name} is not an op call"
             return None
     member_vars = {b.var for b in members}
-    # Inputs: vars from outside the group, and constants (FuseTIR takes none inside a Primitive
-    # function: passed in as parameters, as FuseOps lifts them).
+    # Inputs: vars from outside the group, in the order the group's op calls read them (a field of
+    # a tuple taken by a member counts where a call reads it, as FuseOps orders them: so a matmul's
+    # operands come first, where MLC-LLM's FuseDequantizeMatmulEwise looks for them), and constants
+    # (FuseTIR takes none inside a Primitive function: passed in as parameters, as FuseOps lifts them).
+    fields = {b.var for b in members if isinstance(b.value, relax.TupleGetItem)}
     inputs: dict[relax.Expr, None] = {}
-    for b in members:
+
+    def read(var: relax.Var) -> None:
+        if var in fields:
+            for v in index.reads[var]:
+                read(v)
+        elif var not in member_vars:
+            inputs[var] = None
+
+    for b in [b for b in members if b.var not in fields] + [b for b in members if b.var in fields]:
         for v in index.reads[b.var]:
-            if v not in member_vars:
-                inputs[v] = None
+            read(v)
         for leaf in _leaves(b.value):
             if isinstance(leaf, relax.Constant):
                 inputs[leaf] = None

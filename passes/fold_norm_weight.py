@@ -55,12 +55,14 @@ class FoldNormWeight:
     """Fold RMSNorm weights into the following linear layers' weights where no worse;
     ``self.folded`` lists ``(function, norm weight binding name)``."""
 
-    def __init__(self, arch: str = "sm_90") -> None:
-        self.cost = WeightCost(arch)
+    def __init__(self, arch: str | None = None) -> None:
+        self.arch = arch  # None: the target's in scope when the pass runs
+        self.cost: WeightCost | None = None
         self.folded: list[tuple[str, str]] = []
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.folded = []
+        self.cost = WeightCost(self.arch)
         out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
         for gv, func in mod.functions_items():
             if not isinstance(func, relax.Function):

@@ -21,7 +21,12 @@ stays as it is. ``FuseGateUpSiLU(schedule=False)`` fuses wherever it matches (an
 the plain TE function, e.g. to check the numbers on the CPU). Runs before ``FuseTransposeMatmul``
 (which lowers linear layers to TIR). Only exact matches change: two equal halves of a static even
 width, SiLU on the first half, every intermediate used by the chain alone, a weight the function
-loads (``weight_source``: a dequantized weight stays with its matmul, which MLC fuses with it).
+loads or a 4-bit weight dequantized (from loaded packed words and scales) for this matmul alone
+(``weight_source.dequantized_weight``): the dequantize then comes along into the fused function,
+which reads the packed words and scales (``computations.with_dequantized_weight``), so the
+dequantized weight is never written; where the rules' analysis does not see that dequantize in
+the fused function (another format), or no rule takes it (the templates for a dequantized B
+with symbolic M take no paired epilogue), the graph stays as it is.
 """
 
 from __future__ import annotations
@@ -30,16 +35,18 @@ import dataclasses
 from typing import Any
 
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 
-from ..computations import gate_up_silu_prim_func
+from ..computations import gate_up_silu_prim_func, with_dequantized_weight
 from ..contracts import GATE_UP_SILU_NAME as PRIMFUNC_NAME
 from ..contracts import OP_PATTERN_ATTR, OPAQUE_OP_PATTERN, RULE_ATTR
 from ..relax_rewrite import FunctionRewriter, rewrite_for_target
+from ..rules.gemm.analysis import analyze_matmul
 from ..rules.gemv import Gemv
 from ..rules.matmul import Matmul
-from .weight_source import loaded_weight
+from .weight_source import dequantized_weight, loaded_weight, use_counts
 
 # The rules that schedule the fused function, in phase 4's order.
 RULES = (Matmul, Gemv)
@@ -50,6 +57,7 @@ RULE_FAMILY = "gemm"
 class _Match:
     x: relax.Expr
     w: relax.Expr  # [2I, K]
+    dequantize: relax.Call | None  # the call computing ``w`` from packed words and scales, if it does
     acc_dtype: str  # the matmul's output dtype (what it accumulates in)
     out_dtype: str  # after the graph's cast, if any
 
@@ -68,17 +76,6 @@ def _shape(expr: Any) -> list[Any] | None:
     if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
         return None
     return list(ty.shape.values)
-
-
-def _uses(func: relax.Function) -> dict[relax.Var, int]:
-    counts: dict[relax.Var, int] = {}
-
-    def visit(expr: Any) -> None:
-        if isinstance(expr, relax.Var):
-            counts[expr] = counts.get(expr, 0) + 1
-
-    relax.analysis.post_order_visit(func.body, visit)
-    return counts
 
 
 def _match(mul: relax.Call, var2val: Any, uses: dict[relax.Var, int]) -> _Match | None:
@@ -137,9 +134,10 @@ def _match(mul: relax.Call, var2val: Any, uses: dict[relax.Var, int]) -> _Match 
             continue
         if _static_int(w_shape[0]) != width or _static_int(w_shape[1]) is None:
             continue
-        if not loaded_weight(w, var2val):
-            continue  # a computed weight (a dequantize) stays fused with its matmul
-        return _Match(x=x, w=w, acc_dtype=str(matmul.ty.dtype), out_dtype=out_dtype)
+        dequantize = dequantized_weight(w, var2val, uses)
+        if dequantize is None and not loaded_weight(w, var2val):
+            continue  # a computed weight this pass cannot carry stays with its matmul
+        return _Match(x=x, w=w, dequantize=dequantize, acc_dtype=str(matmul.ty.dtype), out_dtype=out_dtype)
     return None
 
 
@@ -160,10 +158,11 @@ class _Rewriter(FunctionRewriter):
         super().__init__(mod)
         self.target = target  # None: fuse wherever it matches, untagged
         self.matches: dict[relax.Call, _Match] = {}
+        self.kernels: dict[tuple, tvm.ir.GlobalVar | None] = {}
         for _, func in mod.functions_items():
             if not isinstance(func, relax.Function):
                 continue
-            var2val, uses = relax.analysis.get_var2val(func), _uses(func)
+            var2val, uses = relax.analysis.get_var2val(func), use_counts(func)
             for value in var2val.values():
                 if _op(value, "relax.multiply"):
                     found = _match(value, var2val, uses)
@@ -174,14 +173,34 @@ class _Rewriter(FunctionRewriter):
         found = self.matches.get(call)
         if found is None:
             return super().visit_call_(call)
+        gv = self._kernel(found)
+        if gv is None:
+            return super().visit_call_(call)
+        weights = [found.w] if found.dequantize is None else list(found.dequantize.args[1].fields)
+        # Typed by the graph's own shape variables (the function may have been made for another's).
+        x_shape, width = _shape(found.x), _shape(found.w)[0]
+        out_ty = relax.TensorType([*x_shape[:-1], tirx.IntImm(str(width.ty.dtype), int(width) // 2)], found.out_dtype)
+        return relax.call_tir(gv, [self.visit_expr(e) for e in (found.x, *weights)], out_ty)
+
+    def _kernel(self, found: _Match) -> tvm.ir.GlobalVar | None:
+        """The fused function's GlobalVar (added once per distinct computation), or None where it is
+        not made: a dequantize the rules' analysis does not see in it, or no rule takes it."""
+        deq = None if found.dequantize is None else found.dequantize.args[0]
+        key = (*(tvm_ffi.structural_hash(e.ty) for e in (found.x, found.w)), found.acc_dtype, found.out_dtype, deq)
+        if key in self.kernels:
+            return self.kernels[key]
         func = gate_up_silu_prim_func(_shape(found.x), str(found.x.ty.dtype), _shape(found.w), str(found.w.ty.dtype),
                                       found.acc_dtype, found.out_dtype)
-        if self.target is not None:
-            if not any(rule.takes(func, self.target) for rule in RULES):
-                return super().visit_call_(call)
-            func = func.with_attrs({RULE_ATTR: RULE_FAMILY, OP_PATTERN_ATTR: OPAQUE_OP_PATTERN})
-        gv = self.builder_.add_func(func, PRIMFUNC_NAME)
-        out = func.params[-1]
-        return relax.call_tir(
-            gv, [self.visit_expr(found.x), self.visit_expr(found.w)], relax.TensorType(list(out.ty.shape), found.out_dtype)
-        )
+        if deq is not None:
+            dequantize = self.mod[deq]
+            func = with_dequantized_weight(func, dequantize) if isinstance(dequantize, tirx.PrimFunc) else None
+            desc = None if func is None else analyze_matmul(func, dequant=True)
+            if desc is None or desc.operands.dequant is None:
+                func = None  # a dequantize the rules would not see: unfused
+        if func is not None and self.target is not None:
+            if any(rule.takes(func, self.target) for rule in RULES):
+                func = func.with_attrs({RULE_ATTR: RULE_FAMILY, OP_PATTERN_ATTR: OPAQUE_OP_PATTERN})
+            else:
+                func = None
+        self.kernels[key] = None if func is None else self.builder_.add_func(func, PRIMFUNC_NAME)
+        return self.kernels[key]

@@ -10,11 +10,15 @@ GEMV whose kernel reads the normed row anyway. This pass finds::
                                         # (FuseGateUpSiLU's unscheduled function included)
     z = astype(astype(y ...))           # casts of y, each the only use of the one before (optional)
 
-where ``normed`` has no other use, the token rows are static and ``W`` is a weight the function loads
-(``weight_source``: a dequantized one stays fused with its matmul), and replaces them with one
-``call_tir`` of a PrimFunc ``(x[, r], w, W) -> (z[, x + r])`` written plainly
+where ``normed`` has no other use, the token rows are static and ``W`` is a weight the function loads,
+and replaces them with one ``call_tir`` of a PrimFunc ``(x[, r], w, W) -> (z[, x + r])`` written plainly
 (``fuselight.computations.fused_norm_matmul``: TOPI's add and rms_norm, ``F``'s own stages reading
-the norm, the casts; spliced by FuseTIR), left unscheduled for the GEMV rule in phase 4 (tagged
+the norm, the casts; spliced by FuseTIR). A 4-bit weight comes along with its dequantize: ``W``
+computed by a dequantize call of loaded packed words and scales, used by ``F`` alone
+(``weight_source.dequantized_weight``), or ``F`` dequantizing them itself (``F(normed, q, s)``,
+FuseGateUpSiLU's function for a quantized weight): the fused PrimFunc then reads the packed words
+and scales, ``(x[, r], w, q, s)``, and the dequantized weight is never written (it would be if the
+norm's GEMV read it alone). The fused function is left unscheduled for the GEMV rule in phase 4 (tagged
 ``RULE_ATTR = "gemv"``, opaque to FuseOps), whose template computes the norm in every block
 (``rules.gemm.gemv``). Only where that rule takes it (``Gemv.takes``: analysis and configs, nothing
 built): the other GEMM templates take no norm prologue, so the fused function must never reach them
@@ -36,14 +40,14 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 
-from ..computations import fused_norm_matmul
+from ..computations import fused_norm_matmul, with_dequantized_weight
 from ..contracts import IS_SCHEDULED_ATTR, OP_PATTERN_ATTR, OPAQUE_OP_PATTERN, RULE_ATTR
 from ..contracts import NORM_GEMV_NAME as PRIMFUNC_NAME
 from ..relax_rewrite import FunctionRewriter, rewrite_for_target
 from ..rules.gemm.analysis import analyze_matmul
 from ..rules.gemv import Gemv
 from .add_rms_norm_kernels import add_rms_norm_eps
-from .weight_source import loaded_weight
+from .weight_source import dequantized_weight, loaded_weight, use_counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +60,8 @@ class _Site:
     residual: relax.Expr | None
     weight: relax.Expr
     eps: float
-    consumer: tirx.PrimFunc  # plain: (A, W) -> y
-    matrix: relax.Expr
+    consumer: tirx.PrimFunc  # plain: (A, *matrices) -> y, the dequantize included where there is one
+    matrices: tuple[relax.Expr, ...]  # the weight, or its packed words and scales
     casts: tuple[str, ...]
     final: relax.Var  # the binding the GEMV's result replaces
     dropped: tuple[relax.Var, ...]  # bindings that vanish (the norm, the matmul, the casts before final)
@@ -100,8 +104,7 @@ class _Finder:
         self.var2val = relax.analysis.get_var2val(func)
         self.order: dict[relax.Var, int] = {}
         self.users: dict[relax.Var, list[relax.Var]] = {}
-        self.uses: dict[relax.Var, int] = {}
-        relax.analysis.post_order_visit(func.body, self._count)
+        self.uses = use_counts(func)
         bindings = [b for block in func.body.blocks for b in block.bindings]
         for i, b in enumerate(bindings):
             self.order[b.var] = i
@@ -112,10 +115,6 @@ class _Finder:
             site = self._site(b.var, b.value)
             if site is not None and all(not s.anchor.same_as(site.anchor) for s in self.sites):
                 self.sites.append(site)
-
-    def _count(self, node: Any) -> None:
-        if isinstance(node, relax.Var):
-            self.uses[node] = self.uses.get(node, 0) + 1
 
     def _before(self, expr: Any, anchor: relax.Var) -> bool:
         """Whether ``expr`` is defined before ``anchor`` (a parameter, or bound earlier)."""
@@ -129,16 +128,23 @@ class _Finder:
         if not _op(value, "relax.call_tir") or not isinstance(value.args[0], tvm.ir.GlobalVar):
             return None
         args = list(value.args[1].fields)
-        if len(args) != 2 or not isinstance(args[0], relax.Var) or self._only_user(args[0]) is None:
+        if len(args) < 2 or not isinstance(args[0], relax.Var) or self._only_user(args[0]) is None:
             return None
-        normed, matrix = args
-        if not loaded_weight(matrix, self.var2val):
-            return None  # a computed weight (a dequantize) stays fused with its matmul
-        consumer = self.consumer_of(value.args[0])
+        normed, matrices = args[0], tuple(args[1:])
+        dequantize = dequantized_weight(matrices[0], self.var2val, self.uses) if len(matrices) == 1 else None
+        if dequantize is not None:
+            # Carried along: the fused function dequantizes the packed words it reads.
+            computed = [matrices[0]]
+            matrices = tuple(dequantize.args[1].fields)
+        elif not all(loaded_weight(m, self.var2val) for m in matrices):
+            return None  # a computed weight this pass cannot carry stays with its matmul
+        else:
+            computed = []
+        consumer = self.consumer_of(value.args[0], None if dequantize is None else dequantize.args[0])
         shape = _static_shape(normed)
         if consumer is None or shape is None:
             return None
-        casts, final, dropped = [], var, [normed, var]
+        casts, final, dropped = [], var, [normed, var, *computed]
         while (user := self._only_user(final)) is not None and _op(self.var2val.get(user), "relax.astype"):
             casts.append(str(self.var2val[user].attrs.dtype))
             final = user
@@ -149,9 +155,9 @@ class _Finder:
             return None
         kind, anchor, x, residual, weight, eps = norm
         # The fused call goes where the norm (or its add) was: what it reads must be there already.
-        if not (self._before(matrix, anchor) and self._before(weight, anchor)):
+        if not all(self._before(e, anchor) for e in (*matrices, weight)):
             return None
-        return _Site(anchor, kind, x, residual, weight, eps, consumer, matrix, tuple(casts), final, tuple(dropped))
+        return _Site(anchor, kind, x, residual, weight, eps, consumer, matrices, tuple(casts), final, tuple(dropped))
 
     def _norm(self, normed: relax.Var) -> tuple[str, relax.Var, Any, Any, Any, float] | None:
         value = self.var2val.get(normed)
@@ -188,7 +194,7 @@ class _Rewriter(FunctionRewriter):
     def __init__(self, mod: tvm.IRModule, target: tvm.target.Target | None) -> None:
         super().__init__(mod)
         self.target = target  # None: fuse wherever recognised, untagged
-        self.consumers: dict[tvm.ir.GlobalVar, tirx.PrimFunc | None] = {}
+        self.consumers: dict[tuple, tirx.PrimFunc | None] = {}
         self.kernels: dict[tuple, tvm.ir.GlobalVar | None] = {}
         self.anchors: dict[relax.Var, _Site] = {}
         self.finals: dict[relax.Var, _Site] = {}
@@ -202,30 +208,37 @@ class _Rewriter(FunctionRewriter):
                         self.finals[site.final] = site
                         self.dropped.update(site.dropped)
 
-    def _consumer(self, gv: tvm.ir.GlobalVar) -> tirx.PrimFunc | None:
-        """The plain matmul function ``gv`` computes, or None."""
-        if gv not in self.consumers:
-            func = self.mod[gv]
+    def _consumer(self, gv: tvm.ir.GlobalVar, dequantize: tvm.ir.GlobalVar | None) -> tirx.PrimFunc | None:
+        """The plain matmul function ``(A, *matrices) -> y`` that ``gv`` computes (after ``dequantize``,
+        spliced in front, where its weight is dequantized by that call), or None."""
+        key = (gv, dequantize)
+        if key not in self.consumers:
+            func, deq = self.mod[gv], None if dequantize is None else self.mod[dequantize]
             plain = None
-            if isinstance(func, tirx.PrimFunc) and IS_SCHEDULED_ATTR not in (func.attrs or {}):
-                desc = analyze_matmul(func)
+            if all(isinstance(f, tirx.PrimFunc) and IS_SCHEDULED_ATTR not in (f.attrs or {}) for f in (func, deq or func)):
+                if deq is not None and len(func.params) == 3:
+                    func = with_dequantized_weight(func, deq)
+                desc = analyze_matmul(func, dequant=True)
                 ops = desc.operands if desc is not None else None
-                if ops is not None and len(func.params) == 3 and ops.a.same_as(func.params[0]) \
-                        and ops.b.same_as(func.params[1]):
+                inputs = None if ops is None else [ops.a, ops.b] if ops.dequant is None else [ops.a, ops.b, ops.dequant.scale]
+                # Only the dequantizes the GEMV templates recognise travel: (A, q, s) -> y.
+                if inputs is not None and (deq is None or ops.dequant is not None) \
+                        and len(func.params) == len(inputs) + 1 and func.params[0].same_as(inputs[0]) \
+                        and all(any(p.same_as(b) for b in inputs[1:]) for p in func.params[1:-1]):
                     plain = func
-            self.consumers[gv] = plain
-        return self.consumers[gv]
+            self.consumers[key] = plain
+        return self.consumers[key]
 
     def _kernel(self, site: _Site) -> tvm.ir.GlobalVar | None:
         """The fused function's GlobalVar (added once per distinct computation), or None where it is
         not made: not recognised with static rows, or not taken by the GEMV rule."""
         key = (site.residual is not None, site.eps, tuple(site.casts),
-               *(tvm_ffi.structural_hash(e.ty) for e in (site.x, site.weight, site.matrix)),
+               *(tvm_ffi.structural_hash(e.ty) for e in (site.x, site.weight, *site.matrices)),
                tvm_ffi.structural_hash(site.consumer))
         if key not in self.kernels:
             func = fused_norm_matmul(site.x.ty, site.residual is not None, site.weight.ty, site.eps,
-                                     site.consumer, site.matrix.ty, site.casts)
-            desc = analyze_matmul(func, prologue=True)
+                                     site.consumer, [m.ty for m in site.matrices], site.casts)
+            desc = analyze_matmul(func, prologue=True, dequant=True)
             if desc is None or desc.m_static is None:
                 func = None
             elif self.target is not None:
@@ -245,7 +258,7 @@ class _Rewriter(FunctionRewriter):
         var = binding.var
         if var in self.anchors:
             site = self.anchors[var]
-            args = [self.visit_expr(e) for e in (site.x, site.residual, site.weight, site.matrix) if e is not None]
+            args = [self.visit_expr(e) for e in (site.x, site.residual, site.weight, *site.matrices) if e is not None]
             final_ty = relax.TensorType(list(site.final.ty.shape.values), site.final.ty.dtype)
             out_ty = [final_ty, relax.TensorType(list(site.x.ty.shape.values), site.x.ty.dtype)] \
                 if site.residual is not None else final_ty

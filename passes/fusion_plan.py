@@ -116,11 +116,12 @@ def yellow_cost(producer: OpInfo, consumer: OpInfo, dims: Mapping[str, int], con
 def plan_fusion(
     mod: tvm.IRModule,
     dims: Mapping[str, int],
-    arch: str = "sm_90",
+    arch: str | None = None,
     decide_yellow: YellowHook | None = None,
 ) -> dict[str, list[Group]]:
     """Fusion groups of every Relax function of ``mod`` (singletons included), costs evaluated with
-    the symbolic dims bound to ``dims`` (names missing there make yellow edges red)."""
+    the symbolic dims bound to ``dims`` (names missing there make yellow edges red); ``arch``: the
+    cost model's (None: the target's in scope, ``cost_model.arch_in_scope``)."""
     config = cost_model.load(arch)
     return {
         name: _plan(infos, dims, config, decide_yellow) for name, infos in classify_module(mod).items()

@@ -52,12 +52,14 @@ class MergeSiblingMatmuls:
     """Merge linear layers sharing an input where no worse; ``self.merged`` lists the groups merged
     as ``(function, [weight binding names])``."""
 
-    def __init__(self, arch: str = "sm_90") -> None:
-        self.cost = WeightCost(arch)
+    def __init__(self, arch: str | None = None) -> None:
+        self.arch = arch  # None: the target's in scope when the pass runs
+        self.cost: WeightCost | None = None
         self.merged: list[tuple[str, list[str]]] = []
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         self.merged = []
+        self.cost = WeightCost(self.arch)
         out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
         for gv, func in mod.functions_items():
             if not isinstance(func, relax.Function):

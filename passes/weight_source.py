@@ -2,9 +2,11 @@
 
 Every fusion that takes a weight operand into a new kernel must ask first. A weight the function
 loads (a parameter, or a field of the parameter tuple MLC-LLM packs its weights in) can move into
-any kernel. A computed one, such as 4-bit packed words dequantized to float16, cannot: the new
-kernel would read the float16 tensor, so the dequantize would run alone and write every weight to
-memory in float16 (4x the packed bytes, each step), where MLC's phase 3 fuses it into its matmul.
+any kernel. A computed one, such as 4-bit packed words dequantized to float16, cannot move alone:
+the new kernel would read the float16 tensor, so the dequantize would run alone and write every
+weight to memory in float16 (4x the packed bytes, each step), where MLC's phase 3 fuses it into its
+matmul. A fusion may carry the dequantize into its kernel instead (``dequantized_weight``: the
+call computing it from loaded tensors, used by nothing else).
 
 ``materialized_weights(mod)`` is the check of the whole pipeline's result: every ``call_tir`` that
 reads a packed integer tensor and writes a floating tensor of 2, 4 or 8 elements for each packed one
@@ -32,6 +34,31 @@ def loaded_weight(expr: relax.Expr, var2val: Mapping[relax.Var, relax.Expr]) -> 
         if isinstance(expr, relax.TupleGetItem):
             expr = expr.tuple_value
     return isinstance(expr, relax.Var)
+
+
+def dequantized_weight(expr: relax.Expr, var2val: Mapping[relax.Var, relax.Expr],
+                       uses: Mapping[relax.Var, int]) -> relax.Call | None:
+    """The ``call_tir`` computing the weight ``expr`` by a dequantize (``computes_dequantize``) of
+    tensors the function loads, where ``expr`` has no use (``uses``: the function's count of each
+    variable's uses) but the one being fused, so a fusion can carry the call into its kernel; else None."""
+    if not isinstance(expr, relax.Var) or uses.get(expr, 0) != 1:
+        return None
+    call = var2val.get(expr)
+    if not computes_dequantize(call) or not isinstance(call.args[0], tvm.ir.GlobalVar):
+        return None
+    return call if all(loaded_weight(a, var2val) for a in call.args[1].fields) else None
+
+
+def use_counts(func: relax.Function) -> dict[relax.Var, int]:
+    """How often each variable of ``func`` is used."""
+    counts: dict[relax.Var, int] = {}
+
+    def visit(expr: relax.Expr) -> None:
+        if isinstance(expr, relax.Var):
+            counts[expr] = counts.get(expr, 0) + 1
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return counts
 
 
 @dataclasses.dataclass(frozen=True)

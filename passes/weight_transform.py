@@ -27,15 +27,15 @@ from .classify import classify_binding
 from .property_rewrite import no_worse
 
 
-def launch_bytes(arch: str) -> int:
-    """Bytes of memory traffic one kernel launch is worth on ``arch``."""
+def launch_bytes(arch: str | None = None) -> int:
+    """Bytes of memory traffic one kernel launch is worth on ``arch`` (None: the target's in scope)."""
     return cost_model.load(arch).launch_bytes
 
 
 class WeightCost:
     """``(FLOPs, bytes + launches x launch bytes)`` of bindings, computations on weights free."""
 
-    def __init__(self, arch: str) -> None:
+    def __init__(self, arch: str | None) -> None:
         self.launch_bytes = launch_bytes(arch)
 
     def no_worse(self, func: relax.Function, new: list, old: list, weights: set[relax.Var]) -> bool:

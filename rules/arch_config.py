@@ -1,30 +1,68 @@
-"""Reading a kernel template's tile config for a target arch from ``configs/<family>/<name>.json``."""
+"""Every rule family's config for a target arch: the measured entry of ``configs/<family>/<name>.json``
+where the arch has one, else the analytic one below, computed from the device model
+(``fuselight.device``).
+
+Only sm_90 is measured (the GPU host's); an arch that is described but unmeasured (sm_80, sm_86,
+sm_89) gets configs that fit its shared memory, registers and threads, with grid sizes from its SM
+count. An arch without a description gets no config: the
+rules then leave its functions to DLight. A template's shared-memory formula stays with the
+template; the analytic functions take it as an argument. The choices that do not depend on the
+device (warps, unrolls, split bounds: those measured best on sm_90) are each file's ``analytic``
+entry, not code.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
+from fuselight.device import DeviceModel, device_model
 from fuselight.errors import FuselightError
 from fuselight.jsonfile import read_json_object
 from fuselight.paths import config_dir
 
 C = TypeVar("C")
+ANALYTIC = "analytic"  # the key of a config file's arch-independent choices
+Analytic = Callable[[DeviceModel, Any], Any]  # (device, the file's "analytic" entry) -> the arch's entry
+TileBytes = Callable[[dict[str, int]], int]
 
 
-def load_arch_config(family: str, name: str, arch: str, cls: type[C], *keys: str) -> C:
-    """``cls`` built from ``configs/<family>/<name>.json`` at ``[arch][keys...]``; every field a positive
+def arch_entry(path: Path, arch: str, analytic: Analytic) -> tuple[Any, str]:
+    """The config file ``path``'s entry for ``arch`` where measured, else, for a described arch,
+    ``analytic(device, template)`` of the file's ``analytic`` entry (the arch-independent choices),
+    with where it came from (for errors); FuselightError for an undescribed arch."""
+    node: Any = read_json_object(path, missing=f"config not found: {path}")
+    if arch in node:
+        return node[arch], f"{path}[{arch!r}]"
+    device = device_model(arch)
+    if device is None:
+        raise FuselightError(f"{path}: no entry {arch!r} and no device description of it (unsupported target arch)")
+    if not isinstance(node.get(ANALYTIC), dict):
+        raise FuselightError(f"{path}: no entry {arch!r} and no {ANALYTIC!r} entry to derive one from")
+    try:
+        return analytic(device, node[ANALYTIC]), f"{path}[{ANALYTIC!r}] for {arch}"
+    except (KeyError, TypeError, ValueError) as err:
+        raise FuselightError(f"{path}[{ANALYTIC!r}]: malformed ({err!r})") from None
+
+
+def load_arch_config(family: str, name: str, arch: str, cls: type[C], *keys: str, analytic: Analytic) -> C:
+    """``cls`` built from the arch's entry (``arch_entry``) at ``[keys...]``; every field a positive
     int (a field with a default may be left out).
 
     family: the template family (``attention``, ``gemm``); name: the config file in it.
     """
-    path = config_dir() / family / f"{name}.json"
-    node: Any = read_json_object(path, missing=f"{family} config not found: {path}")
-    where = str(path)
-    for key in (arch, *keys):
+    node, where = arch_entry(config_dir() / family / f"{name}.json", arch, analytic)
+    for key in keys:
         if not isinstance(node, dict) or key not in node:
-            raise FuselightError(f"{where}: no entry {key!r} (unsupported target arch or shape)")
+            raise FuselightError(f"{where}: no entry {key!r} (unsupported shape)")
         node, where = node[key], f"{where}[{key!r}]"
+    return from_fields(cls, node, where)
+
+
+def from_fields(cls: type[C], node: Any, where: str) -> C:
+    """``cls(**node)`` where every field is a positive int (a field with a default may be left out)."""
     if not isinstance(node, dict):
         raise FuselightError(f"{where}: must be an object")
     values = {}
@@ -36,3 +74,121 @@ def load_arch_config(family: str, name: str, arch: str, cls: type[C], *keys: str
             raise FuselightError(f"{where}: field {field.name!r} must be a positive integer, got {v!r}")
         values[field.name] = v
     return cls(**values)
+
+
+# --- the analytic configs, one function per config file --------------------------------------
+
+
+def _plain(t: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in t.items() if not k.startswith("_")}
+
+
+def prefill(device: DeviceModel, t: dict, head_dims: tuple[int, ...], smem: Callable[[int, int, int], int]) -> dict:
+    """Flash prefill: ``t["warps"]``, the first of ``t["tile_kv"]`` whose ``smem(warps, tile_kv,
+    head_dim)`` fits the device's static shared memory of a block."""
+    out = {}
+    for head_dim in head_dims:
+        tile_kv = next((kv for kv in t["tile_kv"] if smem(t["warps"], kv, head_dim) <= device.smem_per_block), None)
+        if tile_kv is not None:
+            out[str(head_dim)] = {"warps": t["warps"], "tile_kv": tile_kv}
+    return out
+
+
+def decode(device: DeviceModel, t: dict) -> dict:
+    """Split-KV decode: split until ``blocks_per_sm`` blocks an SM."""
+    fields = _plain(t)
+    return {**fields, "target_blocks": fields.pop("blocks_per_sm") * device.sms}
+
+
+def rope_append(device: DeviceModel, t: dict) -> dict:
+    """RoPE + append: ``warps`` warps a block."""
+    return {"threads": t["warps"] * device.warp_size}
+
+
+def rowwise(device: DeviceModel, t: dict) -> dict:
+    """Row reductions: block sizes in warps; rows split while fewer than ``below_rows_per_sm`` an
+    SM, until ``blocks_per_sm`` blocks an SM."""
+    row, split = _plain(t["row"]), _plain(t["split"])
+    return {
+        "row": {**row, "block_threads": row.pop("block_warps") * device.warp_size},
+        "split": {**split, "split_threads": split.pop("split_warps") * device.warp_size,
+                  "below_rows": split.pop("below_rows_per_sm") * device.sms,
+                  "target_blocks": split.pop("blocks_per_sm") * device.sms},
+    }
+
+
+def gemv(device: DeviceModel, t: dict) -> dict:
+    """GEMV buckets: ``max_blocks_per_sm`` x the SMs; the L2 prefetch ahead of the grid wait (TMA's
+    bulk prefetch, then griddepcontrol.wait) only where the device has both."""
+    prefetch = device.has("tma") and device.has("griddepcontrol")
+    buckets = {}
+    for name, fields in _plain(t).items():
+        b = dict(fields)
+        if "max_blocks_per_sm" in b:
+            b["max_blocks"] = b.pop("max_blocks_per_sm") * device.sms
+        if not prefetch:
+            b.pop("prefetch_l2_percent", None)
+        buckets[name] = b
+    return buckets
+
+
+def gemv_q4(device: DeviceModel, t: dict) -> dict:
+    """GEMV buckets for 4-bit weights: no field depends on the device."""
+    del device
+    return _plain(t)
+
+
+def tile_name(t: dict[str, int], prefix: str = "") -> str:
+    """``mMnNkKwWMxWNsS`` (the configs' naming)."""
+    return f"{prefix}m{t['block_m']}n{t['block_n']}k{t['block_k']}w{t['warps_m']}x{t['warps_n']}s{t['stages']}"
+
+
+def _shape(name: str) -> str:
+    """A tile's name without its stages."""
+    return name.rsplit("s", 1)[0]
+
+
+def fitted_tiles(device: DeviceModel, tiles: dict[str, dict], tile_bytes: TileBytes, prefix: str = "") -> dict[str, dict]:
+    """Each tile with the most stages (at most its own, at least 2) whose ``tile_bytes`` fit the
+    device's opt-in shared memory of a block, renamed for them; a tile whose threads exceed a block
+    or that fits with no stages is left out."""
+    fitted = {}
+    for fields in tiles.values():
+        if fields["warps_m"] * fields["warps_n"] * device.warp_size > device.max_threads_per_block:
+            continue
+        for stages in range(fields["stages"], 1, -1):
+            f = {**fields, "stages": stages}
+            if tile_bytes(f) <= device.smem_per_block_optin:
+                fitted[tile_name(f, prefix)] = f
+                break
+    return fitted
+
+
+def mma_sync(device: DeviceModel, t: dict, tile_bytes: TileBytes) -> dict:
+    """The mma.sync GEMM's candidate tiles (``fitted_tiles``)."""
+    return fitted_tiles(device, _plain(t), tile_bytes)
+
+
+def dispatch(device: DeviceModel, t: dict, measured_efficiency: dict[str, float], tiles: dict[str, Any]) -> dict:
+    """GEMM dispatch: ``t`` and, for each candidate tile, the efficiency measured on another arch for
+    its shape at any stage count (the lowest measured one for a shape never measured: no unmeasured
+    tile wins on a guess)."""
+    del device  # its facts enter the Dispatch directly (rules/gemm/dispatch.py)
+    by_shape = {_shape(name): e for name, e in measured_efficiency.items() if not name.startswith("wgmma")}
+    fallback = min(by_shape.values())
+    return {**_plain(t), "efficiency": {name: by_shape.get(_shape(name), fallback) for name in tiles}}
+
+
+def mma_sync_q4(device: DeviceModel, t: dict, tile_bytes: TileBytes) -> dict:
+    """The 4-bit GEMM: ``t``'s tiles fitted (``fitted_tiles``); each range keeps the plans whose
+    tiles (named without stages, ``main+rest``) all fit; ``min_blocks`` = ``blocks_per_sm`` x the SMs."""
+    tiles = fitted_tiles(device, t["tiles"], tile_bytes, prefix="q4-")
+    by_shape = {_shape(name): name for name in tiles}
+
+    def fitted(plan: str) -> str | None:
+        names = [by_shape.get(part) for part in plan.split("+")]
+        return None if None in names else "+".join(names)
+
+    ranges = [[upper, [f for f in map(fitted, plans) if f is not None]] for upper, plans in t["ranges"]]
+    return {"tiles": tiles, "ranges": [r for r in ranges if r[1]], "split_k": t["split_k"],
+            "min_blocks": t["blocks_per_sm"] * device.sms}

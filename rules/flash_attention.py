@@ -23,6 +23,7 @@ from tvm import tirx
 from tvm.target import Target
 
 from ..errors import FuselightError
+from ..target import arch_of
 from ..computations import AttentionSpec, attention_prim_func
 from ..contracts import ATTENTION_ATTR
 from .base import AnalyzeScheduleRule
@@ -72,10 +73,10 @@ class FlashAttention(AnalyzeScheduleRule):
             return None
         if spec.additive_mask and spec.mask_dtype != spec.dtype:
             return None
-        arch = str(target.attrs.get("arch", ""))
         kwargs = {"sm_scale": spec.scale, "layout": spec.layout, "additive_mask": spec.additive_mask}
         heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype)
         try:
+            arch = arch_of(target)
             config = load_prefill_config(arch, spec.head_dim)
         except FuselightError:
             return None  # no tile config for this arch or head dim

@@ -24,20 +24,20 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.target import Target
 
+from ..device import require_device
 from ..errors import FuselightError
 from ..target import arch_of
 from .base import AnalyzeScheduleRule, host_branch, with_kernels
 from .gemm.analysis import MatmulDesc, analyze_matmul
-from .gemm.dispatch import load_dispatch
+from .gemm.estimate import load_dispatch
 from .gemm.gemv import (
-    STATIC_SHARED_BYTES,
-    GemvConfig,
     check_gemv,
     config_for,
     gemv_body,
     grid_blocks,
     load_gemv_configs,
 )
+from .gemm.gemv_common import GemvConfig
 from .gemm.operands import GemmOperands
 
 
@@ -50,9 +50,8 @@ def gemv_config(ops: GemmOperands, m: int, target: Target) -> GemvConfig | None:
         cfg = config_for(load_gemv_configs(arch, ops.dequant is not None), m, grid_blocks(ops), ops.k)
         if cfg is None:
             return None
-        # The kernel's shared memory is static: CUDA's static limit, or the target's if lower.
-        limit = min(int(target.attrs.get("max_shared_memory_per_block", STATIC_SHARED_BYTES)), STATIC_SHARED_BYTES)
-        check_gemv(ops, cfg, limit)
+        # The kernel's shared memory is static: the device's static limit.
+        check_gemv(ops, cfg, require_device(arch).smem_per_block)
     except FuselightError:
         return None
     return cfg
@@ -93,11 +92,15 @@ class Gemv(AnalyzeScheduleRule):
     @classmethod
     def supports(cls, desc: MatmulDesc, target: Target) -> bool:
         """Whether ``schedule`` builds ``desc`` on ``target``: M below the Matmul rule's and a GEMV
-        bucket that takes the operands."""
+        bucket that takes the operands; a symbolic M (dequantized weights), buckets that take them
+        and an epilogue DLight's schedule above them takes (not a paired one: its Matmul rule fails
+        an assertion on that)."""
         try:
             min_static_m = load_dispatch(arch_of(target)).min_static_m
         except FuselightError:
             return False
+        if desc.m_static is None:
+            return not desc.operands.paired and bool(symbolic_m_buckets(desc.operands, target))
         return desc.m_static < min_static_m and gemv_config(desc.operands, desc.m_static, target) is not None
 
     def schedule(self, func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:

@@ -29,7 +29,8 @@ from ..target import arch_of
 from .base import AnalyzeScheduleRule, host_branch, with_kernels
 from .gemm import gemm_body
 from .gemm.analysis import MatmulDesc, analyze_matmul
-from .gemm.dispatch import load_dispatch, plan_ranges, q4_plan_ranges
+from .gemm.dispatch import plan_ranges, q4_plan_ranges
+from .gemm.estimate import load_dispatch
 from .gemm.gemv import gemv_body
 from .gemv import symbolic_m_buckets
 
@@ -47,14 +48,15 @@ class Matmul(AnalyzeScheduleRule):
     @classmethod
     def supports(cls, desc: MatmulDesc, target: Target) -> bool:
         """Whether ``schedule`` builds ``desc`` on ``target``: a GEMM config for the arch, M not left
-        to the Gemv rule, and a plan for every M."""
+        to the Gemv rule, and a plan for every M (from the plans for a dequantized B where it is one)."""
         try:
             dispatch = load_dispatch(arch_of(target))
+            if desc.m_static is not None and desc.m_static < dispatch.min_static_m:
+                return False
+            ops = desc.operands
+            return bool(plan_ranges(ops, dispatch) if ops.dequant is None else q4_plan_ranges(ops, arch_of(target)))
         except FuselightError:
             return False
-        if desc.m_static is not None and desc.m_static < dispatch.min_static_m:
-            return False
-        return bool(plan_ranges(desc.operands, dispatch))
 
     def schedule(self, func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:
         """``func`` with its body replaced by the kernels for ``desc`` on ``target``, or None where the

@@ -17,6 +17,7 @@ from tvm import tirx
 
 from ..contracts import FUSED_ROPE_APPEND_ATTR as FUSED_ATTR
 from ..target import arch_of
+from . import arch_config
 from .arch_config import load_arch_config
 from .base import AnalyzeScheduleRule
 
@@ -32,7 +33,7 @@ class RopeAppendDesc:
 
 
 def load_rope_append_config(arch: str) -> RopeAppendConfig:
-    return load_arch_config("elementwise", "rope_append", arch, RopeAppendConfig)
+    return load_arch_config("elementwise", "rope_append", arch, RopeAppendConfig, analytic=arch_config.rope_append)
 
 
 def analyze(func: tirx.PrimFunc) -> RopeAppendDesc | None:

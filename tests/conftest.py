@@ -1,13 +1,14 @@
-"""Shared test helpers: our model compiled for the CPU, once per config per session."""
+"""Shared test helpers: our model compiled for the CPU, once per config per session; nvcc's cache."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from fuselight.config import ModelConfig
 from fuselight.cuda_compile import nvcc_path
+from fuselight.library import CACHE_ENV
 
 # A test whose point is nvcc's verdict is skipped (and counted as skipped) where nvcc is absent.
 needs_nvcc = pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
@@ -20,6 +21,15 @@ def require_nvcc() -> str:
     if path is None:
         pytest.skip("nvcc not installed: the CUDA source was not compiled")
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nvcc_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The disk cache of compiled CUDA (``fuselight.library.cached_fatbin``) for this session only:
+    a source compiled twice runs nvcc once, and nothing lands in the user's cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("cuda-cache")))
+        yield
 
 
 def compile_for_cpu(config: ModelConfig) -> tuple[Any, Any]:

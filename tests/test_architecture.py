@@ -6,7 +6,7 @@
   ``rules/`` imports ``passes/``. Names both halves share live in ``fuselight.contracts`` and
   ``fuselight.computations``.
 - No import cycles among the package's modules, counting imports inside functions too (those made
-  only under ``TYPE_CHECKING`` do not run), except the circles in ``ALLOWED_CIRCLES``.
+  only under ``TYPE_CHECKING`` do not run).
 """
 
 from __future__ import annotations
@@ -34,16 +34,6 @@ ANALYSIS_MODULES = {
 # What a pass may take from a rule module: the rule class, analysis functions, descriptions.
 RULE_NAMES = re.compile(r"^(analyze\w*|\w+Desc|[A-Z]\w*)$")
 TEMPLATE_NAME = re.compile(r"(kernel|body|_rule$|^flash_|^load_|schedule)")
-
-# Circles left, each with why. Every one here must still exist (the list only shrinks).
-ALLOWED_CIRCLES = {
-    # The learned predictor prices plans with the dispatcher's estimate and candidates; the
-    # dispatcher loads it (and so xgboost) only where a config asks for the model.
-    frozenset({"fuselight.rules.gemm.dispatch", "fuselight.rules.gemm.cost_model"}),
-    # The many-rows GEMV template reuses the GEMV template's helpers; the GEMV body picks it for
-    # its buckets. (Shared helpers in a module of their own would break it.)
-    frozenset({"fuselight.rules.gemm.gemv", "fuselight.rules.gemm.gemv_rows"}),
-}
 
 
 def _modules() -> dict[str, Path]:
@@ -161,10 +151,7 @@ def _circles(edges: dict[str, set[str]]) -> list[frozenset[str]]:
     return out
 
 
-def test_no_import_cycles_but_the_allowed_ones() -> None:
+def test_no_import_cycles() -> None:
     edges = {name: {m for m, _, _ in _imports(name) if m != name} for name in MODULES}
-    circles = _circles(edges)
-    unexpected = [sorted(c) for c in circles if c not in ALLOWED_CIRCLES]
-    assert not unexpected, f"import cycles: {unexpected}"
-    gone = [sorted(c) for c in ALLOWED_CIRCLES if c not in circles]
-    assert not gone, f"broken circles still allowed (take them off ALLOWED_CIRCLES): {gone}"
+    circles = [sorted(c) for c in _circles(edges)]
+    assert not circles, f"import cycles: {circles}"

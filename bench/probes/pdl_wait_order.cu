@@ -1,5 +1,5 @@
-// Where does ptxas put griddepcontrol.wait relative to loads around it? (bench/results/README.md,
-// "What ptxas does with griddepcontrol.wait", session 13.) A GEMV-like kernel: 4 loads of W (16 bytes
+// Where does ptxas put griddepcontrol.wait relative to loads around it? (docs/experiments/
+// rope-append-and-pdl-wait.md, "What ptxas does with griddepcontrol.wait", session 13.) A GEMV-like kernel: 4 loads of W (16 bytes
 // each) meant to run before the wait, then the wait, then loads of X (written by the kernel before, in
 // a programmatic launch) and a dot product. Build each variant and read its SASS (ACQBULK is the wait):
 //   for v in 1 2 3 4 5 6 7; do nvcc -cubin -arch=sm_90 -O3 --use_fast_math -DV=$v -o t$v.cubin pdl_wait_order.cu; done

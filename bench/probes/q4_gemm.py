@@ -75,15 +75,17 @@ SWEEP_TILES = (
     (64, 256, 64, 2, 4, 4),
 )
 SWEEP_WGMMA_TILES = (
-    # wgmma: block_n, warpgroups, stages (group_m 8, 132 persistent blocks)
-    (256, 2, 3),
-    (128, 2, 5),
-    (192, 2, 4),
-    (256, 1, 4),
-    (128, 1, 6),
+    # wgmma: block_n, warpgroups, stages, q4_staging (group_m 8, 132 persistent blocks)
+    (256, 2, 3, 3),
+    (256, 2, 3, 4),
+    (128, 2, 5, 3),
+    (128, 2, 5, 5),
+    (128, 2, 4, 7),
+    (192, 2, 4, 3),
+    (192, 2, 3, 6),
 )
 SWEEP_SPLIT_N = 6144  # split-K 2 is swept where N is at most this, for these tiles:
-SWEEP_SPLIT_TILES = ((128, 256, 64, 2, 4, 4), (256, 2, 3), (128, 2, 5))
+SWEEP_SPLIT_TILES = ((128, 256, 64, 2, 4, 4), (256, 2, 3, 4), (128, 2, 5, 5))
 
 
 def _args(case: dict[str, Any]) -> dict[str, Any]:
@@ -233,8 +235,9 @@ def _sweep(target: Any, manifest: dict[str, Any]) -> dict[str, Any]:
             for split in (1, 2):
                 if split > 1 and (not isinstance(ops.n, int) or ops.n > SWEEP_SPLIT_N or fields not in SWEEP_SPLIT_TILES):
                     continue
-                if len(fields) == 3:
-                    plan = WgmmaPlan(WgmmaTile(*fields, group_m=8, max_blocks=132), split)
+                if len(fields) == 4:
+                    bn, wg, stages, staging = fields
+                    plan = WgmmaPlan(WgmmaTile(bn, wg, stages, group_m=8, max_blocks=132, q4_staging=staging), split)
                 else:
                     plan = GemmPlan(main=GemmTile(*fields), split_k=split)
                 try:
@@ -261,7 +264,7 @@ def _q4_name(plan: Any) -> str:
 
     if isinstance(plan, WgmmaPlan):
         t = plan.tile
-        return f"wgmma-m{t.block_m}n{t.block_n}s{t.stages}" + (f"/sk{plan.split_k}" if plan.split_k > 1 else "")
+        return f"wgmma-m{t.block_m}n{t.block_n}s{t.stages}q{t.q4_staging}" + (f"/sk{plan.split_k}" if plan.split_k > 1 else "")
 
     def tile(t: Any) -> str:
         return f"m{t.block_m}n{t.block_n}k{t.block_k}w{t.warps_m}x{t.warps_n}s{t.stages}"

@@ -1,4 +1,4 @@
-"""Probe (bench/results/README.md, session 13): RMSNorm [M, 4096] fp16 timed back to back over rotating
+"""Probe (docs/experiments/rope-append-and-pdl-wait.md, session 13): RMSNorm [M, 4096] fp16 timed back to back over rotating
 inputs, next to the kernel suite's single-call timing (L2 flushed by a read, GPU sleep, events); the
 baseline's and fuselight's kernels, PyTorch's, and a copy of the same bytes (x -> y).
 
@@ -8,7 +8,7 @@ enqueue them all. The single call's output lands in L2 and is written back after
 back, the earlier calls' write-backs share the memory with the current call.
 
 GPU host, after ``fuselight bench build build/norm --cases rmsnorm-4096`` on the build host:
-    python3 bench/probes/rmsnorm_back_to_back.py build/norm/manifest.json h100-rmsnorm-back-to-back.json
+    python3 bench/probes/rmsnorm_back_to_back.py build/norm/manifest.json bench/results/h100/probe-rmsnorm-back-to-back.json
 """
 
 from __future__ import annotations

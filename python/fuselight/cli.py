@@ -16,6 +16,11 @@ from pathlib import Path
 
 from .errors import FuselightError
 
+PTX_HELP = ("carry the CUDA as PTX for --arch (compute_XX), compiled by the driver when loaded: a newer GPU "
+            "runs that arch's code (with --accept-ptx on the GPU host, for tests and benchmarks)")
+ACCEPT_PTX_HELP = ("also run libraries built with --ptx for an older GPU, as its proxy (results mark the device "
+                   "'(sm_XX PTX)'; also $FUSELIGHT_ACCEPT_PTX=1)")
+
 
 def _model_config(spec: str, dtype: str | None, quantization: str | None = None):
     from . import config
@@ -34,7 +39,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from .target import resolve
 
     cfg = _model_config(args.model, args.dtype, args.quantization)
-    spec = resolve(args.target, args.arch)
+    spec = resolve(args.target, args.arch, ptx=args.ptx)
+    if args.pipeline == "fuselight" and not spec.described:
+        print(fc.UNDESCRIBED.format(arch=spec.arch))
     options = None
     if args.passes is not None or args.no_rules or args.no_programmatic_launch:
         passes = None if args.passes is None else tuple(p for p in args.passes.split(",") if p and p != "none")
@@ -50,6 +57,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _accept_ptx(args: argparse.Namespace) -> bool:
+    """``--accept-ptx``, or ``$FUSELIGHT_ACCEPT_PTX=1``: run PTX libraries built for an older GPU."""
+    from .runtime import accept_ptx_from_env
+
+    return args.accept_ptx or accept_ptx_from_env()
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -57,10 +71,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _output(args: argparse.Namespace) -> Path | None:
+    """``-o``; None: the suite's file under bench/results/<device>/."""
+    return Path(args.output) if args.output else None
+
+
 def cmd_bench_build(args: argparse.Namespace) -> int:
     from .bench.kernels_build import build_suite
 
-    manifest = build_suite(Path(args.out), target_arch=args.arch, cases=args.cases, suite=args.suite)
+    manifest = build_suite(Path(args.out), target_arch=args.arch, cases=args.cases, suite=args.suite, ptx=args.ptx)
     print(f"kernel suite built: {manifest}")
     return 0
 
@@ -68,14 +87,17 @@ def cmd_bench_build(args: argparse.Namespace) -> int:
 def cmd_bench_run(args: argparse.Namespace) -> int:
     from .bench.kernels_run import run_suite
 
-    run_suite(Path(args.manifest), Path(args.output), cases=args.cases, sweep=args.sweep)
+    run_suite(Path(args.manifest), _output(args), cases=args.cases, sweep=args.sweep, accept_ptx=_accept_ptx(args))
     return 0
 
 
 def cmd_bench_paged_build(args: argparse.Namespace) -> int:
     from .bench.paged_attention import build_gpu_tier, build_suite
 
-    manifests = build_gpu_tier(Path(args.out), args.arch) if args.gpu_tier else [build_suite(Path(args.out), arch=args.arch)]
+    if args.gpu_tier:
+        manifests = build_gpu_tier(Path(args.out), args.arch, ptx=args.ptx)
+    else:
+        manifests = [build_suite(Path(args.out), arch=args.arch, ptx=args.ptx)]
     for manifest in manifests:
         print(f"paged-attention suite built: {manifest}")
     return 0
@@ -84,7 +106,7 @@ def cmd_bench_paged_build(args: argparse.Namespace) -> int:
 def cmd_bench_paged_run(args: argparse.Namespace) -> int:
     from .bench.paged_attention import run_suite
 
-    run_suite(Path(args.manifest), Path(args.output))
+    run_suite(Path(args.manifest), _output(args), accept_ptx=_accept_ptx(args))
     return 0
 
 
@@ -97,7 +119,8 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
         if not sep:
             raise FuselightError(f"--lib {item!r}: expected IMPL=PATH, e.g. baseline=llama-baseline.so")
         libs[impl] = Path(path)
-    run_e2e(libs, args.model, Path(args.output), torch=not args.no_torch, profile=args.profile)
+    run_e2e(libs, args.model, _output(args), torch=not args.no_torch, profile=args.profile,
+            accept_ptx=_accept_ptx(args))
     return 0
 
 
@@ -111,7 +134,7 @@ def cmd_bench_mlc_e2e(args: argparse.Namespace) -> int:
         if not sep or not at or not case:
             raise FuselightError(f"--lib {item!r}: expected IMPL@CASE=PATH, e.g. mlc@llama-3-8b=llama-mlc.so")
         libs[(impl, case)] = Path(path)
-    run_mlc_e2e(libs, Path(args.output), model=args.model, device=args.device)
+    run_mlc_e2e(libs, _output(args), model=args.model, device=args.device, accept_ptx=_accept_ptx(args))
     return 0
 
 
@@ -173,7 +196,14 @@ def cmd_tune_gemm_table(args: argparse.Namespace) -> int:
 def cmd_tune_gemm_model(args: argparse.Namespace) -> int:
     from .tune.cost_model import gemm_model
 
-    results = Path(args.results) if args.results else Path("bench") / "results" / f"tuning-gemm-{args.arch}.json"
+    if args.results:
+        results = Path(args.results)
+    else:
+        from .bench.results import default_path
+        from .jsonfile import read_json_object
+
+        device = read_json_object(Path(args.data), missing=f"dataset not found: {args.data}").get("device")
+        results = default_path(str(device or args.arch), f"tuning-gemm-{args.arch}")
     gemm_model(Path(args.data), args.arch, do_eval=args.eval, write=args.write, results=results)
     return 0
 
@@ -206,6 +236,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="4-bit weights in an MLC-LLM scheme: q4f16_1, q4bf16_1 or q4f16_0 (default: none)")
     c.add_argument("-o", "--output", required=True, help="library path, e.g. llama.so")
     c.add_argument("--no-aot", action="store_true", help="keep CUDA as source (compiled when loaded)")
+    c.add_argument("--ptx", action="store_true", help=PTX_HELP)
     c.add_argument("--passes", default=None,
                    help="fuselight pipeline: comma-separated graph passes ('none': no passes; default: fuselight.passes.DEFAULT, less those needing rules left out)")
     c.add_argument("--no-rules", action="store_true", help="fuselight pipeline: DLight's rules only (measure the passes alone)")
@@ -232,24 +263,29 @@ def _parser() -> argparse.ArgumentParser:
     bb.add_argument("--arch", default="sm_90")
     bb.add_argument("--suite", default="full", help="a kernel suite of configs/bench.json (gpu: the GPU test tier's cases)")
     bb.add_argument("--cases", nargs="*", default=None)
+    bb.add_argument("--ptx", action="store_true", help=PTX_HELP)
     bb.set_defaults(func=cmd_bench_build)
     br = bsub.add_parser("run", help="run the kernel suite (GPU host)")
     br.add_argument("manifest", help="manifest.json written by 'bench build'")
-    br.add_argument("-o", "--output", required=True, help="results JSON")
+    br.add_argument("-o", "--output", default=None,
+                    help="results JSON (default bench/results/<device>/kernels.json; a partial run updates its points)")
     br.add_argument("--cases", nargs="*", default=None)
     br.add_argument(
         "--sweep", nargs="+", type=int, default=None, help="run these values of each symbolic case's swept dimension"
     )
+    br.add_argument("--accept-ptx", action="store_true", help=ACCEPT_PTX_HELP)
     br.set_defaults(func=cmd_bench_run)
     pb = bsub.add_parser("paged-build", help="compile the KV-cache attention kernels, TVM's and ours")
     pb.add_argument("out", help="output directory")
     pb.add_argument("--arch", default="sm_90")
     pb.add_argument("--gpu-tier", action="store_true",
                     help="one suite per layout of the GPU test tier (paged_attention.gpu), into OUT/paged-<layout>/")
+    pb.add_argument("--ptx", action="store_true", help=PTX_HELP)
     pb.set_defaults(func=cmd_bench_paged_build)
     pr = bsub.add_parser("paged-run", help="check and time the KV-cache attention kernels (GPU host)")
     pr.add_argument("manifest", help="manifest.json written by 'bench paged-build'")
-    pr.add_argument("-o", "--output", required=True, help="results JSON")
+    pr.add_argument("-o", "--output", default=None, help="results JSON (default bench/results/<device>/paged-attention.json)")
+    pr.add_argument("--accept-ptx", action="store_true", help=ACCEPT_PTX_HELP)
     pr.set_defaults(func=cmd_bench_paged_run)
 
     be = bsub.add_parser("e2e", help="end-to-end LLaMA suite (GPU host)")
@@ -258,7 +294,9 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--no-torch", action="store_true", help="skip the transformers comparison")
     be.add_argument("--profile", action="store_true",
                     help="also profile each library's decode steps: kernel time and launches by family")
-    be.add_argument("-o", "--output", required=True, help="results JSON")
+    be.add_argument("-o", "--output", default=None,
+                    help="results JSON (default bench/results/<device>/e2e-<model>[-<quantization>].json)")
+    be.add_argument("--accept-ptx", action="store_true", help=ACCEPT_PTX_HELP)
     be.set_defaults(func=cmd_bench_e2e)
 
     bm = bsub.add_parser("mlc-e2e", help="MLC-LLM-compiled models with and without fuselight, compared (GPU host)")
@@ -266,7 +304,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="IMPL@CASE=PATH: IMPL mlc or mlc+fuselight, CASE a model name (both impls per case)")
     bm.add_argument("--model", default="llama-3-8b", help="the case that is this LLaMA preset: float64 check and timing")
     bm.add_argument("--device", default="cuda", help="cuda, or cpu for llvm libraries")
-    bm.add_argument("-o", "--output", required=True, help="results JSON")
+    bm.add_argument("-o", "--output", default=None,
+                    help="results JSON (default bench/results/<device>/mlc-e2e-<model>[-<quantization>].json)")
+    bm.add_argument("--accept-ptx", action="store_true", help=ACCEPT_PTX_HELP)
     bm.set_defaults(func=cmd_bench_mlc_e2e)
 
     m = sub.add_parser("mlc", help="MLC-LLM with fuselight")
@@ -308,7 +348,7 @@ def _parser() -> argparse.ArgumentParser:
     tm.add_argument("--arch", default="sm_90")
     tm.add_argument("--eval", action="store_true", help="leave-one-shape-out evaluation, xgboost vs analytic")
     tm.add_argument("--results", default=None,
-                    help="where --eval writes its JSON (default bench/results/tuning-gemm-<arch>.json)")
+                    help="where --eval writes its JSON (default bench/results/<device>/tuning-gemm-<arch>.json)")
     tm.add_argument("--write", action="store_true",
                     help="store the model and the dataset in configs/gemm/ (cost-model-<arch>.json, measured-<arch>.json)")
     tm.set_defaults(func=cmd_tune_gemm_model)
@@ -319,7 +359,7 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("report", help="one Markdown report and plots over results JSONs (or directories of them)")
     r.add_argument("results", nargs="+", help="results or tuning JSON files, or directories: every JSON in them")
-    r.add_argument("-o", "--out-dir", default=None, help="default: DIR/report for a directory, else beside the first file")
+    r.add_argument("-o", "--out-dir", default=None, help="default: report/ in the first directory, or in the first file's")
     r.set_defaults(func=cmd_report)
     return p
 

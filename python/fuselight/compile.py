@@ -25,6 +25,9 @@ from .options import Options
 from .target import TargetSpec
 
 PIPELINES = ("baseline", "fuselight")
+# What a fuselight build for an arch without a device description says (once).
+UNDESCRIBED = ("{arch}: no device description in configs/targets/devices.json: fuselight's passes and rules "
+               "are off, DLight schedules every kernel")
 # TVM's paged KV cache launches these kernels for one decode attention call of one layer besides the
 # attention kernel itself: q/k rotary split, K/V append into pages.
 # The KV cache's own kernels around each attention call: split-rotary and append (TVM's), or one
@@ -39,9 +42,10 @@ _CUDA_GRAPH_BUILTIN = "vm.builtin.cuda_graph.run_or_capture"
 # The pass config RewriteCUDAGraph reads.
 CUDA_GRAPH_CONFIG = "relax.backend.use_cuda_graph"
 # The fuselight pipeline's kernel launches in a decode step (``kernel_stats``; tests/python/test_compile.py
-# keeps these true): a layer's, float and 4-bit weights (no norm or SiLU-mul fusion with a
-# dequantize yet), and those outside the layers (the final norm and the LM head).
-DECODE_LAUNCHES_PER_LAYER = {"float": 6, "quantized": 9}
+# keeps these true): a layer's, float and 4-bit weights (the same fusions: the dequantize goes
+# into the norm's GEMV and the gate+up SiLU kernel), and those outside the layers (the final norm
+# and the LM head).
+DECODE_LAUNCHES_PER_LAYER = {"float": 6, "quantized": 6}
 DECODE_LAUNCHES_OUTSIDE_LAYERS = 2
 
 
@@ -124,7 +128,7 @@ def graphs_by_default(target: TargetSpec, programmatic_launch: bool, config: Mod
     (``tir_pipeline.NAME_EVERY_KERNEL``): a graph ends at each call it leaves out, the KV cache's
     attention in every layer, and the kernel after a graph or after such a call then starts only
     when the one before has finished (2.4-2.6 us idle at each of the two boundaries a layer on an
-    H100: about 160 us a decode step, ``bench/results/README.md``), while kernels launched one by
+    H100: about 160 us a decode step, ``docs/experiments/without-cuda-graphs.md``), while kernels launched one by
     one from the stream each overlap the one before. Launched one by one, though, the host sets the
     pace where it launches a step's kernels more slowly than the GPU runs them: so with
     programmatic launch, graphs exactly when the host's time to launch ``config``'s decode step
@@ -211,6 +215,14 @@ def kernel_stats(mod: Any) -> KernelStats:
     )
 
 
+def effective_options(target: TargetSpec, pipeline: str, options: Options | None) -> Options | None:
+    """``options``, except for a fuselight build for an arch without a device description: none of our
+    passes or rules (nothing would claim a kernel there) and no programmatic launch (``UNDESCRIBED``)."""
+    if pipeline == "fuselight" and not target.described:
+        return Options(passes=(), rules=(), programmatic_launch=False)
+    return options
+
+
 def build(
     config: ModelConfig,
     target: TargetSpec,
@@ -223,7 +235,8 @@ def build(
     """Export our model for ``target``, run ``pipeline`` (with ``options``) over it, and compile.
 
     Prefills longer than ``prefill_chunk_size`` tokens (default: ``configs/runtime.json``) are run
-    in chunks by the engine. ``cuda_graph`` captures the static parts of each function as CUDA
+    in chunks by the engine. A fuselight build for an arch without a device description runs no
+    passes or rules of ours (``UNDESCRIBED``). ``cuda_graph`` captures the static parts of each function as CUDA
     graphs; None: on for CUDA (as in MLC-LLM's default ``O2``) unless every kernel launches
     programmatically (``graphs_by_default``).
     """
@@ -234,6 +247,7 @@ def build(
 
     if prefill_chunk_size is None:
         prefill_chunk_size = int(runtime_config()["prefill_chunk_size"])
+    options = effective_options(target, pipeline, options)
     source = baseline_source()
     tvm_target = to_tvm(target)
     start = time.perf_counter()

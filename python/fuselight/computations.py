@@ -10,6 +10,8 @@ it from the tagged description and compares). Neither half imports the other: bo
   as its paired epilogue (FuseGateUpSiLU; the Matmul and Gemv rules);
 - ``fused_norm_matmul``: an RMSNorm (and its residual add) read by a matmul (FuseNormIntoGemv; the
   Gemv rule's norm prologue);
+- ``with_dequantized_weight``: a matmul function whose weight operand is computed by a dequantize
+  function first, in the same kernel (both passes above, carrying a 4-bit weight's dequantize);
 - ``plain_add_rms_norm``: the residual add + RMSNorm of FuseAddRMSNorm's kernels, written plainly
   (AddRMSNormKernels; the RowReduction rule).
 """
@@ -17,6 +19,7 @@ it from the tagged description and compares). Neither half imports the other: bo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tvm
@@ -175,28 +178,60 @@ def fused_norm_matmul(
     weight_ty: relax.TensorType,
     eps: float,
     consumer: tirx.PrimFunc,
-    matrix_ty: relax.TensorType,
+    matrix_tys: Sequence[relax.TensorType],
     casts: tuple[str, ...] = (),
 ) -> tirx.PrimFunc:
-    """``(x[, r], w, W) -> (y[, x + r])``, written plainly: TOPI's add (if ``residual``) and rms_norm
-    of ``x`` over its last axis, ``consumer`` (a PrimFunc ``(A, W) -> y``) reading the norm, then
-    ``casts``; FuseTIR splices the stages into one PrimFunc."""
-    bb = relax.BlockBuilder()
+    """``(x[, r], w, *W) -> (y[, x + r])``, written plainly: TOPI's add (if ``residual``) and rms_norm
+    of ``x`` over its last axis, ``consumer`` (a PrimFunc ``(A, *W) -> y``: the weight, or its packed
+    words and scales) reading the norm, then ``casts``; FuseTIR splices the stages into one PrimFunc."""
     x = relax.Var("x", x_ty)
     r = relax.Var("residual", x_ty)
     w = relax.Var("norm_weight", weight_ty)
-    mat = relax.Var("weight", matrix_ty)
-    params = [x, *([r] if residual else []), w, mat]
-    out = consumer.params[-1]
+    mats = [relax.Var(f"weight{i}", ty) for i, ty in enumerate(matrix_tys)]
+
+    def body(bb: relax.BlockBuilder) -> relax.Expr:
+        src = bb.emit_te(topi.add, x, r) if residual else x
+        normed = bb.emit_te(topi.nn.rms_norm, src, w, [len(x_ty.shape.values) - 1], eps)
+        y = bb.emit(_call(bb, consumer, "matmul", [normed, *mats]))
+        for dtype in casts:
+            y = bb.emit_te(topi.cast, y, dtype)
+        return relax.Tuple([y, src]) if residual else y
+
+    return _spliced([x, *([r] if residual else []), w, *mats], body)
+
+
+def with_dequantized_weight(consumer: tirx.PrimFunc, dequantize: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``(A, *packed) -> consumer(A, dequantize(*packed))`` as one PrimFunc (FuseTIR's splice):
+    ``consumer`` a PrimFunc ``(A, W) -> y``, ``dequantize`` one ``(*packed) -> W``."""
+    a = _param_var("a", consumer.params[0])
+    packed = [_param_var(f"packed{i}", p) for i, p in enumerate(dequantize.params[:-1])]
+
+    def body(bb: relax.BlockBuilder) -> relax.Expr:
+        weight = bb.emit(_call(bb, dequantize, "dequantize", packed))
+        return _call(bb, consumer, "matmul", [a, weight])
+
+    return _spliced([a, *packed], body)
+
+
+def _param_var(name: str, param: tirx.Var) -> relax.Var:
+    """A Relax tensor variable of a PrimFunc parameter's (static or symbolic) shape and dtype."""
+    return relax.Var(name, relax.TensorType(list(param.ty.shape), str(param.ty.dtype)))
+
+
+def _call(bb: relax.BlockBuilder, func: tirx.PrimFunc, name: str, args: list[relax.Expr]) -> relax.Call:
+    """``call_tir`` of ``func`` (added to ``bb``'s module) on ``args``, its last parameter the output."""
+    out = func.params[-1]
+    gv = bb.add_func(func.without_attr("global_symbol"), name)
+    return relax.call_tir(gv, args, relax.TensorType(list(out.ty.shape), str(out.ty.dtype)))
+
+
+def _spliced(params: list[relax.Var], body: Callable[[relax.BlockBuilder], relax.Expr]) -> tirx.PrimFunc:
+    """The one PrimFunc FuseTIR makes of a primitive Relax function of ``params`` computing
+    ``body(bb)`` (its bindings emitted in ``bb``'s dataflow block), no global symbol."""
+    bb = relax.BlockBuilder()
     with bb.function("fused", params, attrs={"Primitive": True}, private=True):
         with bb.dataflow():
-            src = bb.emit_te(topi.add, x, r) if residual else x
-            normed = bb.emit_te(topi.nn.rms_norm, src, w, [len(x_ty.shape.values) - 1], eps)
-            matmul = bb.add_func(consumer.without_attr("global_symbol"), "matmul")
-            y = bb.emit(relax.call_tir(matmul, [normed, mat], relax.TensorType(list(out.shape), str(out.dtype))))
-            for dtype in casts:
-                y = bb.emit_te(topi.cast, y, dtype)
-            result = bb.emit_output(relax.Tuple([y, src]) if residual else y)
+            result = bb.emit_output(body(bb))
         bb.emit_func_output(result)
     fused = bb.get().get_global_var("fused")
     outer = [relax.Var(p.name, p.ty) for p in params]

@@ -2,8 +2,10 @@
 
 TVM 0.26 stores a CUDA module's *source* in a built library and compiles it when the library is
 loaded. Compiling it here instead (to a fatbin for one architecture) checks that the generated code
-builds and lets a machine without a compiler load prebuilt code. No TVM import at module load: this
-also runs where only TVM's runtime is installed.
+builds and lets a machine without a compiler load prebuilt code. A PTX build (``ptx=True``) puts
+only the PTX of ``compute_XX`` in the fatbin: the driver compiles it for the GPU it is loaded on, so
+one architecture's code paths also run on a newer GPU (``ptx_runs_on``). No TVM import at module
+load: this also runs where only TVM's runtime is installed.
 """
 
 from __future__ import annotations
@@ -42,15 +44,25 @@ def nvcc_path() -> str | None:
     return str(candidate) if candidate and candidate.is_file() else None
 
 
-def gencode(arch: str) -> str:
-    """nvcc's ``-gencode`` value for ``arch`` (``sm_90`` -> ``arch=compute_90a,code=sm_90a``)."""
+def gencode(arch: str, *, ptx: bool = False) -> str:
+    """nvcc's ``-gencode`` value for ``arch``: machine code (``sm_90`` -> ``arch=compute_90a,code=sm_90a``)
+    or, with ``ptx``, the virtual architecture's PTX alone (``sm_80`` -> ``arch=compute_80,code=compute_80``)."""
     version = arch_number(arch)
     suffix = "a" if version >= FIRST_ARCH_SPECIFIC else ""
-    return f"arch=compute_{version}{suffix},code=sm_{version}{suffix}"
+    code = f"compute_{version}{suffix}" if ptx else f"sm_{version}{suffix}"
+    return f"arch=compute_{version}{suffix},code={code}"
 
 
-def compile_cuda(source: str, arch: str = "sm_90", out: Path | None = None, *, fast_math: bool = True) -> bytes:
-    """Compile CUDA C ``source`` to a fatbin for ``arch``; also write it to ``out`` if given.
+def ptx_runs_on(ptx_arch: str, device_arch: str) -> bool:
+    """Whether the driver can compile PTX built for ``ptx_arch`` for a ``device_arch`` GPU: PTX of
+    ``compute_XX`` runs on XX and newer, but the arch-specific PTX (``compute_90a``, see
+    ``FIRST_ARCH_SPECIFIC``) on its own architecture only."""
+    built, device = arch_number(ptx_arch), arch_number(device_arch)
+    return built == device or (built < FIRST_ARCH_SPECIFIC and built <= device)
+
+
+def compile_cuda(source: str, arch: str = "sm_90", *, fast_math: bool = True, ptx: bool = False) -> bytes:
+    """Compile CUDA C ``source`` to a fatbin for ``arch`` (with ``ptx``: holding its PTX only).
 
     ``fast_math`` matches TVM's own compile (it passes ``--use_fast_math``): leave it on for code that
     must behave as it would when TVM compiles it at load time.
@@ -58,7 +70,7 @@ def compile_cuda(source: str, arch: str = "sm_90", out: Path | None = None, *, f
     nvcc = nvcc_path()
     if nvcc is None:
         raise FuselightError("nvcc not found: install the CUDA toolkit or put nvcc on PATH")
-    flags = ["-O3", "--fatbin", f"-gencode={gencode(arch)}", *TVM_FLAGS]
+    flags = ["-O3", "--fatbin", f"-gencode={gencode(arch, ptx=ptx)}", *TVM_FLAGS]
     if fast_math:
         flags.append(FAST_MATH_FLAG)
     with tempfile.TemporaryDirectory(prefix="fuselight-nvcc-") as tmp:
@@ -67,10 +79,6 @@ def compile_cuda(source: str, arch: str = "sm_90", out: Path | None = None, *, f
         proc = subprocess.run([nvcc, *flags, "-o", str(fatbin), str(src)], capture_output=True, text=True)
         if proc.returncode != 0:
             first_error = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:500])
-            raise FuselightError(f"nvcc failed for {arch}: {first_error}")
-        binary = fatbin.read_bytes()
-    if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_bytes(binary)
-    return binary
+            raise FuselightError(f"nvcc failed for {arch}{' PTX' if ptx else ''}: {first_error}")
+        return fatbin.read_bytes()
 

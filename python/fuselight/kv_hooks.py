@@ -15,17 +15,33 @@ pending append:
   (the fused RoPE + append, or TVM's split-rotary), then itself.
 So every kernel sees the q, k and v it would see without the pass, whatever the order of the calls.
 
-Registered by ``register()``, which the fuselight runtime (``runtime.init_tvm``) and ``Engine`` call:
-a library built with the pass runs where fuselight is imported. Runtime-only TVM suffices.
+The same wrappers in C++ (``kv_hooks.cc``) are linked into every library built with the pass
+(``native_object``, ``fuselight.library.write_library``): loading the library registers them under
+the same names, replacing these, so a decode layer's three cache calls cost no trip into Python
+(about 90 a SmolLM2-135M step; docs/experiments/decode-form.md). These Python ones serve libraries
+built before that and modules run in-process without export (the CPU tests); ``load_native`` loads
+the C++ ones in-process. Registered by ``register()``, which the fuselight runtime
+(``runtime.init_tvm``) and ``Engine`` call. Runtime-only TVM suffices.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from .contracts import HOOKS_DECODE_FUNC as DECODE_GLOBAL_NAME
 from .contracts import HOOKS_FUNC as GLOBAL_NAME
+from .errors import FuselightError
+
+NATIVE_SOURCE = Path(__file__).with_name("kv_hooks.cc")
+# The VM's instruction text names the factory a library's KV cache is created with.
+_FACTORIES = (GLOBAL_NAME, DECODE_GLOBAL_NAME)
 
 
 class RopeAppendHooks:
@@ -112,3 +128,40 @@ def register() -> None:
     for name, factory in ((GLOBAL_NAME, make_wrappers), (DECODE_GLOBAL_NAME, make_decode_wrappers)):
         if tvm_ffi.get_global_func(name, allow_missing=True) is None:
             tvm_ffi.register_global_func(name, factory)
+
+
+def uses_hooks(executable: Any) -> bool:
+    """Whether a ``tvm.relax.VMExecutable`` creates its KV cache through these wrappers."""
+    text = executable.as_text()
+    return any(name in text for name in _FACTORIES)
+
+
+def _compile(out: Path, *flags: str) -> Path:
+    """``NATIVE_SOURCE`` compiled with the C++ compiler (``$CXX``, else g++) against TVM-FFI's headers."""
+    import tvm_ffi.libinfo
+
+    cxx = os.environ.get("CXX") or shutil.which("g++")
+    if cxx is None:
+        raise FuselightError("no C++ compiler (g++ or $CXX) to build the KV cache's wrappers (fuselight/kv_hooks.cc)")
+    cmd = [cxx, "-std=c++17", "-O2", "-fPIC", f"-I{tvm_ffi.libinfo.find_include_path()}", *flags,
+           str(NATIVE_SOURCE), "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise FuselightError(f"compiling {NATIVE_SOURCE.name} failed:\n{done.stderr[-2000:]}")
+    return out
+
+
+def native_object(out_dir: Path) -> Path:
+    """The C++ wrappers as an object file in ``out_dir``, to link into a library (``export_library``'s addons)."""
+    return _compile(Path(out_dir) / "fuselight_kv_hooks.o", "-c")
+
+
+def load_native(cache_dir: Path) -> None:
+    """Build (once per source, under ``cache_dir``) and load the C++ wrappers into this process: they
+    replace the registered Python ones, as loading a library that carries them does."""
+    digest = hashlib.sha256(NATIVE_SOURCE.read_bytes()).hexdigest()[:16]
+    lib = Path(cache_dir) / f"fuselight_kv_hooks-{digest}.so"
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        _compile(lib.with_suffix(".tmp"), "-shared").replace(lib)
+    ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)

@@ -1,4 +1,5 @@
-"""Where the shipped configs live: inside the installed package, or at the source tree's root."""
+"""Where the shipped configs live (inside the installed package, or at the source tree's root), and
+where benchmark results go."""
 
 from pathlib import Path
 
@@ -11,3 +12,9 @@ def config_dir() -> Path:
         if (cand / "models").is_dir():
             return cand
     raise FileNotFoundError("fuselight configs/ not found next to the package or the checkout")
+
+
+def results_dir() -> Path:
+    """``bench/results/`` of the source checkout the package runs from, else of the working directory."""
+    checkout = _PKG.parent.parent / "bench" / "results"
+    return checkout if checkout.is_dir() else Path.cwd() / "bench" / "results"

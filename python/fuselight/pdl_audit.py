@@ -29,7 +29,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from .library import aot_dir
+from .library import aot_dir, metadata_path
 from .errors import FuselightError
 from .jsonfile import read_json_object
 from .paths import config_dir
@@ -99,8 +99,16 @@ def parse_sass(text: str) -> list[KernelOrder]:
     return kernels
 
 
+def _carries_ptx(library: Path) -> bool:
+    """Whether ``library``'s sidecar says its fatbins are PTX (``fuselight compile --ptx``): no SASS in them."""
+    sidecar = metadata_path(Path(library))
+    return sidecar.is_file() and read_json_object(sidecar, missing=str(sidecar)).get("ptx") is True
+
+
 def fatbins(library: Path) -> list[Path]:
-    """The fatbins ``fuselight compile`` wrote beside ``library``."""
+    """The fatbins ``fuselight compile`` wrote beside ``library`` (machine code, not ``--ptx``'s PTX)."""
+    if _carries_ptx(library):
+        raise FuselightError(f"{library}: built with --ptx, its SASS is made by the driver when loaded: nothing to audit")
     found = sorted(aot_dir(Path(library)).glob("*.fatbin"))
     if not found:
         raise FuselightError(f"{library}: no compiled CUDA beside it (expected {aot_dir(Path(library))}/*.fatbin)")
@@ -135,7 +143,10 @@ def summary(kernels: list[KernelOrder], allowances: list[Allowance] | None = Non
 
 def audit_if_possible(library: Path) -> dict | None:
     """``summary`` of ``library``'s kernels, or None where it cannot be read here (no cuobjdump, or
-    a library whose CUDA is compiled when loaded): for benchmarks, which record it beside their timings."""
+    a library whose CUDA is compiled when loaded: without AOT fatbins, or with PTX ones, whose SASS
+    the driver makes): for benchmarks, which record it beside their timings."""
     if shutil.which("cuobjdump") is None or not aot_dir(Path(library)).is_dir():
+        return None
+    if _carries_ptx(library):
         return None
     return summary(audit_library(library))

@@ -2,8 +2,8 @@
 
 Input: results files (``bench/results.py``) and GEMM cost-model evaluations (``tuning-*.json``), or
 directories of them. Files may measure the same (suite, case, shape, impl) again; the newest record
-is used: by the commit time of its ``git_commit``, then by when its file was last committed (a file
-with uncommitted changes is newest), then by the order the files were given in.
+is used: by its file's ``meta.measured_at`` (a file without one is oldest), then by the order the files
+were given in (a directory's files by name). No git is asked: results are data.
 ``configs/report.json`` maps cases to kernel families and holds the comparisons, device peaks and
 the issues' targets.
 
@@ -16,16 +16,16 @@ of end-to-end runs; then per family a table of every point and a PNG per case (m
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import fnmatch
-import functools
 import math
 import re
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .bench.results import Results, read_results
+from .bench.results import Results, point_key, read_results
+from .device import devices
 from .errors import FuselightError
 from .jsonfile import read_json_object
 from .paths import config_dir
@@ -89,6 +89,10 @@ def load_config(path: Path | None = None) -> dict[str, Any]:
             raise FuselightError(f"{path}: families[{i}] ({fam['name']}) 'figure' must be tflops or gbps")
         for j, target in enumerate(fam.get("targets", [])):
             _check_target(target, f"{path}: families[{i}] ({fam['name']}) targets[{j}]")
+    # The bandwidth peak of a device is its measured copy rate, from the device model.
+    for device in devices():
+        if device.dram_measured_gbps is not None:
+            cfg["peaks"].setdefault(device.name, {})["gbps"] = device.dram_measured_gbps
     return cfg
 
 
@@ -239,17 +243,18 @@ class Source:
     tuning: dict[str, Any] | None = None
 
 
-def input_files(paths: Sequence[Path]) -> list[Path]:
-    """The files named, and every ``*.json`` directly in the directories named (sorted by name)."""
+def input_files(paths: Sequence[Path]) -> list[tuple[Path, bool]]:
+    """The files named, and every ``*.json`` directly in the directories named (sorted by name); each
+    with whether it came from a directory (there a JSON that is neither kind is skipped: a probe's)."""
     files = []
     for path in map(Path, paths):
         if path.is_dir():
             found = sorted(path.glob("*.json"))
             if not found:
                 raise FuselightError(f"{path}: no results JSON in this directory")
-            files += found
+            files += [(f, True) for f in found]
         elif path.is_file():
-            files.append(path)
+            files.append((path, False))
         else:
             raise FuselightError(f"results file not found: {path}")
     return files
@@ -269,6 +274,11 @@ def _relabelled(results: Results, names: dict[str, str]) -> Results:
     return Results(meta=meta, records=records)
 
 
+def is_source(raw: dict[str, Any]) -> bool:
+    """Whether a JSON object claims to be a results file or a cost-model evaluation."""
+    return raw.get("suite") == TUNING_SUITE or "format" in raw or "records" in raw
+
+
 def read_source(path: Path, cfg: dict[str, Any]) -> Source:
     """A results file (validated) or a cost-model evaluation; FuselightError naming the file otherwise."""
     path = Path(path)
@@ -282,7 +292,7 @@ def read_source(path: Path, cfg: dict[str, Any]) -> Source:
             if bad:
                 raise FuselightError(f"{path}: {name}.{bad[0]} must be a number, got {model[bad[0]]!r}")
         return Source(path, tuning=raw)
-    if "format" not in raw and "records" not in raw:
+    if not is_source(raw):
         raise FuselightError(
             f"{path}: neither a results file ('format', 'records') nor a tuning evaluation ('suite': 'tuning')"
         )
@@ -291,48 +301,29 @@ def read_source(path: Path, cfg: dict[str, Any]) -> Source:
     return Source(path, results=_relabelled(results, names) if names else results)
 
 
-def _git(cwd: Path, *args: str) -> str | None:
+def measured_at(src: Source) -> float | None:
+    """When ``src``'s results were measured (``meta.measured_at``, POSIX seconds); None where unknown."""
+    stamp = src.results.meta.get("measured_at") if src.results else None
+    if not isinstance(stamp, str):
+        return None
     try:
-        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=False)
-    except OSError:
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-@functools.cache
-def commit_time(commit: str, repo_dir: Path) -> float | None:
-    """Commit time of ``commit`` in the git repository holding ``repo_dir``; None where git does not know it."""
-    if not re.fullmatch(r"[0-9a-fA-F]{4,40}", commit):
-        return None
-    out = _git(repo_dir, "show", "-s", "--format=%ct", f"{commit}^{{commit}}")
-    return float(out) if out else None
-
-
-def file_time(path: Path) -> float | None:
-    """When ``path`` was last committed; +inf with uncommitted changes (newer than any commit); None outside git."""
-    status = _git(path.parent, "status", "--porcelain", "--", path.name)
-    if status is None:
-        return None
-    if status:
-        return math.inf
-    out = _git(path.parent, "log", "-1", "--format=%ct", "--", path.name)
-    return float(out) if out else None
+        when = datetime.datetime.fromisoformat(stamp)
+    except ValueError:
+        raise FuselightError(f"{src.path}: meta.measured_at must be an ISO 8601 time, got {stamp!r}") from None
+    return (when if when.tzinfo else when.replace(tzinfo=datetime.timezone.utc)).timestamp()
 
 
 def newest_records(sources: Sequence[Source]) -> list[tuple[dict[str, Any], Source]]:
-    """Per (suite, case, shape, impl) the newest record and its file: ranked by the commit time of the
-    record's commit, then by its file's commit time, then by the order of ``sources`` (later wins);
-    an unknown time ranks oldest."""
+    """Per (suite, case, shape, impl) the newest record and its file: ranked by the file's
+    ``measured_at``, then by the order of ``sources`` (later wins); an unknown time ranks oldest."""
     chosen: dict[tuple, tuple[tuple, dict[str, Any], Source]] = {}
-    oldest = -math.inf
     for order, src in enumerate(sources):
         if src.results is None:
             continue
-        ftime = file_time(src.path)
+        when = measured_at(src)
+        rank = (-math.inf if when is None else when, order)
         for r in src.results.records:
-            ctime = commit_time(r["git_commit"], src.path.resolve().parent)
-            rank = (oldest if ctime is None else ctime, oldest if ftime is None else ftime, order)
-            key = (r["suite"], r["case"], tuple(sorted(r["shape"].items())), r["impl"])
+            key = point_key(r)
             if key not in chosen or rank >= chosen[key][0]:
                 chosen[key] = (rank, r, src)
     return [(r, src) for _, r, src in chosen.values()]
@@ -689,8 +680,8 @@ def markdown(
     lines.append(
         "Times are medians in microseconds. 'A vs B' is B's time over A's (above 1: A is faster); summary ratios "
         "are the geometric mean over the family's points, with the lowest and highest. Where several files "
-        "measured the same point, the newest measurement is used (by the commit it records, then by when its "
-        "file was committed)."
+        "measured the same point, the newest measurement is used (by the time its file records, then by the "
+        "order of the files)."
     )
     lines.append("")
     lines += [*_sources_table(sources, selected), ""]
@@ -729,9 +720,10 @@ def markdown(
 
 
 def default_out_dir(paths: Sequence[Path]) -> Path:
-    """Where the report goes without ``-o``: ``DIR/report`` for a directory, else beside the first file."""
+    """Where the report goes without ``-o``: ``report/`` in the directory named first, or in the first
+    file's directory (``bench/results/**/report/`` is ignored by git: reports are not committed)."""
     first = Path(paths[0])
-    return first / "report" if first.is_dir() else first.parent
+    return (first if first.is_dir() else first.parent) / "report"
 
 
 def make_report(paths: Path | Sequence[Path], out_dir: Path | None = None) -> Path:
@@ -739,7 +731,10 @@ def make_report(paths: Path | Sequence[Path], out_dir: Path | None = None) -> Pa
     and directories ``paths``; returns its path."""
     paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     cfg = load_config()
-    sources = [read_source(p, cfg) for p in input_files(paths)]
+    files = [p for p, from_dir in input_files(paths) if not from_dir or is_source(read_json_object(p, missing=f"results file not found: {p}"))]
+    if not files:
+        raise FuselightError(f"no results JSON in {', '.join(map(str, paths))}")
+    sources = [read_source(p, cfg) for p in files]
     selected = newest_records(sources)
     families = group_families(selected, cfg)
     out_dir = Path(out_dir) if out_dir else default_out_dir(paths)

@@ -4,8 +4,8 @@ TVM 0.26 keeps CUDA *source* inside an exported library and compiles it when the
 through the global function ``tvm_callback_cuda_compile``. TVM's own callback needs the compiler
 library, so on a runtime-only host ``register_cuda_compiler`` installs ours. It answers each source,
 found by the SHA-256 of its text, from (1) the cubins compiled at build time next to a library
-(``fuselight.library.aot_compile_cuda`` writes them, ``load_library`` registers them), (2) a disk
-cache, (3) nvcc.
+(``fuselight.library.aot_compile_cuda`` writes them, ``load_library`` registers them), (2) the disk
+cache of compiled sources (``fuselight.library.cached_fatbin``, the build host's too), (3) nvcc.
 
 Nothing here imports TVM's compiler side (``import tvm.relax`` fails on such a host), and TVM itself
 is imported on first use. The library's artefacts (sidecar, AOT cubins) are ``fuselight.library``'s.
@@ -20,15 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from . import kv_hooks
-from .cuda_compile import compile_cuda, nvcc_path
+from .cuda_compile import nvcc_path, ptx_runs_on
 from .errors import FuselightError
 from .jsonfile import read_json_object
-from .library import FATBIN_SUFFIX as _FATBIN_SUFFIX
-from .library import aot_dir, cuda_sources, metadata_path, source_hash
+from .library import aot_dir, cache_path, cached_fatbin, cuda_sources, default_cache_dir, metadata_path, source_hash
 from .target import arch_number
 
 CALLBACK_NAME = "tvm_callback_cuda_compile"
-CACHE_ENV = "FUSELIGHT_CACHE_DIR"
+# "1": the benchmark commands and the GPU test tier accept a PTX library built for an older GPU
+# (``load_module(accept_ptx=True)``): that architecture's code, compiled by the driver, run as its proxy.
+ACCEPT_PTX_ENV = "FUSELIGHT_ACCEPT_PTX"
 # CUDA modules only load when these runtime parts are loaded globally right after ``import tvm``.
 _RUNTIME_ONLY_ENV = "TVM_USE_RUNTIME_LIB"
 _EXTRA_RUNTIME_LIBS = ("libtvm_runtime_extra.so", "libtvm_runtime_cuda.so")
@@ -42,6 +43,7 @@ class _CompilerState:
 
     aot: dict[str, Path] = dataclasses.field(default_factory=dict)  # source sha256 -> cubin file
     arch: str | None = None  # arch to compile for when no cubin is found; None: the device's
+    ptx: bool = False  # ... and as PTX for it (the library's sidecar says which)
     cache_dir: Path | None = None
     registered: bool = False
     error: str | None = None  # the last failure inside the callback, re-raised by load_library
@@ -70,15 +72,10 @@ def init_tvm() -> Any:
     return tvm
 
 
-def default_cache_dir() -> Path:
-    env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "fuselight" / "cuda"
-
-
 def register_cuda_compiler(cache_dir: Path | None = None, arch: str | None = None) -> None:
     """Install ``tvm_callback_cuda_compile``: AOT cubin by hash, else disk cache, else nvcc.
 
-    ``arch``: what nvcc compiles for until a library says otherwise (None: the device's).
+    ``arch``: what nvcc compiles for (machine code) until a library says otherwise (None: the device's).
     """
     # The full TVM registers its own callback when imported, refusing one already there: import
     # it first, then override.
@@ -88,7 +85,7 @@ def register_cuda_compiler(cache_dir: Path | None = None, arch: str | None = Non
     _STATE.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if arch is not None:
         arch_number(arch)
-        _STATE.arch = arch
+        _STATE.arch, _STATE.ptx = arch, False
 
     # TVM calls it with the source as the first argument (later arguments, if any, are unused) and
     # loads whatever bytes come back with cuModuleLoadData, which takes cubin, fatbin and PTX alike.
@@ -110,22 +107,17 @@ def cuda_binary(code: str) -> bytes:
     if aot is not None and aot.is_file():
         return aot.read_bytes()
     arch = _STATE.arch or device_arch()
-    cache = (_STATE.cache_dir or default_cache_dir()) / f"{sha}-{arch}{_FATBIN_SUFFIX}"
-    if cache.is_file():
-        return cache.read_bytes()
+    cache_dir = _STATE.cache_dir or default_cache_dir()
+    if cache_path(sha, arch, cache_dir, ptx=_STATE.ptx).is_file():
+        return cached_fatbin(code, arch, cache_dir, ptx=_STATE.ptx)
     if nvcc_path() is None:
         raise FuselightError(
             f"no precompiled cubin for CUDA source {sha[:12]} and nvcc is not on PATH: "
             "build the library with ahead-of-time CUDA (the default) or install the CUDA toolkit"
         )
-    print(f"compiling CUDA source {sha[:12]} with nvcc for {arch} (no precompiled cubin)", flush=True)
-    binary = compile_cuda(code, arch=arch)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    # Write then rename, so a concurrent run never reads half a file.
-    tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(binary)
-    tmp.replace(cache)
-    return binary
+    form = f"{arch} PTX" if _STATE.ptx else arch
+    print(f"compiling CUDA source {sha[:12]} with nvcc for {form} (no precompiled cubin)", flush=True)
+    return cached_fatbin(code, arch, cache_dir, ptx=_STATE.ptx)
 
 
 def device_arch(device: Any = None) -> str:
@@ -139,10 +131,27 @@ def device_arch(device: Any = None) -> str:
     return f"sm_{major}{minor}"
 
 
-def check_arch(library_arch: str, device_arch_: str, library: Path | str = "library") -> None:
-    """A cubin for sm_XX(a) runs on sm_XX only: refuse a library built for another GPU."""
-    if arch_number(library_arch) != arch_number(device_arch_):
-        raise FuselightError(f"{library}: library built for {library_arch}, this GPU is {device_arch_}")
+def accept_ptx_from_env() -> bool:
+    """Whether ``$FUSELIGHT_ACCEPT_PTX`` asks to accept PTX libraries of older GPUs (tests, benchmarks)."""
+    return os.environ.get(ACCEPT_PTX_ENV) == "1"
+
+
+def check_arch(
+    library_arch: str, device_arch_: str, library: Path | str = "library", *, ptx: bool = False,
+    accept_ptx: bool = False,
+) -> None:
+    """A cubin for sm_XX(a) runs on sm_XX only: refuse a library built for another GPU. With
+    ``accept_ptx``, a PTX library (``ptx``) the driver can compile for this GPU is let through."""
+    if arch_number(library_arch) == arch_number(device_arch_):
+        return
+    if ptx and accept_ptx and ptx_runs_on(library_arch, device_arch_):
+        return
+    built = f"{library_arch} PTX" if ptx else library_arch
+    raise FuselightError(
+        f"{library}: library built for {built}, this GPU is {device_arch_} (only a PTX build for an arch "
+        f"<= {device_arch_}, fuselight compile --ptx, runs here, and only when asked: accept_ptx=True / "
+        f"--accept-ptx / {ACCEPT_PTX_ENV}=1, for tests and benchmarks)"
+    )
 
 
 def read_metadata(library: Path) -> dict[str, Any]:
@@ -156,6 +165,8 @@ def read_metadata(library: Path) -> dict[str, Any]:
         arch_number(str(meta.get("arch")))
         if not isinstance(meta.get("cuda_sources", {}), dict):
             raise FuselightError(f"{path}: field 'cuda_sources' must be an object")
+        if not isinstance(meta.get("ptx", False), bool):
+            raise FuselightError(f"{path}: field 'ptx' must be true or false")
     return meta
 
 
@@ -169,9 +180,11 @@ def register_aot(library: Path, meta: dict[str, Any]) -> None:
         _STATE.aot[sha] = path
 
 
-def load_library(path: Path, device: str = "cuda") -> tuple[Any, Any, dict[str, Any]]:
-    """Load a fuselight library on ``device`` ("cuda" or "cpu"): ``(VirtualMachine, Device, metadata)``."""
-    lib, dev, meta = load_module(path, device)
+def load_library(path: Path, device: str = "cuda", *, accept_ptx: bool = False) -> tuple[Any, Any, dict[str, Any]]:
+    """Load a fuselight library on ``device`` ("cuda" or "cpu"): ``(VirtualMachine, Device, metadata)``.
+
+    ``accept_ptx``: also run a PTX library built for an older GPU (``load_module``)."""
+    lib, dev, meta = load_module(path, device, accept_ptx=accept_ptx)
     from tvm.runtime.vm import (
         VirtualMachine,  # not imported by ``import tvm`` on a runtime-only host
     )
@@ -179,8 +192,12 @@ def load_library(path: Path, device: str = "cuda") -> tuple[Any, Any, dict[str, 
     return VirtualMachine(lib, dev), dev, meta
 
 
-def load_module(path: Path, device: str = "cuda") -> tuple[Any, Any, dict[str, Any]]:
-    """Load a fuselight library (a model, or bare kernels) on ``device``: ``(runtime Module, Device, metadata)``."""
+def load_module(path: Path, device: str = "cuda", *, accept_ptx: bool = False) -> tuple[Any, Any, dict[str, Any]]:
+    """Load a fuselight library (a model, or bare kernels) on ``device``: ``(runtime Module, Device, metadata)``.
+
+    A library built for another GPU is refused, unless ``accept_ptx`` and it is PTX the driver can
+    compile for this one (``cuda_compile.ptx_runs_on``): for tests and benchmarks that run an older
+    architecture's code here as its proxy (their results say so: ``library.device_label``)."""
     path = Path(path)
     if not path.is_file():
         raise FuselightError(f"library not found: {path}")
@@ -193,9 +210,13 @@ def load_module(path: Path, device: str = "cuda") -> tuple[Any, Any, dict[str, A
     if device == "cuda":
         if _STATE.runtime_lib_error:
             raise FuselightError(f"TVM's CUDA runtime did not load ({_STATE.runtime_lib_error})")
-        check_arch(meta["arch"], device_arch(dev), path)
+        here = device_arch(dev)
+        check_arch(meta["arch"], here, path, ptx=meta.get("ptx", False), accept_ptx=accept_ptx)
+        if arch_number(meta["arch"]) != arch_number(here):
+            print(f"{path}: {meta['arch']} PTX on this {here} GPU, compiled by the driver (a proxy for {meta['arch']})",
+                  flush=True)
         register_aot(path, meta)
-        _STATE.arch = meta["arch"]
+        _STATE.arch, _STATE.ptx = meta["arch"], meta.get("ptx", False)
         if not meta.get("cuda_sources") and nvcc_path() is None:
             raise FuselightError(f"{path}: built without precompiled CUDA and nvcc is not on PATH")
     elif not dev.exist:

@@ -36,7 +36,6 @@ from typing import Any
 
 NAME = "fuselight"
 NAME_EVERY_KERNEL = "fuselight-every-kernel"
-PDL_MIN_SM = 90  # griddepcontrol is PTX for sm_90 and later
 PDL_FLAG = "tirx.use_programtic_dependent_launch"
 _LAUNCH_PARAMS = "tirx.kernel_launch_params"
 _DYN_SHARED_FLAG = "tirx.use_dyn_shared_memory"  # must stay the last launch parameter
@@ -111,17 +110,20 @@ def wait_at_kernel_entry() -> Any:
 
 
 def programmatic_launch_supported(kind: str, arch: str | None) -> bool:
-    """Whether kernels of a ``kind`` target of ``arch`` (``sm_90``) can wait for the grid before them
-    (an arch fuselight does not read as ``sm_XX`` cannot)."""
+    """Whether kernels of a ``kind`` target of ``arch`` (``sm_90``) can wait for the grid before them:
+    its device description has griddepcontrol (an arch without a description, or one fuselight does
+    not read as ``sm_XX``, cannot)."""
+    from .device import device_model
     from .errors import FuselightError
     from .target import arch_number
 
     if kind != "cuda" or arch is None:
         return False
     try:
-        return arch_number(arch) >= PDL_MIN_SM
+        device = device_model(f"sm_{arch_number(arch)}")
     except FuselightError:
         return False
+    return device is not None and device.has("griddepcontrol")
 
 
 _CSE_CONFIG = "tirx.disable_cse_tir"

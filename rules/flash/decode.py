@@ -33,9 +33,11 @@ from types import SimpleNamespace
 
 import tvm
 from fuselight.contracts import DECODE_SYMBOL, ROTARY_DECODE_SYMBOL
+from fuselight.device import require_device, warp_size
 from fuselight.errors import FuselightError
 from tvm.script import tirx as T
 
+from .. import arch_config
 from ..arch_config import load_arch_config
 from .paging import paged_kv_len
 from .rotary import K_OUT, Q_OUT, V_OUT, SplitRotary
@@ -45,7 +47,7 @@ ROTARY_GLOBAL_SYMBOL = ROTARY_DECODE_SYMBOL
 # TVM's kernels use this finite "minus infinity" for running maxima, and as an empty sequence's lse.
 _NEG = -5e4
 _LOAD_BYTES = 16  # each thread loads 16 bytes of a K/V row at once
-_WARP = 32
+_WARP = warp_size()
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 LAYOUTS = ("BSHD", "BHSD")  # of the dense q, k, v and out
 LOG2E = math.log2(math.e)
@@ -59,10 +61,14 @@ class DecodeConfig:
     max_splits: int  # bounds the workspace
     min_rows_per_split: int  # short contexts stay in few splits
     merge_groups: int  # thread rows of the merge kernel, each folding every merge_groups-th split
+    # The device has griddepcontrol (``load_decode_config`` asks the device model): the merge kernel
+    # launches while the split kernel runs and waits for its grid, and lets the next kernel launch early.
+    griddepcontrol: bool = False
 
 
 def load_decode_config(arch: str) -> DecodeConfig:
-    return load_arch_config("attention", "decode", arch, DecodeConfig)
+    cfg = load_arch_config("attention", "decode", arch, DecodeConfig, analytic=arch_config.decode)
+    return dataclasses.replace(cfg, griddepcontrol=require_device(arch).has("griddepcontrol"))
 
 
 def _split_rows(kv_len, num_splits, min_rows: int, align: int):
@@ -124,6 +130,7 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
     U = config.rows_per_step
     MIN_ROWS, TARGET, MAX_SPLITS = config.min_rows_per_split, config.target_blocks, config.max_splits
     MG = config.merge_groups
+    PDL = config.griddepcontrol
     FOLDS = -(-MAX_SPLITS // MG)  # splits a merge thread row folds, at most
     LOG_BDX = int(math.log2(BDX))
     THREADS = BDY * BDX
@@ -215,7 +222,8 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
 
                                 # The merge kernel may launch now (it waits for this grid to finish
                                 # before it reads the partials): its launch overlaps this kernel.
-                                T.ptx.griddepcontrol.launch_dependents()
+                                if PDL:
+                                    T.ptx.griddepcontrol.launch_dependents()
                                 if rotary is not None:
                                     rotate(io, bz, by, bx, ty, tx, o_smem)
                                 base: T.let[T.int32] = seq.base(io, bz)
@@ -332,8 +340,9 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
                             # as written (SASS, H100, nvcc 13.0): they read the page table the host
                             # uploads before the step, which the split kernel does not write, and
                             # fuselight.pdl_audit allows them (configs/pdl_audit.json).
-                            T.ptx.griddepcontrol.wait()
-                            T.ptx.griddepcontrol.launch_dependents()
+                            if PDL:
+                                T.ptx.griddepcontrol.wait()
+                                T.ptx.griddepcontrol.launch_dependents()
                             # Each of the MG thread rows folds splits ty, ty + MG, ..., all loaded
                             # first (one memory latency, not one a split), then row 0 merges the MG
                             # partial results.

@@ -21,17 +21,18 @@ import math
 from fuselight.contracts import PAGED_PREFILL_SYMBOL, RAGGED_PREFILL_SYMBOL
 from fuselight.errors import FuselightError
 
+from fuselight.device import least, require_device, warp_size
+
+from .. import arch_config
 from ..arch_config import load_arch_config
 from .paging import paged_kv_len
 
 # mma.sync.m16n8k16: a warp's row block, the k step, the n width of one accumulator tile.
 MMA_M, MMA_K, MMA_N = 16, 16, 8
-WARP = 32
+WARP = warp_size()
 # One cp.async / ldmatrix row piece: 16 bytes = 8 halves; the swizzle permutes these within 8 rows.
 CHUNK = 8
 SWIZZLE_ROWS = 8
-# Static shared memory a block may use without opting in to more.
-MAX_STATIC_SMEM = 48 * 1024
 HEAD_DIMS = (64, 128)
 DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 LOG2E = math.log2(math.e)
@@ -59,13 +60,20 @@ class PrefillConfig:
 
 def load_prefill_config(arch: str, head_dim: int) -> PrefillConfig:
     """The config for ``arch`` (e.g. ``sm_90``) and ``head_dim`` from ``configs/attention/prefill.json``."""
-    cfg = load_arch_config("attention", "prefill", arch, PrefillConfig, str(head_dim))
-    check_config(cfg, head_dim)
+    cfg = load_arch_config("attention", "prefill", arch, PrefillConfig, str(head_dim),
+                           analytic=lambda d, t: arch_config.prefill(d, t, HEAD_DIMS, shared_bytes))
+    check_config(cfg, head_dim, require_device(arch).smem_per_block)
     return cfg
 
 
-def check_config(cfg: PrefillConfig, head_dim: int) -> None:
-    """FuselightError naming the field if ``cfg`` cannot tile ``head_dim``."""
+def shared_bytes(warps: int, tile_kv: int, head_dim: int) -> int:
+    """Static shared memory of a block: the Q tile and the K and V tiles, 2-byte elements."""
+    return (MMA_M * warps + 2 * tile_kv) * head_dim * 2
+
+
+def check_config(cfg: PrefillConfig, head_dim: int, smem_limit: int | None = None) -> None:
+    """FuselightError naming the field if ``cfg`` cannot tile ``head_dim`` (within ``smem_limit``
+    bytes of static shared memory; None: the least any described device allows)."""
     if head_dim not in HEAD_DIMS:
         raise FuselightError(
             f"prefill attention: head_dim {head_dim} unsupported (supported: {HEAD_DIMS})"
@@ -80,11 +88,11 @@ def check_config(cfg: PrefillConfig, head_dim: int) -> None:
                 f"prefill config: warps {cfg.warps} / tile_kv {cfg.tile_kv}: {cfg.threads} threads cannot load "
                 f"the {rows}x{head_dim} {what} tile in whole 16-byte pieces"
             )
-    smem = (cfg.tile_q + 2 * cfg.tile_kv) * head_dim * 2
-    if smem > MAX_STATIC_SMEM:
+    smem, limit = shared_bytes(cfg.warps, cfg.tile_kv, head_dim), smem_limit or least("smem_per_block")
+    if smem > limit:
         raise FuselightError(
             f"prefill config: warps {cfg.warps} / tile_kv {cfg.tile_kv} need {smem} bytes of shared memory "
-            f"at head_dim {head_dim} (at most {MAX_STATIC_SMEM})"
+            f"at head_dim {head_dim} (at most {limit})"
         )
 
 

@@ -20,6 +20,8 @@ With ``prologue=True`` the matmul may also be preceded by the stages of an RMSNo
 ``rms_norm``, with or without a residual ``add`` written out first, as ``passes.fuse_norm_gemv``
 writes them): A is then that intermediate, described by ``operands.NormPrologue``. Only callers whose
 template computes the prologue ask for it; for the others such a function is not a matmul (None).
+With ``dequant=True`` B may be computed by a group dequantize (``dequant.analyze_dequant``), whose
+stages come right before the matmul (after the norm's, where there is both).
 """
 
 from __future__ import annotations
@@ -279,12 +281,14 @@ def analyze_matmul(func: tirx.PrimFunc, prologue: bool = False, dequant: bool = 
         deq = analyze_dequant(stages, at, allocs, b, b_layout, n, k)
         if deq is None:
             return None
-    norm = _norm_prologue(func, at, allocs, a) if at > 0 and deq is None and prologue else None
-    if at > 0 and norm is None and deq is None:
+    # The stages before the matmul: the dequantize's last, a norm prologue's first.
+    first = at - (len(deq.stages) if deq is not None else 0)
+    norm = _norm_prologue(func, first, allocs, a) if first > 0 and prologue else None
+    if first > 0 and norm is None:
         return None
     # With a prologue, A is the norm's intermediate; with a dequantize, B is computed (its packed
     # words and scales were checked by ``analyze_dequant``).
-    inputs = (b,) if norm is not None else (a,) if deq is not None else (a, b)
+    inputs = [buf for buf, computed in ((a, norm is not None), (b, deq is not None)) if not computed]
     if any(not _plain(buf) for buf in (a, b)) or any(buf.same_as(x) for buf in inputs for x in allocs):
         return None
     if isinstance(n, tirx.IntImm):

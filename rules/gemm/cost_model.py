@@ -1,7 +1,7 @@
 """The learned GEMM cost the dispatcher prices plans with: xgboost on measured plan times, on top of
 the analytic estimate (``fuselight.tune.cost_model`` trains it; this is the part the rule uses).
 
-``features`` describes one (plan, M, N, K): the analytic estimate of ``dispatch``, the tile,
+``features`` describes one (plan, M, N, K): the analytic estimate of ``estimate``, the tile,
 blocks, waves (blocks over the SMs' resident slots), bytes and flops. The booster predicts log time
 with log(estimate) as its base margin. The model is kept as xgboost JSON in
 ``configs/gemm/cost-model-<arch>.json``; the dispatcher prices plans with it where
@@ -21,7 +21,7 @@ import numpy as np
 from fuselight.errors import FuselightError
 from fuselight.paths import config_dir
 
-from .dispatch import candidates, estimate_us, load_dispatch
+from .estimate import candidates, estimate_us, load_dispatch
 from .operands import GemmOperands
 from .wgmma import BLOCK_K, WgmmaPlan
 

@@ -185,7 +185,8 @@ def analyze_dequant(
     stages: list[Any], at: int, allocs: list[tirx.Buffer], b: tirx.Buffer, b_layout: str, n: Any, k: int,
 ) -> Dequant | None:
     """The dequantize computing the matmul's B (an intermediate written by the stages before stage
-    ``at``, the matmul) as ``Dequant``, or None. Every stage before the matmul must belong to it, and
+    ``at``, the matmul) as ``Dequant``, or None. Its stages must be the last ones before the matmul
+    (``Dequant.stages``; those before them, a norm prologue of A, are the caller's to recognise), and
     ``B`` must be ``[n, k]`` (``b_layout`` "NT") or ``[k, n]`` ("NN") as the matmul reads it.
 
     stages: the function's stages (``analysis._Stage``: block, extents, store), in order.
@@ -199,8 +200,8 @@ def analyze_dequant(
     if found is None:
         return None
     value, vars_, used = found
-    if used != list(range(at)):
-        return None  # stages before the matmul that are not the dequantize
+    if used != list(range(used[0], at)):
+        return None  # the dequantize's stages interleaved with others
     # Intermediates of the dequantize other than B: read by nothing but the chain (checked by the
     # caller for the stages after the matmul), and the matmul reads only B.
     vn, vk = (vars_[0], vars_[1]) if b_layout == "NT" else (vars_[1], vars_[0])

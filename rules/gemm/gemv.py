@@ -42,43 +42,48 @@ of each token row those words meet (four 16-byte chunks) and pairs their halves 
 (``q4_b_pair``: tokens (j, j + 4), (j + 1, j + 5) of a chunk), so A and B meet at the same k. The
 scale is applied before the mma because the four lanes of an mma's k carry four different groups
 of 32 (a group's words are one lane's piece); N may be symbolic (the LM head: the grid is computed
-at launch). No prologue.
+at launch). The norm prologue and the paired epilogue work as with float weights (the normed rows
+in shared memory hold tokens in order, as the global rows do).
 
 A bucket that sets ``rows_per_warp`` (M = 1) runs the row-streaming template of ``gemv_rows``
-instead, with the same prologue (``norm_prologue``).
+instead, with the same prologue (``gemv_common.norm_prologue``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
+from fuselight.device import least, require_device
 from fuselight.errors import FuselightError
-from fuselight.jsonfile import read_json_object
 from fuselight.paths import config_dir
 
-from ..arch_config import load_arch_config
+from .. import arch_config
+from ..arch_config import arch_entry, from_fields
+from .gemv_common import (
+    MMA_N,
+    PIECE_WORDS,
+    Q4_BITS,
+    Q4_PIECE,
+    GemvConfig,
+    index_dtype,
+    norm_prologue,
+    static_m,
+)
+from .gemv_rows import rows_body
 from .operands import GemmOperands
 from .plan import WARP
 
-# mma.sync.m16n8k16: weight rows a block owns, tokens per tile.
-MMA_M, MMA_N = 16, 8
+# mma.sync.m16n8k16: weight rows a block owns (tokens per tile: ``MMA_N``).
+MMA_M = 16
 MAX_TOKEN_TILES = 2  # so M <= 16
 # K a warp covers per step: 4 lanes x 8 elements (16 bytes), read as two mma k16 steps.
 STEP_K = 32
-PIECE_WORDS = 4  # 16 bytes as 32-bit registers
-PIECE = 2 * PIECE_WORDS  # 16-bit elements of a piece
-MAX_THREADS = 1024
-STATIC_SHARED_BYTES = 48 * 1024  # CUDA's limit on a block's static shared memory
+MAX_THREADS = least("max_threads_per_block")
 DTYPE_ABBREV = {"float16": "fp16", "bfloat16": "bf16"}
 CONFIG_FAMILY, CONFIG_NAME = "gemm", "gemv"
 # The buckets for 4-bit dequantized weights (``GemmOperands.dequant``), keyed alike.
 CONFIG_NAME_Q4 = "gemv_q4"
-# What the templates dequantize: 4-bit values, 8 to a uint32 word along K (``NK``), a scale per
-# group of a multiple of 32 (a lane's 16-byte piece of words is 32 values, within one group), an
-# integer zero point the float dtype subtracts exactly.
-Q4_BITS, Q4_PIECE = 4, 32
 # The in-register conversion of 4-bit values (both templates): ``((w >> 4 j) & 0x000F000F) | magic``
 # read as a pair of ``dtype`` is ``(base + e_j, base + e_{j+4})`` exactly (values j and j + 4 of the
 # word); minus ``base + zero`` (exact) it is ``(e - zero)``, times the scale rounded once: bit for bit
@@ -124,42 +129,6 @@ def q4_b_pair(s: int, reg: int) -> tuple[int, int, int, int]:
     return s // 2, s % 2, s % 2 + 2, reg
 
 
-@dataclasses.dataclass(frozen=True)
-class GemvConfig:
-    """One M bucket's config (``configs/gemm/gemv.json``)."""
-
-    max_m: int  # the largest M served (at most 16): one token tile up to 8, two above
-    warps: int  # warps a block's K steps are split over (a power of two; halved until they divide K)
-    unroll: int  # K steps whose loads a warp issues before using them (16 bytes x 3-4 a step)
-    # Blocks one SM must be able to hold (the launch-bounds hint to ptxas, which otherwise budgets
-    # registers for full occupancy and delays loads to fit): 1 keeps every unrolled load in flight.
-    min_blocks_per_sm: int
-    # Serves only grids of at most this many blocks (None: any). Small grids fit on the GPU at
-    # once with fewer warps a block and more blocks an SM; large ones stream best with many warps.
-    max_blocks: int | None = None
-    # Serves only K of at most this many elements (None: any); of buckets alike in M and grid, the
-    # smallest max_k that fits wins.
-    max_k: int | None = None
-    # Set: the row-streaming template (``gemv_rows``, M = 1 only), where a warp owns this many output
-    # columns and streams their weight rows along K, 512 contiguous bytes a load; ``warps`` are then
-    # the block's warps (one column group each) and ``unroll`` the 512-byte steps of each row in
-    # flight. None: the mma template above.
-    rows_per_warp: int | None = None
-    # mma template: consecutive K steps of a warp whose pieces a lane reads as one contiguous span
-    # (halved until it divides ``unroll`` and the warp's steps). 1: the four lanes of a row read 64
-    # adjacent bytes a step; r: each lane reads 16 r contiguous bytes, a row 64 r bytes a run.
-    lane_run: int = 1
-    # Row template: the percentage of each weight row its warp asks L2 for (one bulk prefetch a row,
-    # sm_90) before the kernel waits for the grid before it. Pays only where that grid lets this one
-    # launch early and leaves memory idle meanwhile (the decode attention's merge, before o_proj);
-    # elsewhere it duplicates the first loads. None: no prefetch, and the wait is the pipeline's.
-    prefetch_l2_percent: int | None = None
-
-    @property
-    def token_tiles(self) -> int:
-        return -(-self.max_m // MMA_N)
-
-
 def check_gemv_config(cfg: GemvConfig, where: str = "GEMV config") -> None:
     """FuselightError naming the field of ``cfg`` that the template cannot use."""
     if not 1 <= cfg.max_m <= MMA_N * MAX_TOKEN_TILES:
@@ -181,23 +150,25 @@ def check_gemv_config(cfg: GemvConfig, where: str = "GEMV config") -> None:
 
 def load_gemv_configs(arch: str, quantized: bool = False) -> list[GemvConfig]:
     """The M buckets of ``arch`` (``sm_90``) from ``configs/gemm/gemv.json`` (``quantized``: from
-    ``gemv_q4.json``, for dequantized weights), by increasing ``max_m``; empty where the file has no
-    entry for ``arch``. FuselightError naming the field of a bad one."""
+    ``gemv_q4.json``, for dequantized weights; the analytic buckets where it has no entry for ``arch``),
+    by increasing ``max_m``. FuselightError naming the field of a bad one, or for an undescribed arch."""
     name = CONFIG_NAME_Q4 if quantized else CONFIG_NAME
-    path = config_dir() / CONFIG_FAMILY / f"{name}.json"
-    node: Any = read_json_object(path, missing=f"gemv config not found: {path}")
-    if arch not in node:
-        return []
-    if not isinstance(node[arch], dict):
-        raise FuselightError(f"{path}[{arch!r}]: must be an object of M buckets")
+    device = require_device(arch)
+    node, where = arch_entry(config_dir() / CONFIG_FAMILY / f"{name}.json", arch,
+                             arch_config.gemv_q4 if quantized else arch_config.gemv)
+    if not isinstance(node, dict):
+        raise FuselightError(f"{where}: must be an object of M buckets")
     configs = []
-    for bucket in node[arch]:
-        cfg = load_arch_config(CONFIG_FAMILY, name, arch, GemvConfig, bucket)
-        check_gemv_config(cfg, f"{path}[{arch!r}][{bucket!r}]")
+    for bucket, fields in node.items():
+        cfg = from_fields(GemvConfig, fields, f"{where}[{bucket!r}]")
+        check_gemv_config(cfg, f"{where}[{bucket!r}]")
+        if cfg.prefetch_l2_percent is not None and not (device.has("tma") and device.has("griddepcontrol")):
+            raise FuselightError(f"{where}[{bucket!r}]: prefetch_l2_percent needs TMA and griddepcontrol, "
+                                 f"which {arch} lacks")
         configs.append(cfg)
     configs.sort(key=_bucket_order)
     if len({(c.max_m, c.max_blocks, c.max_k) for c in configs}) != len(configs):
-        raise FuselightError(f"{path}[{arch!r}]: two buckets with the same 'max_m', 'max_blocks' and 'max_k'")
+        raise FuselightError(f"{where}: two buckets with the same 'max_m', 'max_blocks' and 'max_k'")
     return configs
 
 
@@ -272,7 +243,7 @@ def check_gemv(ops: GemmOperands, cfg: GemvConfig, max_shared_bytes: int | None 
     need = STEP_K if cfg.rows_per_warp is not None else step_k(ops)  # a K step of the template
     if ops.k % need:
         raise FuselightError(f"GEMV: K ({ops.k}) must be a multiple of {need}")
-    m = _static_m(ops)
+    m = static_m(ops)
     if m is not None and not 1 <= m <= cfg.max_m:
         raise FuselightError(f"GEMV: M ({m}) must be 1..{cfg.max_m} (the config's max_m)")
     if ops.prologue is not None and m is None:
@@ -284,8 +255,6 @@ def check_gemv(ops: GemmOperands, cfg: GemvConfig, max_shared_bytes: int | None 
 def check_dequant(ops: GemmOperands, cfg: GemvConfig) -> None:
     """FuselightError where the templates cannot dequantize ``ops``' weights (see ``Q4_BITS``)."""
     d = ops.dequant
-    if ops.prologue is not None:
-        raise FuselightError("GEMV: dequantized weights with a norm prologue are not served")
     if d.bits != Q4_BITS or d.storage_dtype != "uint32" or d.per_word != 32 // Q4_BITS:
         raise FuselightError(f"GEMV: needs 4-bit values packed in uint32, got {d.bits}-bit in {d.storage_dtype}")
     if d.layout != "NK":
@@ -306,7 +275,7 @@ def shared_bytes(ops: GemmOperands, cfg: GemvConfig) -> int:
     partials = block_warps(ops, cfg) * MMA_M * MMA_N * cfg.token_tiles * 4
     if ops.prologue is None:
         return partials
-    return partials + _static_m(ops) * (ops.k // 2 + PIECE_WORDS) * 4
+    return partials + static_m(ops) * (ops.k // 2 + PIECE_WORDS) * 4
 
 
 def block_warps(ops: GemmOperands, cfg: GemvConfig) -> int:
@@ -335,18 +304,6 @@ def piece_word(step: Any, warp: Any, quad: Any, warps: int, run: int) -> Any:
     return ((step // run) * warps + warp) * run * (STEP_K // 2) + (quad * run + step % run) * PIECE_WORDS
 
 
-def index_dtype(ops: GemmOperands) -> str:
-    """The dtype of the output's row and column indices: M's, or int64 for a static M."""
-    return "int64" if isinstance(ops.m, int) else str(ops.m.ty.dtype)
-
-
-def _static_m(ops: GemmOperands) -> int | None:
-    m = ops.m
-    if isinstance(m, int):
-        return m
-    return int(m.value) if hasattr(m, "value") else None
-
-
 def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     """The kernel body (a ``tvm.tirx.Stmt``) computing ``ops`` (M <= ``cfg.max_m``) in one launch;
     it uses ``ops``' buffers: bind it to the analysed function's parameters.
@@ -358,8 +315,6 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
 
     check_gemv(ops, cfg)
     if cfg.rows_per_warp is not None:
-        from .gemv_rows import rows_body  # that template imports this module's helpers
-
         return rows_body(ops, cfg)
     n, k, dtype = ops.n, ops.k, ops.dtype
     norm, deq = ops.prologue, ops.dequant
@@ -413,7 +368,7 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     # prologue (one piece of padding a row). Prologue: a thread's pieces of a row, and the pieces
     # of x + r a block writes.
     x_stride = words if norm is None else words + PIECE_WORDS
-    rows_p = 0 if norm is None else _static_m(ops)
+    rows_p = 0 if norm is None else static_m(ops)
     norm_rows = None if norm is None else norm_prologue(ops, threads, blocks, x_stride)
 
     run = lane_run(cfg, steps)
@@ -557,68 +512,3 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                                     T.Cast(m_dtype, row), T.Cast(m_dtype, col), total[0], total[1])
     # fmt: on
     return body.body
-
-
-def norm_prologue(ops: GemmOperands, threads: int, blocks: int, x_stride: int) -> Any:
-    """The GEMV templates' norm prologue (``ops.prologue``, static M) as a TIR macro
-    ``norm_rows(xs, tid, bx)``: thread ``tid`` of block ``bx`` (of ``blocks``, ``threads`` each)
-    reads its pieces of the M rows of ``x`` (+ the residual) in 16-byte pieces, the block sums the
-    squares of ``x + r`` in float32, and writes the normed rows, rounded to the activation dtype as
-    the norm kernel rounds them, to the shared buffer ``xs`` (row ``r`` at ``2 r x_stride``
-    elements). ``x + r`` is written out in slices, one per block. The caller syncs the block after."""
-    from tvm.script import tirx as T
-
-    norm, k, dtype = ops.prologue, ops.k, ops.dtype
-    rows_p = _static_m(ops)
-    pieces = k // PIECE
-    thread_pieces = -(-pieces // threads)
-    slice_pieces = -(-(rows_p * pieces) // blocks)
-
-    # fmt: off
-    @T.macro
-    def norm_rows(xs, tid, bx):
-        Xg = T.decl_buffer((rows_p * k,), dtype, data=norm.x.data)
-        Wn = T.decl_buffer((k,), dtype, data=norm.weight.data)
-        if norm.residual is not None:
-            Rg = T.decl_buffer((rows_p * k,), dtype, data=norm.residual.data)
-            Tg = T.decl_buffer((rows_p * k,), dtype, data=norm.total.data)
-        t_reg = T.sblock_alloc_buffer((thread_pieces * PIECE,), dtype, scope="local")
-        piece = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
-        part = T.sblock_alloc_buffer((1,), "float32", scope="local")
-        ssq = T.sblock_alloc_buffer((1,), "float32", scope="local")
-        for row in T.unroll(rows_p):
-            part[0] = T.float32(0)
-            for i in T.unroll(thread_pieces):
-                p: T.let[T.int32] = i * threads + T.Cast("int32", tid)
-                if p < pieces:
-                    for e in T.vectorized(PIECE):
-                        t_reg[i * PIECE + e] = Xg[row * k + p * PIECE + e]
-                    if norm.residual is not None:
-                        for e in T.vectorized(PIECE):
-                            piece[e] = Rg[row * k + p * PIECE + e]
-                        for e in T.unroll(PIECE):
-                            t_reg[i * PIECE + e] = t_reg[i * PIECE + e] + piece[e]
-                        if bx * slice_pieces <= row * pieces + p and row * pieces + p < (bx + 1) * slice_pieces:
-                            for e in T.vectorized(PIECE):
-                                Tg[row * k + p * PIECE + e] = t_reg[i * PIECE + e]
-                    for e in T.unroll(PIECE):
-                        part[0] = part[0] + T.Cast("float32", t_reg[i * PIECE + e]) * T.Cast("float32", t_reg[i * PIECE + e])
-            with T.sblock("norm_sum"):
-                T.reads(part[0])
-                T.writes(ssq[0])
-                T.attr(T.comm_reducer(lambda a0, b0: a0 + b0, [T.float32(0)]), "reduce_scope", T.int32(0))
-                T.tvm_thread_allreduce(T.uint32(1), part[0], True, ssq[0], tid, dtype="void")
-            # As TOPI's rms_norm: rsqrt(mean + eps) * float32(t) * float32(w), rounded once.
-            # (A register: TVM lowers ``ssq`` to shared memory, which a store would race on.)
-            rstd: T.let[T.float32] = T.rsqrt(ssq[0] / T.float32(k) + T.float32(norm.eps))
-            for i in T.unroll(thread_pieces):
-                p: T.let[T.int32] = i * threads + T.Cast("int32", tid)
-                if p < pieces:
-                    for e in T.vectorized(PIECE):
-                        piece[e] = Wn[p * PIECE + e]
-                    for e in T.unroll(PIECE):
-                        piece[e] = T.Cast(dtype, rstd * T.Cast("float32", t_reg[i * PIECE + e]) * T.Cast("float32", piece[e]))
-                    for e in T.vectorized(PIECE):
-                        xs[row * x_stride * 2 + p * PIECE + e] = piece[e]
-    # fmt: on
-    return norm_rows

@@ -6,7 +6,7 @@ in one launch. Each warp owns ``cfg.rows_per_warp`` output columns and streams t
 loads the 16-byte piece ``32 s + l`` of a row at step s, so one load instruction of a warp reads
 512 contiguous bytes, ``cfg.unroll`` steps of every row in flight before they are used. The token
 row sits in shared memory (copied once a block, or normed into it by the norm prologue of
-``gemv.norm_prologue``); products are summed in float32, then over the warp's lanes by butterfly
+``gemv_common.norm_prologue``); products are summed in float32, then over the warp's lanes by butterfly
 shuffles, and the column's lane runs the epilogue.
 
 A bucket with ``prefetch_l2_percent`` also has each warp ask L2 for that share of its weight rows
@@ -26,7 +26,8 @@ a shift and a cast each (``Q4_DOT``): ``((w >> 4 j) & 0x000F000F) | 0x64006400``
 is ``(e - zero)`` in fp16, times the scale in fp16: bit for bit the dequantize's
 ``(fp16(e) - fp16(zero)) * scale`` (bf16: bias 0x4300, 128 + e). Products and sums are float32, as
 the matmul's. Since each word pairs values j and j + 4, the token row is staged in shared memory
-permuted the same way (within every 8 tokens: 0, 4, 1, 5, 2, 6, 3, 7), so no shuffle is needed.
+permuted the same way (within every 8 tokens: 0, 4, 1, 5, 2, 6, 3, 7), so no shuffle is needed;
+the norm prologue stages its normed row so too.
 N may be symbolic there (the LM head's vocabulary): the grid is then computed at launch.
 
 Why beside the mma template: at M = 1 the tensor cores buy nothing, and there its rows-of-16 layout
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .gemv import PIECE, PIECE_WORDS, Q4_PIECE, GemvConfig, index_dtype, norm_prologue
+from .gemv_common import PIECE, PIECE_WORDS, Q4_PIECE, GemvConfig, index_dtype, norm_prologue
 from .operands import GemmOperands
 from .plan import WARP
 
@@ -99,6 +100,18 @@ def q4_chunk(piece: Any, c: Any) -> Any:
     return (c + (piece >> 1)) & 3
 
 
+def q4_slot(p: Any) -> Any:
+    """Where the row template stages piece ``p`` (8 tokens) of the token row for 4-bit weights, in
+    pieces: within its 64-byte group of 4, rotated by ``q4_chunk``."""
+    return p // 4 * 4 + q4_chunk(p // 4, p % 4)
+
+
+def q4_order(e: Any) -> Any:
+    """The token of its piece that staged element ``e`` holds: 0, 4, 1, 5, 2, 6, 3, 7, the order of a
+    word's values as ``Q4_DOT`` converts them."""
+    return e // 2 + e % 2 * 4
+
+
 def rows_grid_blocks(ops: GemmOperands, cfg: GemvConfig) -> Any:
     """Blocks of the row-streaming grid: ``cfg.warps`` x ``cfg.rows_per_warp`` output columns each (an
     expression where N is symbolic)."""
@@ -132,7 +145,8 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     m_dtype = index_dtype(ops)
     # The token row: copied (a thread's pieces of it), or normed by the prologue (row 0 at 0).
     copy_pieces = -(-(k // PIECE) // threads)
-    norm_rows = None if norm is None else norm_prologue(ops, threads, blocks, k // 2)
+    staging = None if deq is None else (q4_slot, q4_order)
+    norm_rows = None if norm is None else norm_prologue(ops, threads, blocks, k // 2, staging)
     if deq is None:
         w_dtype, w_vec, row_len = dtype, PIECE, k  # the buffer's elements a piece, a row
     else:
@@ -203,13 +217,13 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                                     for e in T.vectorized(PIECE):
                                         xs[p * PIECE + e] = X[p * PIECE + e]
                                 else:
-                                    # Tokens 0..7 as 0, 4, 1, 5, 2, 6, 3, 7: the order of a word's values.
+                                    # Tokens in the order of a word's values (``q4_order``).
                                     for e in T.vectorized(PIECE):
                                         xv[e] = X[p * PIECE + e]
                                     for e in T.unroll(PIECE):
-                                        xp[e] = xv[e // 2 + e % 2 * 4]
+                                        xp[e] = xv[q4_order(e)]
                                     for e in T.vectorized(PIECE):
-                                        xs[(p // 4 * 4 + q4_chunk(p // 4, p % 4)) * PIECE + e] = xp[e]
+                                        xs[q4_slot(p) * PIECE + e] = xp[e]
                     else:
                         norm_rows(xs, tid, bx)
                     T.tvm_storage_sync("shared")

@@ -14,23 +14,26 @@ from __future__ import annotations
 
 import dataclasses
 
+from fuselight.device import least, most, require_device, warp_size
 from fuselight.errors import FuselightError
-from fuselight.jsonfile import read_json_object
 from fuselight.paths import config_dir
 
+from .. import arch_config
+from ..arch_config import arch_entry
 from .operands import DTYPES, GemmOperands
 
 # mma.sync.m16n8k16: a warp's row block, the k step, the n width of one accumulator tile. A warp's
 # piece spans whole 16 x 16 blocks (one ldmatrix.x4 of A, or of B for two n tiles).
 MMA_M, MMA_K, MMA_N = 16, 16, 8
-WARP = 32
-MAX_THREADS = 1024
+WARP = warp_size()
+MAX_THREADS = least("max_threads_per_block")
 # One cp.async / ldmatrix row piece: 16 bytes = 8 halves; an fp32 output row piece: 8 floats.
 CHUNK = 8
 # block_k: a power of two from one mma k step to 16 pieces a row (the XOR swizzle's range).
 BLOCK_K_CHOICES = (16, 32, 64, 128)
-# Shared memory a block may opt in to on sm_90 (dynamic shared memory, 227 KiB).
-MAX_SHARED_BYTES = 232448
+# Dynamic shared memory a block may opt in to on the largest described device: the template's bound
+# where no arch is at hand (``smem_limit`` None); the dispatcher checks against its arch's own.
+MAX_SHARED_BYTES = most("smem_per_block_optin")
 # Accumulators a thread holds; more spill out of the 255 registers a thread can have.
 MAX_ACCUMULATORS = 128
 # The fp32 output tile staged in shared memory has rows padded by this many floats (32 bytes), so
@@ -89,8 +92,10 @@ class GemmPlan:
     split_k: int = 1
 
 
-def check_tile(tile: GemmTile, what: str = "tile") -> None:
-    """FuselightError naming the field if ``tile`` is not a valid mma.sync tile (any shape)."""
+def check_tile(tile: GemmTile, what: str = "tile", smem_limit: int | None = None) -> None:
+    """FuselightError naming the field if ``tile`` is not a valid mma.sync tile (any shape) within
+    ``smem_limit`` bytes of shared memory (None: ``MAX_SHARED_BYTES``)."""
+    smem_limit = smem_limit or MAX_SHARED_BYTES
     for field in dataclasses.fields(GemmTile):
         v = getattr(tile, field.name)
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -129,10 +134,10 @@ def check_tile(tile: GemmTile, what: str = "tile") -> None:
             f"gemm {what}: a warp's {tile.warp_m}x{tile.warp_n} piece needs {accumulators} accumulators a "
             f"thread (at most {MAX_ACCUMULATORS}): raise warps_m or warps_n"
         )
-    if tile.shared_bytes > MAX_SHARED_BYTES:
+    if tile.shared_bytes > smem_limit:
         raise FuselightError(
             f"gemm {what}: stages {tile.stages} of {tile.block_m}x{tile.block_n}x{tile.block_k} need "
-            f"{tile.shared_bytes} bytes of shared memory (at most {MAX_SHARED_BYTES})"
+            f"{tile.shared_bytes} bytes of shared memory (at most {smem_limit})"
         )
 
 
@@ -181,7 +186,14 @@ def shared_bytes(tile: GemmTile, ops: GemmOperands) -> int:
     return max(q4_smem(tile, ops.dequant.group).halves * ELEMENT_BYTES, tile.epilogue_floats * 4)
 
 
-def check_dequant(plan: GemmPlan, ops: GemmOperands) -> None:
+def q4_tile_bytes(fields: dict[str, int]) -> int:
+    """Shared memory of the tile ``fields`` describe with a dequantized B, at the smallest group (the
+    most scales): for the analytic configs."""
+    tile = GemmTile(**fields)
+    return max(q4_smem(tile, Q4_PIECE).halves * ELEMENT_BYTES, tile.epilogue_floats * 4)
+
+
+def check_dequant(plan: GemmPlan, ops: GemmOperands, smem_limit: int | None = None) -> None:
     """FuselightError naming the problem if the template cannot dequantize ``ops``' B with ``plan``:
     4-bit values 8 to a 32-bit word along K (layout NK), a group of a multiple of 32, an integer
     zero point the conversion subtracts exactly, slices of whole pieces spread evenly over the threads."""
@@ -214,15 +226,17 @@ def check_dequant(plan: GemmPlan, ops: GemmOperands) -> None:
             raise FuselightError(
                 f"gemm plan {what} tile: {ops.k // deq.group} scales a row are no whole 4-byte loads"
             )
-        if shared_bytes(tile, ops) > MAX_SHARED_BYTES:
+        if shared_bytes(tile, ops) > (smem_limit or MAX_SHARED_BYTES):
             raise FuselightError(
                 f"gemm plan {what} tile: stages {tile.stages} of {tile.block_m}x{tile.block_n}x{tile.block_k} "
-                f"with a dequantized B need {shared_bytes(tile, ops)} bytes of shared memory (at most {MAX_SHARED_BYTES})"
+                f"with a dequantized B need {shared_bytes(tile, ops)} bytes of shared memory "
+                f"(at most {smem_limit or MAX_SHARED_BYTES})"
             )
 
 
-def check_plan(plan: GemmPlan, ops: GemmOperands) -> None:
-    """FuselightError naming the field (or the operand) if ``plan`` cannot tile ``ops``."""
+def check_plan(plan: GemmPlan, ops: GemmOperands, smem_limit: int | None = None) -> None:
+    """FuselightError naming the field (or the operand) if ``plan`` cannot tile ``ops`` (within
+    ``smem_limit`` bytes of shared memory; None: ``MAX_SHARED_BYTES``)."""
     if ops.dtype not in DTYPES:
         raise FuselightError(f"gemm: dtype {ops.dtype!r} unsupported (supported: {', '.join(DTYPES)})")
     if ops.b_layout not in SUPPORTED_B_LAYOUTS:
@@ -237,7 +251,8 @@ def check_plan(plan: GemmPlan, ops: GemmOperands) -> None:
         raise FuselightError(f"gemm plan: split_k must be a positive integer, got {plan.split_k!r}")
     tiles = [("main", plan.main)] + ([("rest", plan.rest)] if plan.rest is not None else [])
     for what, tile in tiles:
-        check_tile(tile, f"plan {what} tile")
+        # A dequantized B has its own shared-memory layout, checked by check_dequant.
+        check_tile(tile, f"plan {what} tile", smem_limit if ops.dequant is None else None)
         if not isinstance(ops.n, int):
             if ops.dequant is None:
                 raise FuselightError(f"gemm plan: n {ops.n} must be static (symbolic only with a dequantized B)")
@@ -258,27 +273,31 @@ def check_plan(plan: GemmPlan, ops: GemmOperands) -> None:
                 f"gemm plan: rest tile block_m {plan.rest.block_m} must be below main's {plan.main.block_m}"
             )
     if ops.dequant is not None:
-        check_dequant(plan, ops)
+        check_dequant(plan, ops, smem_limit)
+
+
+def tile_bytes(fields: dict[str, int]) -> int:
+    """Shared memory of the tile ``fields`` describe (for the analytic configs)."""
+    return GemmTile(**fields).shared_bytes
 
 
 def load_tiles(arch: str) -> dict[str, GemmTile]:
-    """The named candidate tiles for ``arch`` (e.g. ``sm_90``) from ``configs/gemm/mma_sync.json``."""
-    path = config_dir() / "gemm" / "mma_sync.json"
-    data = read_json_object(path, missing=f"gemm config not found: {path}")
-    if arch not in data:
-        raise FuselightError(f"{path}: no entry {arch!r} (unsupported target arch)")
-    entries = data[arch]
+    """The named candidate tiles for ``arch`` (e.g. ``sm_90``): ``configs/gemm/mma_sync.json``'s, or
+    the analytic ones (``arch_config.mma_sync``), each within the arch's shared memory."""
+    entries, where_arch = arch_entry(config_dir() / "gemm" / "mma_sync.json", arch,
+                                     lambda d, t: arch_config.mma_sync(d, t, tile_bytes))
     if not isinstance(entries, dict) or not entries:
-        raise FuselightError(f"{path}[{arch!r}]: must be a non-empty object of named tiles")
+        raise FuselightError(f"{where_arch}: must be a non-empty object of named tiles")
+    limit = require_device(arch).smem_per_block_optin
     names = [f.name for f in dataclasses.fields(GemmTile)]
     tiles = {}
     for name, fields in entries.items():
-        where = f"{path}[{arch!r}][{name!r}]"
+        where = f"{where_arch}[{name!r}]"
         if not isinstance(fields, dict) or set(fields) != set(names):
             raise FuselightError(f"{where}: must have exactly the fields {', '.join(names)}")
         tile = GemmTile(**fields)
         try:
-            check_tile(tile, name)
+            check_tile(tile, name, limit)
         except FuselightError as err:
             raise FuselightError(f"{where}: {err}") from None
         tiles[name] = tile

@@ -33,7 +33,7 @@ A B computed by a 4-bit dequantize (``ops.dequant``: MLC-LLM's q4f16_1, static N
 producer (the B-load hook; the consumers and the epilogue are the same): TMA still loads A, while
 all 128 producer threads stream the packed words and scales by cp.async into a staging ring, each
 its own pieces, convert them (bit for bit MLC's dequantize) into the slot's swizzled fp16/bf16 B
-tile, fence for the async proxy and arrive on the slot's full barrier (see ``Q4_STAGING``).
+tile, fence for the async proxy and arrive on the slot's full barrier (see ``WgmmaTile.q4_staging``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ from fuselight.errors import FuselightError
 from fuselight.jsonfile import read_json_object
 from fuselight.paths import config_dir
 
-from ..arch_config import load_arch_config
+from fuselight.device import most, require_device, warp_size
+
+from ..arch_config import from_fields
 from .operands import B_LAYOUTS, DTYPES, GemmOperands
 from .split_k import reduction
 
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
     import tvm
 
 WARPGROUP = 128  # threads
-WARP = 32
+WARP = warp_size()
 WGMMA_M, WGMMA_K = 64, 16
 # wgmma's n runs 8..256 in steps of 8; one 128-byte swizzle row holds 64 halves of K.
 WGMMA_N_STEP, WGMMA_N_MAX = 8, 256
@@ -75,26 +77,23 @@ DESC_LBO = 1
 DESC_SWIZZLE_128B = 3
 # cuTensorMapEncodeTiled enums: no interleave, 128-byte swizzle, 256-byte L2 promotion, zero fill.
 TMA_INTERLEAVE_NONE, TMA_SWIZZLE_128B, TMA_L2_PROMOTION_256B, TMA_OOB_ZERO = 0, 3, 3, 0
-# Shared memory a block may opt in to on sm_90 (227 KiB).
-MAX_DYNAMIC_SMEM = 232448
-# Register split after setmaxnreg, per consumer warpgroup count (counts are multiples of 8).
-# setmaxnreg.inc waits until the block's own pool has the registers: with two consumer warpgroups
-# ptxas gives all 384 threads 168 (64 Ki a block), and 40 + 2 x 232 = 3 x 168. With one, ptxas
-# allocates what the code needs (about 105 at block_n 128), too few to move: no rebalancing (None).
+# Shared memory a block may opt in to on the devices with wgmma (the device model's).
+MAX_DYNAMIC_SMEM = most("smem_per_block_optin", "wgmma")
+# Register split after setmaxnreg (``consumer_regs``). The producer warpgroup shrinks to
+# PRODUCER_REGS (TMA alone needs few); the consumers grow into what it gives back.
 PRODUCER_REGS = 40
-CONSUMER_REGS = {1: None, 2: 232}
+SUPPORTED_WARPGROUPS = (1, 2)
+SETMAXNREG_STEP = 8  # setmaxnreg counts are multiples of 8 (PTX ISA)
 # A dequantized B (4-bit words, ``ops.dequant``): the whole producer warpgroup works. Each thread
 # streams its pieces of the packed slice (16-byte pieces of 32 values along K, 4 words) and, per
 # piece, the aligned pair of scales holding its scale, by cp.async into a staging ring of
-# Q4_STAGING slices (its own data: after its own wait_group it converts them, no barrier), converts
+# ``q4_staging`` slices (its own data: after its own wait_group it converts them, no barrier), converts
 # them (half2 bit trick, bit for bit MLC's ``(dtype(q) - dtype(7)) * scale``) into the slot's
 # swizzled fp16/bf16 B tile, fences the generic-proxy writes for wgmma's async proxy and arrives on
 # the slot's "full" barrier (count 1 + 128: the leader's expect_tx for A's TMA, then every producer
-# thread). It needs more registers than TMA alone: 64, the consumers 224 (64 + 2 x 224 = 512).
-Q4_STAGING = 3
+# thread). It needs more registers than TMA alone (``consumer_regs`` gives the consumers the rest).
 Q4_PIECE = 32  # values of one 16-byte piece of packed words
-Q4_PRODUCER_REGS = 64
-Q4_CONSUMER_REGS = {1: None, 2: 224}
+Q4_PRODUCER_REGS = 56
 # Keeps the compiler from reading an accumulator before the wgmma wait above it.
 REGISTER_FENCE = "fuselight_wgmma_register_fence"
 REGISTER_FENCE_SOURCE = f"""
@@ -117,6 +116,8 @@ class WgmmaTile:
     stages: int
     group_m: int
     max_blocks: int
+    # Slices of a dequantized B's packed words staged ahead (see WgmmaTile.q4_staging); unused without one.
+    q4_staging: int = 3
 
     @property
     def block_m(self) -> int:
@@ -150,7 +151,25 @@ def smem_bytes(tile: WgmmaTile, ops: GemmOperands) -> int:
     """Shared memory of ``tile`` computing ``ops`` (a dequantized B adds its staging ring)."""
     if ops.dequant is None:
         return tile.smem_bytes
-    return tile.smem_bytes + Q4_STAGING * q4_staging_bytes(tile)
+    return tile.smem_bytes + tile.q4_staging * q4_staging_bytes(tile)
+
+
+def consumer_regs(warpgroups: int, producer_regs: int) -> int | None:
+    """What each consumer warpgroup grows to once the producer has shrunk to ``producer_regs``, or
+    None (no rebalancing) with one consumer warpgroup, where ptxas allocates what the code needs
+    (about 105 at block_n 128), too few to move.
+
+    The launch gives every thread the block's register file over its threads (in steps of 8: 168
+    for 384 threads). ``setmaxnreg.inc`` waits until the block's own pool holds what it asks, so
+    the consumers may take exactly what the producer gives back and no more: with one register
+    too many a thread-slot, every kernel hangs (the first 4-bit wgmma GEMM did, at 64 + 2 x 224)."""
+    if warpgroups == 1:
+        return None
+    threads = WARPGROUP * (warpgroups + 1)
+    per_thread = min(most("regs_per_block", "wgmma") // threads, most("max_regs_per_thread", "wgmma"))
+    per_thread -= per_thread % SETMAXNREG_STEP
+    share = ((warpgroups + 1) * per_thread - producer_regs) // warpgroups
+    return share - share % SETMAXNREG_STEP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,12 +186,19 @@ def load_wgmma_tiles(arch: str) -> dict[str, WgmmaTile]:
     load_wgmma_tile(arch)  # names the problem if the file, the arch or its default tile is missing
     path = config_dir() / "gemm" / "wgmma.json"
     names = read_json_object(path, missing=f"gemm config not found: {path}")[arch]
-    return {name: load_arch_config("gemm", "wgmma", arch, WgmmaTile, name) for name in names}
+    return {name: from_fields(WgmmaTile, names[name], f"{path}[{arch!r}][{name!r}]") for name in names}
 
 
 def load_wgmma_tile(arch: str) -> WgmmaTile:
-    """The default (large-M) tile for ``arch`` from ``configs/gemm/wgmma.json``."""
-    return load_arch_config("gemm", "wgmma", arch, WgmmaTile, DEFAULT_TILE)
+    """The default (large-M) tile for ``arch`` from ``configs/gemm/wgmma.json``: measured only (no
+    analytic tiles), and only for a device with wgmma."""
+    if not require_device(arch).has("wgmma"):
+        raise FuselightError(f"wgmma gemm: {arch} has no wgmma (configs/targets/devices.json)")
+    path = config_dir() / "gemm" / "wgmma.json"
+    node = read_json_object(path, missing=f"gemm config not found: {path}")
+    if DEFAULT_TILE not in node.get(arch, {}):
+        raise FuselightError(f"{path}: no entry {arch!r} with a {DEFAULT_TILE!r} tile (no measured wgmma tiles)")
+    return from_fields(WgmmaTile, node[arch][DEFAULT_TILE], f"{path}[{arch!r}][{DEFAULT_TILE!r}]")
 
 
 def check_tile(tile: WgmmaTile, ops: GemmOperands, split_k: int = 1) -> None:
@@ -191,9 +217,9 @@ def check_tile(tile: WgmmaTile, ops: GemmOperands, split_k: int = 1) -> None:
         )
     if tile.block_n % EPI_COLS:
         raise FuselightError(f"wgmma tile: block_n {tile.block_n} must be a multiple of {EPI_COLS} (the epilogue chunk)")
-    if tile.warpgroups not in CONSUMER_REGS:
+    if tile.warpgroups not in SUPPORTED_WARPGROUPS:
         raise FuselightError(
-            f"wgmma tile: warpgroups {tile.warpgroups} unsupported (supported: {sorted(CONSUMER_REGS)})"
+            f"wgmma tile: warpgroups {tile.warpgroups} unsupported (supported: {list(SUPPORTED_WARPGROUPS)})"
         )
     if not isinstance(ops.n, int) or ops.n % tile.block_n:
         raise FuselightError(f"wgmma gemm: n {ops.n} is not a multiple of block_n {tile.block_n}")
@@ -273,14 +299,15 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
     reduce_blocks = reduction(ops, split_k) if split_k > 1 else None
     deq = ops.dequant
     total_smem = smem_bytes(tile, ops)
-    producer_regs, consumer_regs = PRODUCER_REGS, CONSUMER_REGS[tile.warpgroups]
+    producer_regs = PRODUCER_REGS if ops.dequant is None else Q4_PRODUCER_REGS
+    grown_regs = consumer_regs(tile.warpgroups, producer_regs)
     if deq is not None:
         from .mma_sync import Q4_CP_ASYNC, Q4_DEQUANT, cp_async_wait_source, q4_dequant_source
 
-        producer_regs, consumer_regs = Q4_PRODUCER_REGS, Q4_CONSUMER_REGS[tile.warpgroups]
         # The staging ring after the barriers (16-byte aligned: stages x 2 barriers of 8 bytes).
         staging_base = tile.stages * (tile.slot_bytes + 2 * MBAR_BYTES) + tile.epilogue_bytes
         staging_bytes = q4_staging_bytes(tile)
+        staging = tile.q4_staging
         slice_pieces = bn * BLOCK_K // Q4_PIECE  # of packed words in a slice (not the epilogue's ``pieces``)
         packed_bytes = slice_pieces * 16
         thread_pieces = slice_pieces // WARPGROUP
@@ -368,11 +395,11 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
 
     def q4_load(hsmem, j, ptid, m_tiles, bx, blocks):
         # This thread's pieces of the block's slice j (work unit j / k_tiles of the block, K slice
-        # j % k_tiles of it) and their scales into staging slot j % Q4_STAGING. (Offsets in halves.)
+        # j % k_tiles of it) and their scales into staging slot j % staging. (Offsets in halves.)
         unit = unit_tile(bx + T.truncdiv(j, k_tiles) * blocks, m_tiles)
         n0 = tile_col(unit, m_tiles)
         kslice = unit_split(bx + T.truncdiv(j, k_tiles) * blocks, m_tiles) * k_tiles + T.truncmod(j, k_tiles)
-        stage = staging_base + T.truncmod(j, Q4_STAGING) * staging_bytes
+        stage = staging_base + T.truncmod(j, staging) * staging_bytes
         for p in range(thread_pieces):
             piece = p * WARPGROUP + ptid
             row = T.Cast("int64", n0 + piece // 2)
@@ -385,7 +412,7 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
     def q4_convert(hsmem, it, kslice, slot, ptid):
         # This thread's pieces of slice ``it`` (staged by itself, waited for) into the slot's B
         # tile: row r's 16-byte piece c at c ^ (r % 8), the 128-byte swizzle TMA and wgmma use.
-        stage = staging_base + T.truncmod(it, Q4_STAGING) * staging_bytes
+        stage = staging_base + T.truncmod(it, staging) * staging_bytes
         for p in range(thread_pieces):
             piece = p * WARPGROUP + ptid
             row = piece // 2
@@ -442,14 +469,14 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
                         T.ptx.fence.proxy_async("shared::cta")
                     T.tvm_storage_sync("shared")
                     if wg == tile.warpgroups:
-                        if consumer_regs is not None:
+                        if grown_regs is not None:
                             T.ptx.setmaxnreg(False, producer_regs)
                         if deq is not None:
-                            # The B-load hook for a dequantized B (see Q4_STAGING): the whole warpgroup.
+                            # The B-load hook for a dequantized B (see WgmmaTile.q4_staging): the whole warpgroup.
                             ptid: T.let[T.int32] = tid - consumers
                             slices: T.let[T.int32] = my_tiles * k_tiles
-                            # Always Q4_STAGING - 1 groups ahead (empty past the last slice): the waits count on it.
-                            for j in T.unroll(Q4_STAGING - 1):
+                            # Always staging - 1 groups ahead (empty past the last slice): the waits count on it.
+                            for j in T.unroll(staging - 1):
                                 if j < slices:
                                     q4_load(buf_dyn_shmem.data, j, ptid, m_tiles, bx, blocks)
                                 T.ptx.cp_async.commit_group()
@@ -459,16 +486,16 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
                                 for kt in T.serial(k_tiles):
                                     it: T.let[T.int32] = ti * k_tiles + kt
                                     slot: T.let[T.int32] = T.truncmod(it, stages)
-                                    # Staging slot of slice it + Q4_STAGING - 1: converted by this thread at it - 1.
-                                    if it + Q4_STAGING - 1 < slices:
-                                        q4_load(buf_dyn_shmem.data, it + Q4_STAGING - 1, ptid, m_tiles, bx, blocks)
+                                    # Staging slot of slice it + staging - 1: converted by this thread at it - 1.
+                                    if it + staging - 1 < slices:
+                                        q4_load(buf_dyn_shmem.data, it + staging - 1, ptid, m_tiles, bx, blocks)
                                     T.ptx.cp_async.commit_group()
                                     if it >= stages:
                                         T.ptx.mbarrier.try_wait(empty(buf_dyn_shmem, slot), T.truncmod(T.truncdiv(it, stages) + 1, 2))
                                     if tid == consumers:
                                         T.ptx.mbarrier.arrive.expect_tx(full(buf_dyn_shmem, slot), a_slot)
                                         T.evaluate(tma_load(buf_dyn_shmem, slot * a_slot, slot, a_map, k0 + kt, m0))
-                                    cp_async_wait(Q4_STAGING - 1)  # this thread's pieces of slice it have landed
+                                    cp_async_wait(staging - 1)  # this thread's pieces of slice it have landed
                                     q4_convert(buf_dyn_shmem.data, it, k0 + kt, slot, ptid)
                                     # The generic-proxy writes, then visible to wgmma's async proxy.
                                     T.ptx.fence.proxy_async("shared::cta")
@@ -491,8 +518,8 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
                                         T.evaluate(tma_load(buf_dyn_shmem, b_base + slot * b_slot, slot, b_map, k0 + kt, n0 // 2))
                                         T.evaluate(tma_load(buf_dyn_shmem, b_base + slot * b_slot + b_slot // 2, slot, b_map, k0 + kt, pair + n0 // 2))
                     else:
-                        if consumer_regs is not None:
-                            T.ptx.setmaxnreg(True, consumer_regs)
+                        if grown_regs is not None:
+                            T.ptx.setmaxnreg(True, grown_regs)
                         for ti in T.serial(my_tiles):
                             m0: T.let[T.int32] = tile_row(unit_tile(bx + ti * blocks, m_tiles), m_tiles)
                             n0: T.let[T.int32] = tile_col(unit_tile(bx + ti * blocks, m_tiles), m_tiles)

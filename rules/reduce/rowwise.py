@@ -23,13 +23,15 @@ from typing import Any
 from tvm import tirx
 from tvm.tirx import stmt_functor
 
+from fuselight.device import warp_size
 from fuselight.errors import FuselightError
 
+from .. import arch_config
 from ..arch_config import load_arch_config
 from ..gemm.analysis import _row_indices
 from .analysis import RowReductionDesc
 
-_WARP = 32
+_WARP = warp_size()
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 MAX_STATS = 3  # the kernels below are written out for at most this many statistics
 MAX_OUTPUTS = 3  # and outputs
@@ -55,11 +57,11 @@ class SplitConfig:
 
 
 def load_row_config(arch: str) -> RowConfig:
-    return load_arch_config("reduction", "rowwise", arch, RowConfig, "row")
+    return load_arch_config("reduction", "rowwise", arch, RowConfig, "row", analytic=arch_config.rowwise)
 
 
 def load_split_config(arch: str) -> SplitConfig:
-    return load_arch_config("reduction", "rowwise", arch, SplitConfig, "split")
+    return load_arch_config("reduction", "rowwise", arch, SplitConfig, "split", analytic=arch_config.rowwise)
 
 
 def _check(desc: RowReductionDesc) -> None:

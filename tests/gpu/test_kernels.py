@@ -10,11 +10,11 @@ pipelines); point ``FUSELIGHT_GPU_BUILD`` at DIR. Each case is one test: every p
 of the float64 reference, with a NaN-poisoned output buffer first (``bench.kernels_run``). The
 baseline's errors are recorded, not asserted: MLC's bf16 matmuls accumulate in bf16 (7e-2 at K = 4096). ``FUSELIGHT_GPU_RESULTS``
 names a file for the results (pass/fail and error per point), committed beside the benchmarks.
-Skipped where there is no CUDA device or no build.
+``FUSELIGHT_ACCEPT_PTX=1`` runs a build for an older GPU carried as PTX (``bench build --ptx``) here,
+as its proxy. Skipped where there is no CUDA device or no build.
 """
 
 from __future__ import annotations
-
 
 import pytest
 from gpu_tier import BUILD, RESULTS, cuda_available
@@ -41,9 +41,10 @@ def results(tmp_path_factory) -> tuple[list[dict], list[str]]:
     import json
 
     from fuselight.bench.kernels_run import run_suite
+    from fuselight.runtime import accept_ptx_from_env
 
     out = RESULTS or tmp_path_factory.mktemp("gpu") / "gpu-tests.json"
-    records = run_suite(MANIFEST, out)
+    records = run_suite(MANIFEST, out, accept_ptx=accept_ptx_from_env())
     return records, json.loads(out.read_text())["meta"]["failures"]
 
 

@@ -30,12 +30,13 @@ def runs(tmp_path_factory) -> dict[str, tuple[list[dict], list[str]]]:
     file, ``<FUSELIGHT_GPU_RESULTS stem>-paged.json`` (each record's case prefixed by its layout)."""
     from fuselight.bench.paged_attention import run_suite
     from fuselight.bench.results import write_results
+    from fuselight.runtime import accept_ptx_from_env
 
     tmp = tmp_path_factory.mktemp("paged")
     found, records, failures = {}, [], []
     for layout in LAYOUTS:
         out = tmp / f"{layout}.json"
-        layout_records = run_suite(BUILD / layout / "manifest.json", out)
+        layout_records = run_suite(BUILD / layout / "manifest.json", out, accept_ptx=accept_ptx_from_env())
         layout_failures = json.loads(out.read_text())["meta"]["failures"]
         found[layout] = layout_records, layout_failures
         records += [{**r, "case": f"{layout}/{r['case']}"} for r in layout_records]

@@ -195,3 +195,53 @@ def test_group_with_unused_result_is_skipped():
     p = ApplyFusionPlan({"n": 4})
     p(_module([x], make))
     assert [(g.members, g.reason) for g in p.skipped] == [(["lv", "lv1"], "its result is unused")]
+
+
+def test_a_groups_parameters_follow_its_calls_reads_so_a_matmuls_operands_come_first():
+    # A decode step's down projection after the fused norm GEMV: x + r comes out of a two-output
+    # kernel as a tuple field the group takes in, and is read after the matmul. The matmul's
+    # operands lead the outlined function's parameters (MLC-LLM's FuseDequantizeMatmulEwise looks
+    # for the dequantized weight second), whatever order the fields were taken in.
+    from fuselight.baseline.fuse_transpose_matmul import nt_matmul
+    from q4_dequantize import dequantize
+    from tvm import te
+
+    k = 64
+
+    def two_out(x, r):
+        total = te.compute(x.shape, lambda *i: x(*i) + r(*i), name="total")
+        return [te.compute(x.shape, lambda *i: total(*i) * tirx.const(2, "float16"), name="y"), total]
+
+    params = [_t("x", [1, 1, k], "float16"), _t("r", [1, 1, k], "float16"), _t("q", [k, k // 8], "uint32"),
+              _t("s", [k, k // 32], "float16")]
+
+    def make(bb, x, r, q, s):
+        pair = bb.emit_te(two_out, x, r, primfunc_name_hint="two_outputs")
+        total = bb.emit(relax.TupleGetItem(pair, 1))  # taken first, read last
+        y = bb.emit(relax.TupleGetItem(pair, 0))
+        w = bb.emit_te(dequantize, q, s, primfunc_name_hint="dequantize")
+        mm = bb.emit_te(lambda a, b: nt_matmul(a, b, "float32"), y, w, primfunc_name_hint="NT_matmul")
+        return bb.emit(O.add(bb.emit(O.astype(mm, "float16")), total))
+
+    mod = _module(params, make)
+    gv = mod.get_global_var("two_outputs")
+    mod[gv] = mod[gv].with_attr("op_pattern", 8)  # opaque, as the fused norm GEMV is
+    plan = ApplyFusionPlan({})
+    lowered = plan(mod)
+    bindings = lowered["main"].body.blocks[0].bindings
+    group = next(g for g in plan.applied if "NT_matmul" in g.fused)
+    call = next(b.value for b in bindings if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.GlobalVar)
+                and b.value.op.name_hint == group.fused)
+    y = next(b.var for b in bindings if isinstance(b.value, relax.TupleGetItem) and b.value.index == 0)
+    w = next(b.var for b in bindings if isinstance(b.value, relax.Call) and len(b.value.args) > 1
+             and isinstance(b.value.args[0], tvm.ir.GlobalVar) and b.value.args[0].name_hint == "dequantize")
+    pair = next(b.var for b in bindings if isinstance(b.value, relax.Call) and len(b.value.args) > 1
+                and isinstance(b.value.args[0], tvm.ir.GlobalVar) and b.value.args[0].name_hint == "two_outputs")
+    assert [a.same_as(v) for a, v in zip(call.args, (y, w, pair))] == [True, True, True]
+    # After FuseTIR the PrimFunc reads them in that order: x, then the weight (its dequantize fused later).
+    fused = _fuse(lowered)
+    kernel_call = next(b.value for b in fused["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)
+                       and isinstance(b.value.args[0], tvm.ir.GlobalVar) and b.value.args[0].name_hint.startswith("fused_")
+                       and "NT_matmul" in b.value.args[0].name_hint)
+    assert [str(a.ty.dtype) for a in kernel_call.args[1].fields][:2] == ["float16", "float16"]
+    assert [int(d) for d in kernel_call.args[1].fields[1].ty.shape.values] == [k, k]

@@ -5,7 +5,6 @@ epilogue and rejects near-misses; the Gemv and Matmul rules build it for sm_90 a
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from conftest import needs_nvcc
@@ -16,11 +15,14 @@ from fuselight.passes import AccumulateMatmulFP32, FuseGateUpSiLU
 from fuselight.computations import gate_up_silu_te
 from fuselight.contracts import OP_PATTERN_ATTR, OPAQUE_OP_PATTERN, RULE_ATTR
 from fuselight.passes.fuse_gate_up_silu import PRIMFUNC_NAME
-from fuselight.rules.gemm import dispatch
+from fuselight.rules.gemm import estimate
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemm.plan import GemmPlan, check_plan
 from fuselight.rules.gemv import Gemv
 from fuselight.rules.matmul import Matmul
+from fuselight.model.weights import numpy_dtype
+from fuselight.passes.weight_source import materialized_weights
+from fuselight.quantization import SCHEMES, random_quantized, te_dequantize
 from fuselight.target import resolve, to_tvm
 from tir_query import constants, kernel, kernels
 from tvm import relax, te, tirx
@@ -78,6 +80,71 @@ def test_pass_fuses_and_keeps_the_numbers(dtype: str, accumulate: bool, swap: bo
     np.testing.assert_allclose(got.astype("float64"), want.astype("float64"), rtol=tol, atol=tol)
     # Not a trivial output: silu(gate) * up of unit-scale values.
     assert np.abs(want).mean() > 0.05
+
+
+def _q4_mlp(rows, scheme: str, k: int = K, half: int = HALF) -> tvm.IRModule:
+    """``_mlp`` with its weight stored in ``scheme`` (NK): ``main(x, q, s)``, the weight a
+    ``call_tir`` of the scheme's dequantize as our model and MLC-LLM emit it."""
+    s = SCHEMES[scheme]
+    (qs, ss) = s.packed_shapes(2 * half, k)
+    x = relax.Var("x", relax.TensorType([1, rows, k], s.model_dtype))
+    q = relax.Var("q", relax.TensorType(list(qs), "uint32"))
+    scale = relax.Var("s", relax.TensorType(list(ss), s.model_dtype))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, q, scale]):
+        with bb.dataflow():
+            w = bb.emit_te(lambda q, sc: te_dequantize(q, sc, s), q, scale, primfunc_name_hint="dequantize")
+            y = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w))))
+            halves = bb.emit(relax.op.split(y, 2, axis=-1))
+            gate, up = bb.emit(relax.TupleGetItem(halves, 0)), bb.emit(relax.TupleGetItem(halves, 1))
+            out = bb.emit_output(relax.op.multiply(bb.emit(relax.op.nn.silu(gate)), up))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _q4_inputs(rng, rows: int, scheme: str, k: int = K, half: int = HALF) -> list[np.ndarray]:
+    s = SCHEMES[scheme]
+    q, scale = random_quantized(rng, 2 * half, k, 1 / np.sqrt(k), s)
+    x = rng.standard_normal((1, rows, k)).astype(numpy_dtype(s.model_dtype))
+    return [x, q, scale.astype(numpy_dtype(s.model_dtype))]
+
+
+@pytest.mark.parametrize("scheme", ["q4f16_1", "q4bf16_1"])
+@pytest.mark.parametrize("rows", [1, tirx.Var("seq_len", "int64")], ids=["decode", "prefill"])
+def test_pass_carries_the_dequantize_and_keeps_the_numbers(scheme: str, rows) -> None:
+    mod = AccumulateMatmulFP32()(_q4_mlp(rows, scheme))
+    fused = FuseGateUpSiLU(schedule=False)(mod)
+    assert _fused_calls(fused) == 1 and materialized_weights(fused) == [] and len(materialized_weights(mod)) == 1
+    funcs = [f for gv, f in fused.functions_items() if gv.name_hint.startswith(PRIMFUNC_NAME)]
+    # One function: the dequantize's stages, the matmul reading them, the paired epilogue.
+    desc = analyze_matmul(funcs[0], dequant=True)
+    assert desc.operands.dequant.dtype == SCHEMES[scheme].model_dtype and desc.operands.paired
+    assert desc.epilogue_stages == ("silu_multiply",) and len(desc.operands.dequant.stages) == 1
+    n = 5 if isinstance(rows, tirx.Var) else rows
+    inputs = _q4_inputs(np.random.default_rng(n + len(scheme)), n, scheme)
+    want, got = _run(mod, *inputs).astype("float64"), _run(fused, *inputs).astype("float64")
+    assert got.shape == (1, n, HALF)
+    # The same roundings (the dequantize's, the output's), the sum in float32 either way.
+    tol = 1e-2 if scheme == "q4bf16_1" else 2e-3
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+    assert np.abs(want).mean() > 0.05
+
+
+@pytest.mark.parametrize("rows, fused", [(1, True), (8, True), (tirx.Var("seq_len", "int64"), False)],
+                         ids=["m1", "m8", "prefill"])
+def test_pass_fuses_a_quantized_gate_up_where_the_gemv_rule_takes_it(cuda, rows, fused: bool) -> None:
+    # A static M runs the GEMV templates, which dequantize and pair; a symbolic one would run the
+    # mma.sync plans (no paired epilogue) or DLight above the GEMV buckets: the graph stays.
+    mod = AccumulateMatmulFP32()(_q4_mlp(rows, "q4f16_1", k=512, half=256))
+    with cuda:
+        out = FuseGateUpSiLU()(mod)
+    assert _fused_calls(out) == int(fused)
+    if not fused:
+        tvm.ir.assert_structural_equal(out, mod)
+        return
+    func = next(f for gv, f in out.functions_items() if gv.name_hint.startswith(PRIMFUNC_NAME))
+    assert func.attrs[RULE_ATTR] == "gemm" and Gemv.takes(func, cuda) and not Matmul.takes(func, cuda)
+    assert materialized_weights(out) == []
 
 
 @pytest.mark.parametrize(
@@ -207,9 +274,39 @@ def test_gemv_rule_builds_the_paired_kernel(cuda, m: int) -> None:
     assert Matmul().apply(func, cuda, False) is None  # static M below min_static_m: the Gemv rule's
 
 
+def _q4_fused_func(rows: int, scheme: str = "q4f16_1") -> tirx.PrimFunc:
+    """What the pass makes of ``_q4_mlp(rows)`` on sm_90 (Llama-3-8B's gate+up: 28672 x 4096)."""
+    mod = AccumulateMatmulFP32()(_q4_mlp(rows, scheme, k=4096, half=14336))
+    with to_tvm(resolve("cuda", "sm_90")):
+        fused = FuseGateUpSiLU()(mod)
+    return next(f for gv, f in fused.functions_items() if gv.name_hint.startswith(PRIMFUNC_NAME))
+
+
+@pytest.fixture(scope="module")
+def gemv_kernels(cuda) -> dict[str, tirx.PrimFunc]:
+    """The Gemv rule's kernels for the fp16 pair and the q4 pairs (Llama-3-8B's gate+up), built once."""
+    funcs = {"fp16": _fused_func(1, n=512, k=256), "q4_m1": _q4_fused_func(1), "q4_m8": _q4_fused_func(8),
+             "q4bf16_m1": _q4_fused_func(1, "q4bf16_1")}
+    return {name: Gemv().apply(f, cuda, False).mod["main"].with_attr("global_symbol", name) for name, f in funcs.items()}
+
+
+@pytest.mark.parametrize("name, convert, mma", [("q4_m1", "fuselight_q4_dot32_fp16", False),
+                                                ("q4_m8", "fuselight_q4_pair_fp16", True),
+                                                ("q4bf16_m1", "fuselight_q4_dot32_bf16", False)])
+def test_gemv_rule_builds_the_q4_paired_kernel(gemv_kernels, name: str, convert: str, mma: bool) -> None:
+    # Packed words in, silu(gate) * up out, one launch: the in-register conversion (row template at
+    # M = 1, mma fragments at 8) and the epilogue's sigmoid in the same kernel.
+    func = gemv_kernels[name]
+    kern = kernel(func)
+    assert [str(p.ty.dtype) for p in func.params].count("uint32") == 1
+    assert kern.outputs == {"silu_multiply_intermediate"} and kern.calls["tirx.sigmoid"] == 1
+    assert [args[0].value for args in kern.call_args["tirx.cuda.func_call"]] == [convert]
+    assert ("tirx.ptx.mma_legacy" in kern.calls) == mma
+
+
 @needs_nvcc
-def test_gemv_paired_kernel_compiles(cuda, tmp_path) -> None:
-    _nvcc(_cuda_source(Gemv().apply(_fused_func(1, n=512, k=256), cuda, False).mod["main"], cuda), tmp_path)
+def test_gemv_paired_kernel_compiles(cuda, gemv_kernels, tmp_path) -> None:
+    _nvcc(tvm.compile(tvm.IRModule(gemv_kernels), target=cuda).mod.imports[0].inspect_source("cuda"), tmp_path)
 
 
 def test_matmul_rule_builds_the_paired_wgmma_kernel(cuda) -> None:
@@ -231,11 +328,11 @@ def test_wgmma_paired_kernel_compiles(cuda, tmp_path) -> None:
 
 def test_mma_sync_rejects_paired_epilogues() -> None:
     ops = analyze_matmul(_fused_func(tirx.Var("m", "int64"), n=1024, k=256)).operands
-    d = dispatch.load_dispatch("sm_90")
+    d = estimate.load_dispatch("sm_90")
     tile = next(iter(d.tiles.values()))
     with pytest.raises(FuselightError, match="paired"):
         check_plan(GemmPlan(main=tile), ops)
-    assert all(isinstance(p, dispatch.WgmmaPlan) for p in dispatch.candidates(ops, d))
+    assert all(isinstance(p, estimate.WgmmaPlan) for p in estimate.candidates(ops, d))
 
 
 def test_dlight_cannot_schedule_the_fused_function(cuda) -> None:

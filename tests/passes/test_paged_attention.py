@@ -101,7 +101,7 @@ def test_decode_template_errors_name_the_problem():
         flash_decode_paged(3, 32, 128, "float16", 16, cfg)
     with pytest.raises(FuselightError, match="head dim 100"):
         flash_decode_paged(8, 32, 100, "float16", 16, cfg)
-    with pytest.raises(FuselightError, match="no entry 'sm_75'"):
+    with pytest.raises(FuselightError, match="no entry 'sm_75' and no device description"):
         load_decode_config("sm_75")
     assert isinstance(cfg, DecodeConfig) and cfg.warps > 0
 

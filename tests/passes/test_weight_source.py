@@ -1,6 +1,6 @@
-"""A dequantized weight stays with its matmul: ``weight_source``'s analysis, and the fusions that
-must leave a quantized matmul alone (FuseGateUpSiLU, FuseNormIntoGemv), with their fp16 twins fused
-as the positive control. Graphs as MLC-LLM's q4f16_1 writes them: ``call_tir(dequantize, (q, s))``
+"""A dequantized weight stays with its matmul: ``weight_source``'s analysis, the fusions that carry
+a dequantize into their kernel (FuseGateUpSiLU, FuseNormIntoGemv) and leave one they cannot carry
+(read by two matmuls, or of another arithmetic) where it is. Graphs as MLC-LLM's q4f16_1 writes them: ``call_tir(dequantize, (q, s))``
 (int4 packed eight to a uint32, a float16 scale per 32 along K), ``permute_dims``, ``matmul``."""
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from fuselight.baseline.fuse_transpose_matmul import nt_matmul
 from fuselight.passes import FuseGateUpSiLU, FuseNormIntoGemv
 from fuselight.passes.fuse_gate_up_silu import PRIMFUNC_NAME as GATE_UP
 from fuselight.passes.fuse_norm_gemv import PRIMFUNC_NAME as NORM_GEMV
+from fuselight.contracts import RULE_ATTR
 from fuselight.passes.weight_source import loaded_weight, materialized_weights
+from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.target import resolve, to_tvm
 from q4_dequantize import GROUP
 from q4_dequantize import dequantize as _dequantize
@@ -134,15 +136,69 @@ def test_materialized_weights_ignores_a_dequantize_fused_with_its_matmul_and_a_g
     assert [m.binding for m in materialized_weights(bb.get())] == [lone.name]
 
 
+def _packed_params(func: tirx.PrimFunc) -> list[str]:
+    return [str(p.ty.dtype) for p in func.params if str(p.ty.dtype) == "uint32"]
+
+
 @pytest.mark.parametrize("schedule", [False, True], ids=["unscheduled", "sm_90"])
 @pytest.mark.parametrize("fusion, graph, fused_name", [
     (FuseGateUpSiLU, _mlp, GATE_UP), (FuseNormIntoGemv, _norm_matmul, NORM_GEMV),
 ], ids=["gate_up_silu", "norm_gemv"])
-def test_fusions_leave_a_dequantized_weight_with_its_matmul(fusion, graph, fused_name, schedule):
+def test_fusions_carry_the_dequantize_into_the_fused_kernel(fusion, graph, fused_name, schedule):
     target = to_tvm(resolve("cuda", "sm_90"))
+    quantized = graph(quantized=True)
     with target:
-        fused = fusion(schedule=schedule)(graph(quantized=False))
-        quantized = graph(quantized=True)
         after = fusion(schedule=schedule)(quantized)
-    assert any(name.startswith(fused_name) for name in _callees(fused))  # the fp16 twin is fused
-    assert tvm_ffi.structural_equal(after, quantized)
+    fused = [f for gv, f in after.functions_items() if gv.name_hint.startswith(fused_name)]
+    assert len(fused) == 1
+    # The fused kernel reads the packed words and scales, and dequantizes them itself.
+    assert _packed_params(fused[0]) == ["uint32"]
+    desc = analyze_matmul(fused[0], prologue=True, dequant=True)
+    assert desc.operands.dequant.layout == "NK" and desc.operands.dequant.group == GROUP
+    # The weight it dequantized no longer is a kernel of its own; the other one (down) still is.
+    before_callees = [m.binding for m in materialized_weights(quantized)]
+    assert len(materialized_weights(after)) == len(before_callees) - 1
+    if schedule:
+        assert fused[0].attrs[RULE_ATTR] == ("gemm" if fusion is FuseGateUpSiLU else "gemv")
+
+
+def _shared_weight(bb: relax.BlockBuilder, x: relax.Var, g: relax.Var, q: relax.Var, s: relax.Var) -> relax.Expr:
+    """One dequantized weight read by the norm's GEMV and by another matmul."""
+    w = bb.emit_te(_dequantize, q, s, primfunc_name_hint="dequantize")
+    normed = bb.emit(relax.op.nn.rms_norm(x, g, axes=[-1]))
+    a = bb.emit_te(lambda a, b: nt_matmul(a, b, "float32"), normed, w, primfunc_name_hint="NT_matmul")
+    b = bb.emit_te(lambda a, b: nt_matmul(a, b, "float32"), x, w, primfunc_name_hint="NT_matmul")
+    return relax.Tuple([a, b])
+
+
+def _awq_like(q: te.Tensor, s: te.Tensor, z: te.Tensor) -> te.Tensor:
+    """A dequantize with a zero-point tensor: not the templates' arithmetic."""
+    n, words = q.shape
+
+    def value(i, k):
+        nibble = (q[i, k // 8] >> (k % 8 * 4).astype("uint32")) & tirx.const(15, "uint32")
+        return (nibble.astype("float16") - z[i, k // GROUP]) * s[i, k // GROUP]
+
+    return te.compute((n, words * 8), value, name="dequantize")
+
+
+def _unknown_dequantize(bb: relax.BlockBuilder, x: relax.Var, g: relax.Var, q: relax.Var, s: relax.Var) -> relax.Expr:
+    w = bb.emit_te(_awq_like, q, s, s, primfunc_name_hint="dequantize")
+    normed = bb.emit(relax.op.nn.rms_norm(x, g, axes=[-1]))
+    return bb.emit_te(lambda a, b: nt_matmul(a, b, "float32"), normed, w, primfunc_name_hint="NT_matmul")
+
+
+@pytest.mark.parametrize("make", [_shared_weight, _unknown_dequantize], ids=["two-users", "zero-point-tensor"])
+def test_norm_fusion_leaves_a_dequantize_it_cannot_carry(make):
+    bb = relax.BlockBuilder()
+    params = [relax.Var("x", relax.TensorType([1, 1, K], "float16")), relax.Var("g", relax.TensorType([K], "float16")),
+              relax.Var("q", relax.TensorType([HALF, K // 8], "uint32")),
+              relax.Var("s", relax.TensorType([HALF, K // GROUP], "float16"))]
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(make(bb, *params))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    with to_tvm(resolve("cuda", "sm_90")):
+        assert tvm_ffi.structural_equal(FuseNormIntoGemv()(mod), mod)
+    assert tvm_ffi.structural_equal(FuseNormIntoGemv(schedule=False)(mod), mod)

@@ -67,6 +67,11 @@ def test_bad_target_or_arch(capsys, target, arch, needle):
     _fails(capsys, argv, needle)
 
 
+def test_ptx_needs_a_cuda_target(capsys):
+    _fails(capsys, ["compile", "--model", "tiny-llama", "--target", "llvm", "--ptx", "-o", "x.so"],
+           "--ptx applies to cuda targets only")
+
+
 def test_unsupported_dtype(capsys):
     _fails(capsys, ["compile", "--model", "tiny-llama", "--target", "llvm", "--dtype", "int4", "-o", "x.so"], "int4")
 

@@ -1,14 +1,17 @@
 """The programmatic-launch SASS audit (``fuselight.pdl_audit``): parsing cuobjdump's listing, which
 instructions count as touching memory before the wait, and the CLI's errors. Reading real fatbins
-needs cuobjdump (the GPU host); the committed audit of the LLaMA-3-8B library is in bench/results."""
+needs cuobjdump (the GPU host); the committed audit of the LLaMA-3-8B library is in bench/results/h100/e2e-llama-3-8b.json (meta.pdl_audit)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from fuselight.cli import main
-from fuselight.pdl_audit import fatbins, parse_sass, summary
+from fuselight.errors import FuselightError
+from fuselight.library import aot_dir, metadata_path
+from fuselight.pdl_audit import audit_if_possible, fatbins, parse_sass, summary
 
 
 def _line(addr: int, text: str) -> str:
@@ -62,6 +65,19 @@ def test_a_library_without_compiled_cuda_is_a_clear_error(tmp_path: Path, capsys
     assert main(["audit-pdl", str(lib)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and ("no compiled CUDA" in err or "cuobjdump not found" in err)
+
+
+def test_a_ptx_library_has_no_sass_to_audit(tmp_path: Path):
+    lib = tmp_path / "model.so"
+    lib.write_bytes(b"not a library")
+    aot_dir(lib).mkdir()
+    (aot_dir(lib) / "k.fatbin").write_bytes(b"PTX")
+    metadata_path(lib).write_text(json.dumps({"target": "cuda", "arch": "sm_80", "ptx": True}))
+    with pytest.raises(FuselightError, match=r"built with --ptx, its SASS is made by the driver"):
+        fatbins(lib)
+    assert audit_if_possible(lib) is None
+    metadata_path(lib).write_text(json.dumps({"target": "cuda", "arch": "sm_90", "ptx": False}))
+    assert fatbins(lib) == [aot_dir(lib) / "k.fatbin"]
 
 
 def test_an_allowance_grants_a_kernel_that_many_loads_before_its_wait_and_nothing_else():

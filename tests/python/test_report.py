@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import subprocess
 
 import pytest
@@ -165,47 +164,45 @@ def test_any_impl_gets_columns():
     assert "mlc+fuselight vs mlc" in header
 
 
-def _git(repo, *args, date=None):
-    env = {**os.environ, "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date} if date else None
-    out = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, env=env,
-                         check=True, capture_output=True, text=True)
-    return out.stdout.strip()
-
-
 def _selected(paths):
     sources = [report.read_source(p, report.load_config()) for p in paths]
     return {(r["shape"]["m"], r["impl"]): (r["median_us"], src.path.name) for r, src in report.newest_records(sources)}
 
 
-def test_newest_record_by_commit_then_file(tmp_path):
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    _git(repo, "init", "-q")
-    _git(repo, "commit", "-q", "--allow-empty", "-m", "old", date="2026-01-01T00:00:00")
-    old = _git(repo, "rev-parse", "--short=12", "HEAD")
-    _git(repo, "commit", "-q", "--allow-empty", "-m", "new", date="2026-01-02T00:00:00")
-    new = _git(repo, "rev-parse", "--short=12", "HEAD")
-    # The record of the newer commit wins though its file comes first; points only the older file has stay.
-    a = results.write_results(repo / "a.json", [_gemm(16, "fuselight", 10.0, new)], {})
-    b_records = [_gemm(16, "fuselight", 30.0, old), _gemm(32, "fuselight", 20.0, old)]
-    b = results.write_results(repo / "b.json", b_records, {})
+def test_newest_record_by_measured_at_then_order(tmp_path):
+    # The record of the later measurement wins though its file comes first; points only the older file has stay.
+    a = results.write_results(tmp_path / "a.json", [_gemm(16, "fuselight", 10.0)], {"measured_at": "2026-01-02T00:00:00+00:00"})
+    b_records = [_gemm(16, "fuselight", 30.0), _gemm(32, "fuselight", 20.0)]
+    b = results.write_results(tmp_path / "b.json", b_records, {"measured_at": "2026-01-02T01:00:00+02:00"})
     assert _selected([a, b]) == {(16, "fuselight"): (10.0, "a.json"), (32, "fuselight"): (20.0, "b.json")}
-    # Same commit: the file committed later wins; one with uncommitted changes is newer still.
-    c = results.write_results(repo / "c.json", [_gemm(16, "fuselight", 40.0, old)], {})
-    _git(repo, "add", "b.json")
-    _git(repo, "commit", "-q", "-m", "b", date="2026-01-03T00:00:00")
-    _git(repo, "add", "c.json")
-    _git(repo, "commit", "-q", "-m", "c", date="2026-01-04T00:00:00")
-    assert _selected([c, b])[(16, "fuselight")] == (40.0, "c.json")
-    results.write_results(b, [_gemm(16, "fuselight", 50.0, old)], {})
-    assert _selected([b, c])[(16, "fuselight")] == (50.0, "b.json")
+    # Time zones count: 23:00 at UTC-2 is after a's midnight UTC (01:00 at UTC+2 above was before it).
+    b = results.write_results(b, b_records, {"measured_at": "2026-01-01T23:00:00-02:00"})
+    assert _selected([a, b])[(16, "fuselight")] == (30.0, "b.json")
+    # A file without a time (written before files had one) ranks oldest.
+    c = tmp_path / "c.json"
+    c.write_text(json.dumps({"format": results.FORMAT, "meta": {}, "records": [_gemm(16, "fuselight", 40.0)]}))
+    assert _selected([a, c])[(16, "fuselight")] == (10.0, "a.json")
+    bad = results.write_results(tmp_path / "bad.json", b_records, {"measured_at": "yesterday"})
+    with pytest.raises(FuselightError, match="bad.json: meta.measured_at must be an ISO 8601 time, got 'yesterday'"):
+        _selected([a, bad])
 
 
-def test_newest_record_without_git_is_the_later_file(tmp_path):
-    a = results.write_results(tmp_path / "a.json", [_gemm(16, "fuselight", 10.0, "unknown")], {})
-    b = results.write_results(tmp_path / "b.json", [_gemm(16, "fuselight", 30.0, "unknown")], {})
+def test_newest_record_at_the_same_time_is_the_later_file(tmp_path):
+    same = {"measured_at": "2026-01-01T00:00:00+00:00"}
+    a = results.write_results(tmp_path / "a.json", [_gemm(16, "fuselight", 10.0, "unknown")], same)
+    b = results.write_results(tmp_path / "b.json", [_gemm(16, "fuselight", 30.0, "unknown")], same)
     assert _selected([a, b])[(16, "fuselight")] == (30.0, "b.json")
     assert _selected([b, a])[(16, "fuselight")] == (10.0, "a.json")
+
+
+def test_report_needs_no_git(results_dir, tmp_path, monkeypatch, no_plots):
+    # Results are data: the report starts no process (no git) to rank them.
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"the report started a process: {args[0] if args else kwargs}")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    text = report.make_report(results_dir, tmp_path / "out").read_text()
+    assert "## GEMM (M >= 16)" in text
 
 
 def test_bad_files_are_named(results_dir, tmp_path):
@@ -213,9 +210,11 @@ def test_bad_files_are_named(results_dir, tmp_path):
     bad.write_text('{"format": 1, "meta": {}, "records": [{"suite": "kernels"}]}')
     with pytest.raises(FuselightError, match=r"zz-bad.json: record 0: missing field 'case'"):
         report.make_report(results_dir, tmp_path / "out")
+    # In a directory, a JSON that is neither kind (a probe's) is skipped; named, it is an error.
     bad.write_text('{"anything": 1}')
+    assert "zz-bad.json" not in report.make_report(results_dir, tmp_path / "out").read_text()
     with pytest.raises(FuselightError, match=r"zz-bad.json: neither a results file"):
-        report.make_report(results_dir, tmp_path / "out")
+        report.make_report([results_dir / "kernels.json", bad], tmp_path / "out")
     bad.write_text('{"suite": "tuning", "xgboost": {"spearman": 0.9, "spearman_pooled": 0.9, '
                    '"regret_median": 0, "regret_max": "high"}}')
     with pytest.raises(FuselightError, match=r"zz-bad.json: xgboost.regret_max must be a number"):
@@ -226,6 +225,10 @@ def test_bad_files_are_named(results_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FuselightError, match="empty: no results JSON in this directory"):
         report.make_report(tmp_path / "empty", tmp_path / "out")
+    (tmp_path / "probes").mkdir()
+    (tmp_path / "probes" / "probe.json").write_text('{"cases": []}')
+    with pytest.raises(FuselightError, match="no results JSON in .*probes"):
+        report.make_report(tmp_path / "probes", tmp_path / "out")
 
 
 def test_bad_config_is_named(tmp_path):
@@ -275,6 +278,10 @@ def test_text_table_for_terminal(results_dir):
 def test_cli_report(results_dir, tmp_path, capsys, no_plots):
     assert main(["report", str(results_dir)]) == 0
     assert (results_dir / "report" / report.REPORT_NAME).is_file()
+    (results_dir / "report" / report.REPORT_NAME).unlink()
+    # Named files: report/ beside the first, never the report among the results.
+    assert main(["report", str(results_dir / "e2e.json")]) == 0
+    assert (results_dir / "report" / report.REPORT_NAME).is_file() and not (results_dir / report.REPORT_NAME).exists()
     files = [str(results_dir / "e2e.json"), str(results_dir / "kernels.json")]
     assert main(["report", *files, "-o", str(tmp_path / "cli")]) == 0
     assert "## GEMM (M >= 16)" in (tmp_path / "cli" / report.REPORT_NAME).read_text()

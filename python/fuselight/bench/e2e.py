@@ -27,13 +27,14 @@ import numpy as np
 
 from ..config import ModelConfig, load
 from ..errors import FuselightError
+from ..library import device_label
 from ..pdl_audit import audit_if_possible
 from ..quantization import QuantScheme, dequantize_torch, quantize_torch, quantized_names
 from ..runtime import init_tvm, load_library, read_metadata, release_memory
 from . import bench_config
 from .kernels_run import sdpa_backends
 from .profile import profile_steps
-from .results import COMPILED_IMPLS, git_commit, make_record, write_results
+from .results import COMPILED_IMPLS, default_path, git_commit, make_record, write_results
 from .timing import device_name, host_samples, summarize, synchronizer, time_host
 
 SUITE = "e2e"
@@ -296,12 +297,12 @@ def _check_library(meta: dict[str, Any], config: ModelConfig, path: Path) -> Non
 
 
 def _open_tvm(
-    th: Any, path: Path, device: str, config: ModelConfig, params: list, max_len: int
+    th: Any, path: Path, device: str, config: ModelConfig, params: list, max_len: int, accept_ptx: bool = False
 ) -> tuple[_Runner, str]:
     """An engine over ``path`` on the shared ``params`` (TVM tensors), and the library's baseline source."""
     from ..engine import Engine
 
-    vm, dev, meta = load_library(path, device)
+    vm, dev, meta = load_library(path, device, accept_ptx=accept_ptx)
     engine = Engine(
         vm,
         params,
@@ -459,14 +460,23 @@ class _Measure:
             runner.decode(next(tokens))
         prof = profile_steps(lambda: runner.decode(next(tokens)), extra, self.sync)
         profile[str(context)] = prof
-        print(f"    profile: busy {prof['busy_us']:.0f} us; exclusive " + ", ".join(
+        host = f"; host launches {prof['host_launches']:.0f}" if "host_launches" in prof else ""
+        print(f"    profile: busy {prof['busy_us']:.0f} us{host}; exclusive " + ", ".join(
             f"{k} {v['exclusive_us']:.0f} us/{v['launches']:.0f}" for k, v in prof["families"].items()), flush=True)
+
+
+def e2e_name(config: ModelConfig, preset_dtype: str) -> str:
+    """The e2e results' name: ``e2e-<model>``, then the weight scheme, or the dtype where it is not
+    the preset's (``e2e-llama-3-8b``, ``e2e-llama-3-8b-q4f16_1``, ``e2e-smollm2-135m-float16``)."""
+    if config.quantization:
+        return f"e2e-{config.name}-{config.quantization}"
+    return f"e2e-{config.name}" + (f"-{config.dtype}" if config.dtype != preset_dtype else "")
 
 
 def run_e2e(
     libs: dict[str, Path],
     config_name: str,
-    out_json: Path,
+    out_json: Path | None = None,
     *,
     torch: bool = True,
     device: str = "cuda",
@@ -474,12 +484,17 @@ def run_e2e(
     decode_contexts: list[int] | None = None,
     decode_steps: int | None = None,
     profile: bool = False,
+    accept_ptx: bool = False,
 ) -> list[dict[str, Any]]:
     """Benchmark ``libs`` ({"baseline"|"fuselight": library path}) and, with ``torch``, transformers.
 
+    ``accept_ptx``: run libraries built as PTX for an older GPU (``runtime.load_module``); their
+    records' device says so (``library.device_label``).
+
     ``device`` "cpu" runs llvm libraries (for tests). Unset lists come from ``e2e`` in bench.json.
     ``profile`` (cuda): each library's decode kernels by family at each context, in the results'
-    ``decode_profile`` (see ``fuselight.bench.profile``).
+    ``decode_profile`` (see ``fuselight.bench.profile``). ``out_json`` defaults to
+    ``bench/results/<device>/<e2e_name(...)>.json``.
     """
     from ..report import accuracy_text, text_table
 
@@ -490,6 +505,7 @@ def run_e2e(
     if not libs and not torch:
         raise FuselightError("nothing to benchmark: no libraries and no torch")
     config = load(config_name)
+    preset_dtype = config.dtype
     prefill_tokens = prefill_tokens or cfg["prefill_tokens"]
     decode_contexts = decode_contexts or cfg["decode_contexts"]
     decode_steps = decode_steps or cfg["decode_steps"]
@@ -520,7 +536,8 @@ def run_e2e(
         _check_library(meta, config, Path(path))
     # The GPU host's copy of the tree may have no git history: prefer the commit each build recorded
     # (transformers' records get the first library's).
-    commits = {impl: m["git_commit"] for impl, m in zip(libs, metas) if m.get("git_commit")}
+    metas_by_impl = dict(zip(libs, metas))
+    commits = {impl: m["git_commit"] for impl, m in metas_by_impl.items() if m.get("git_commit")}
     commit = next(iter(commits.values()), None) or git_commit()
 
     tvm = init_tvm()
@@ -560,10 +577,11 @@ def run_e2e(
                 runner: _Runner = _HfRunner(hf_model(config, weights, tdev), th, tdev, sdpa_backends(device))
                 source = None
             else:
-                runner, source = _open_tvm(th, Path(libs[impl]), device, config, params, max_len)
+                runner, source = _open_tvm(th, Path(libs[impl]), device, config, params, max_len, accept_ptx)
             measure = _Measure(
                 config, runner, ids, sync,
-                {**common, "git_commit": commits.get(impl, commit), "impl": impl, "baseline_source": source},
+                {**common, "git_commit": commits.get(impl, commit), "impl": impl, "baseline_source": source,
+                 "device": device_label(common["device"], metas_by_impl.get(impl, {}))},
                 {"quantization": config.quantization} if config.quantization and impl != "torch" else None,
             )
             acc_logits[impl] = measure.accuracy_logits(acc_prompt, acc_steps)
@@ -593,7 +611,8 @@ def run_e2e(
     }
     if device == "cuda":
         meta["pdl_audit"] = {impl: audit_if_possible(path) for impl, path in libs.items()}
-    write_results(Path(out_json), records, meta)
+    out_json = Path(out_json) if out_json else default_path(common["device"], e2e_name(config, preset_dtype))
+    write_results(out_json, records, meta)
     print(text_table(records))
     print(accuracy_text(accuracy))
     for impl, found in meta.get("pdl_audit", {}).items():

@@ -189,13 +189,16 @@ def build_suite(
     *,
     target: str = "cuda",
     suite: str = "full",
+    ptx: bool = False,
 ) -> Path:
-    """Build ``suite`` (or the named ``cases``) for ``target``; writes and returns ``out_dir/manifest.json``."""
+    """Build ``suite`` (or the named ``cases``) for ``target``; writes and returns ``out_dir/manifest.json``.
+
+    ``ptx``: the CUDA carried as ``target_arch``'s PTX (``fuselight.target.resolve``)."""
     import tvm
 
     from .. import pipeline as pl
 
-    spec = resolve(target, target_arch if target == "cuda" else None)
+    spec = resolve(target, target_arch if target == "cuda" else None, ptx=ptx)
     selected = load_suite(suite, cases)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -216,6 +219,7 @@ def build_suite(
         "suite": suite,
         "target": spec.kind,
         "arch": spec.arch,
+        "ptx": spec.ptx,
         "tvm_version": tvm.__version__,
         "git_commit": git_commit(),
         "baseline_source": pl.baseline_source(),

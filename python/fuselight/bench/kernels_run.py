@@ -19,10 +19,11 @@ from typing import Any
 
 from .. import quantization
 from ..errors import FuselightError
+from ..library import device_label
 from ..runtime import DEVICE_OF_TARGET, init_tvm, load_library, release_memory
 from . import bench_config
-from .kernels import PIPELINES, Q4_SCHEMES, SUITE, Case, read_manifest, select
-from .results import git_commit, make_record, write_results
+from .kernels import PIPELINES, Q4_SCHEMES, SUITE, Case, load_suite, read_manifest, select
+from .results import default_path, git_commit, make_record, merged_with, write_results
 from .timing import device_name, synchronizer, time_fn
 
 # Float64 error sums over chunks of at most this many elements, to bound the reference's memory.
@@ -353,13 +354,23 @@ def _run_case(
     return records, failures
 
 
+def results_name(suite: str) -> str:
+    """The kernel suite's results name: ``kernels`` for the full suite, else ``kernels-<suite>``."""
+    return SUITE if suite == "full" else f"{SUITE}-{suite}"
+
+
 def run_suite(
-    manifest: Path, out_json: Path, cases: list[str] | None = None, sweep: list[int] | None = None
+    manifest: Path, out_json: Path | None = None, cases: list[str] | None = None, sweep: list[int] | None = None,
+    *, accept_ptx: bool = False,
 ) -> list[dict[str, Any]]:
     """Check and time every case of ``manifest`` (or the named ``cases``); write ``out_json``.
 
-    ``sweep`` replaces the swept values of every case whose swept dimension is symbolic in its
+    ``accept_ptx``: run a suite built as PTX for an older GPU (``runtime.load_module``); the records'
+    device says so. ``sweep`` replaces the swept values of every case whose swept dimension is symbolic in its
     libraries (e.g. only the low-batch M of the GEMM cases); a case built for one value keeps it.
+    Without ``out_json`` the results go to ``bench/results/<device>/<results_name(suite)>.json``; a
+    partial run there (``cases``, ``sweep``, or a manifest built for some of the suite's cases)
+    replaces the points it measured and keeps the file's others. Returns this run's records.
     """
     from ..report import text_table
 
@@ -382,7 +393,7 @@ def run_suite(
     rnd = _Random(torch, torch.device("cuda:0" if device == "cuda" else "cpu"), bench_config()["seed"])
     common = {
         "suite": SUITE,
-        "device": device_name(device),
+        "device": device_label(device_name(device), raw),
         "tvm_version": tvm.__version__,
         "git_commit": raw.get("git_commit") or git_commit(),
     }
@@ -393,7 +404,7 @@ def run_suite(
         vms, sources = {}, {}
         for pipeline in PIPELINES:
             if pipeline in libs:
-                vms[pipeline], _, meta = load_library(Path(manifest).parent / libs[pipeline], device)
+                vms[pipeline], _, meta = load_library(Path(manifest).parent / libs[pipeline], device, accept_ptx=accept_ptx)
                 sources[pipeline] = meta.get("baseline_source") or raw.get("baseline_source") or "unknown"
         print(
             f"[{i}/{len(selected)}] {case.name} ({case.op}, {case.dtype}): {case.spec.sweep_var} in {list(case.sweep)}",
@@ -408,8 +419,18 @@ def run_suite(
         release_memory()
         if device == "cuda":
             torch.cuda.empty_cache()
-    meta = {"suite": SUITE, "manifest": str(manifest), "target": target, "arch": raw.get("arch"), "failures": failures}
-    write_results(Path(out_json), records, meta)
+    meta = {"suite": SUITE, "manifest": str(manifest), "target": target, "arch": raw.get("arch"),
+            "ptx": bool(raw.get("ptx")), "failures": failures}
+    written = records
+    if out_json:
+        out_json = Path(out_json)
+    else:
+        suite = raw.get("suite", "full")
+        out_json = default_path(common["device"], results_name(suite))
+        partial = cases is not None or sweep is not None or set(entries) != {c.name for c in load_suite(suite)}
+        if partial:
+            written = merged_with(out_json, records)
+    write_results(out_json, written, meta)
     print(text_table(records))
     for failure in failures:
         print(f"MISMATCH {failure}")

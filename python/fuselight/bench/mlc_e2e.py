@@ -33,10 +33,11 @@ from ..jsonfile import read_json_object
 from ..paths import config_dir
 from ..quantization import PER_WORD, STORAGE_DTYPE
 from ..quantization import scheme as quantization_scheme
+from ..library import device_label
 from ..runtime import init_tvm, load_library, release_memory
 from . import bench_config
 from .e2e import _relerr, quantize_on_device
-from .results import MLC_IMPLS, git_commit, write_results
+from .results import MLC_IMPLS, default_path, git_commit, write_results
 from .timing import device_name, synchronizer
 
 SUITE = "mlc-e2e"
@@ -199,13 +200,14 @@ def _logits(runner: Any, ids: np.ndarray, prompt: int, steps: int, long: int, sy
 
 
 def _open(
-    tvm: Any, th: Any, path: Path, device: str, case: str, config: ModelConfig | None, weights_for: Any, max_len: int
+    tvm: Any, th: Any, path: Path, device: str, case: str, config: ModelConfig | None, weights_for: Any, max_len: int,
+    accept_ptx: bool = False,
 ) -> tuple[Any, dict, dict]:
     """``(runner, fuselight sidecar, MLC metadata)`` of one library; ``weights_for(info)`` gives its tensors."""
     from ..engine import Engine
     from .e2e import _TvmRunner
 
-    vm, dev, meta = load_library(path, device)
+    vm, dev, meta = load_library(path, device, accept_ptx=accept_ptx)
     mlc_meta = read_mlc_metadata(vm)
     sizes = {**meta.get("mlc_model_config", {}), **(dataclasses.asdict(config) if config is not None else {})}
     info = model_info(case, mlc_meta, path, sizes)
@@ -233,22 +235,35 @@ class _Run:
     steps: int
     max_len: int
     tolerance: float
+    accept_ptx: bool = False  # run libraries built as PTX for an older GPU (runtime.load_module)
+
+
+def mlc_e2e_name(model: str, cases: list[str], records: list[dict[str, Any]]) -> str:
+    """The results' name: ``mlc-e2e-<model>`` where the run times ``model``, then its weight scheme
+    where it has one (``mlc-e2e-llama-3-8b-q4f16_1``); else the compared cases
+    (``mlc-e2e-mistral-2l-phi3-2l-qwen2-2l``)."""
+    if model not in cases:
+        return "-".join([SUITE, *sorted(cases)])
+    schemes = sorted({r["shape"]["quantization"] for r in records if "quantization" in r["shape"]})
+    return "-".join([f"{SUITE}-{model}", *schemes])
 
 
 def run_mlc_e2e(
     libs: dict[tuple[str, str], Path],
-    out_json: Path,
+    out_json: Path | None = None,
     *,
     model: str = "llama-3-8b",
     device: str = "cuda",
     prefill_tokens: list[int] | None = None,
     decode_contexts: list[int] | None = None,
     decode_steps: int | None = None,
+    accept_ptx: bool = False,
 ) -> list[dict[str, Any]]:
     """Compare and time ``libs`` ({(impl, case): path}, impl in ``IMPLS``, both impls per case).
 
     The case named ``model`` is the LLaMA preset: float64 reference and timing; other cases are
     compared only. ``device`` "cpu" runs llvm libraries (tests). Unset lists come from ``configs/mlc.json``.
+    ``out_json`` defaults to ``bench/results/<device>/<mlc_e2e_name(...)>.json``.
     """
     settings, e2e_cfg = mlc_settings(), bench_config()["e2e"]
     cases: dict[str, dict[str, Path]] = {}
@@ -272,7 +287,7 @@ def run_mlc_e2e(
         raise FuselightError("PyTorch sees no CUDA device")
     run = _Run(tvm, th, device, th.device("cuda:0" if device == "cuda" else "cpu"), synchronizer(device),
                bench_config()["seed"], prefill_tokens, decode_contexts, decode_steps, prompt, steps, max_len,
-               settings["agreement_relerr"])
+               settings["agreement_relerr"], accept_ptx)
     records: list[dict[str, Any]] = []
     agreement: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -289,7 +304,8 @@ def run_mlc_e2e(
         "agreement_relerr": settings["agreement_relerr"],
         "agreement": agreement,
     }
-    write_results(Path(out_json), records, meta)
+    out_json = Path(out_json) if out_json else default_path(device_name(device), mlc_e2e_name(model, list(cases), records))
+    write_results(out_json, records, meta)
     _print_table(records)
     bad = [case for case, entry in agreement.items() if not entry["agree"]]
     if bad:
@@ -325,7 +341,8 @@ def _run_case(
     mlc_meta: dict[str, Any] = {}
     for impl in IMPLS:
         print(f"{case} {impl}: loading {pair[impl]}", flush=True)
-        runner, meta, mlc_meta = _open(run.tvm, run.th, pair[impl], run.device, case, config, weights_for, run.max_len)
+        runner, meta, mlc_meta = _open(run.tvm, run.th, pair[impl], run.device, case, config, weights_for, run.max_len,
+                                       run.accept_ptx)
         info = shared["info"]
         if ids is None:
             ids = np.random.default_rng(run.seed).integers(0, info.vocab_size, size=run.max_len, dtype=np.int32)
@@ -338,7 +355,7 @@ def _run_case(
         sources[impl] = meta.get("baseline_source") or "unknown"
         logits[impl] = _logits(runner, ids, run.prompt, run.steps, long, run.sync)
         if config is not None:
-            common = {"suite": SUITE, "device": device_name(run.device), "tvm_version": run.tvm.__version__,
+            common = {"suite": SUITE, "device": device_label(device_name(run.device), meta), "tvm_version": run.tvm.__version__,
                       "git_commit": meta.get("git_commit") or git_commit(), "impl": impl,
                       "baseline_source": sources[impl]}
             measure = _Measure(config, runner, ids, run.sync, common,

@@ -197,10 +197,12 @@ def _suite_kernels(kind: str, layout: Layout, target: Any, arch: str) -> dict[st
             "append": _dlight_scheduled(append, target)}
 
 
-def build_suite(out_dir: Path, arch: str = "sm_90", layout: Layout | None = None, points: str | None = None) -> Path:
-    """Compile every kernel of each kind for ``arch`` and ``layout`` (default: the suite's) into
-    ``out_dir``; returns the manifest path. ``points`` names the points ``run_suite`` checks
-    (``gpu``: the GPU test tier's; default the suite's own)."""
+def build_suite(
+    out_dir: Path, arch: str = "sm_90", layout: Layout | None = None, points: str | None = None, *, ptx: bool = False
+) -> Path:
+    """Compile every kernel of each kind for ``arch`` (``ptx``: carried as its PTX) and ``layout``
+    (default: the suite's) into ``out_dir``; returns the manifest path. ``points`` names the points
+    ``run_suite`` checks (``gpu``: the GPU test tier's; default the suite's own)."""
     import tvm
 
     from .. import tir_pipeline
@@ -208,7 +210,7 @@ def build_suite(out_dir: Path, arch: str = "sm_90", layout: Layout | None = None
     from ..target import resolve, to_tvm
     from .results import git_commit
 
-    spec = resolve("cuda", arch)
+    spec = resolve("cuda", arch, ptx=ptx)
     target = to_tvm(spec)
     layout = layout or load_points()[0]
     out_dir = Path(out_dir)
@@ -224,15 +226,16 @@ def build_suite(out_dir: Path, arch: str = "sm_90", layout: Layout | None = None
             libraries[kind][impl] = name
             print(f"built {name}", flush=True)
     manifest = out_dir / MANIFEST_NAME
-    body = {"suite": SUITE, "arch": arch, "layout": dataclasses.asdict(layout), "libraries": libraries,
+    body = {"suite": SUITE, "arch": arch, "ptx": ptx, "layout": dataclasses.asdict(layout), "libraries": libraries,
             "git_commit": git_commit(), "points": points}
     manifest.write_text(json.dumps(body, indent=1) + "\n")
     return manifest
 
 
-def build_gpu_tier(out_dir: Path, arch: str = "sm_90") -> list[Path]:
+def build_gpu_tier(out_dir: Path, arch: str = "sm_90", *, ptx: bool = False) -> list[Path]:
     """The suite for each of the GPU test tier's layouts, ``out_dir/paged-<layout>/``: their manifests."""
-    return [build_suite(Path(out_dir) / f"paged-{layout_name(layout)}", arch, layout, "gpu") for layout in gpu_layouts()]
+    return [build_suite(Path(out_dir) / f"paged-{layout_name(layout)}", arch, layout, "gpu", ptx=ptx)
+            for layout in gpu_layouts()]
 
 
 # --- GPU host --------------------------------------------------------------------------------------
@@ -443,11 +446,15 @@ def _copy_gbps(torch: Any, dev: Any) -> float:
     return 2 * src.numel() / stats.median_us / 1e3
 
 
-def run_suite(manifest: Path, out_json: Path) -> list[dict[str, Any]]:
-    """Check and time every point for the manifest's libraries on the GPU; write ``out_json``."""
+def run_suite(manifest: Path, out_json: Path | None = None, *, accept_ptx: bool = False) -> list[dict[str, Any]]:
+    """Check and time every point for the manifest's libraries on the GPU; write ``out_json``
+    (default ``bench/results/<device>/paged-attention.json``).
+
+    ``accept_ptx``: run a suite built as PTX for an older GPU; the records' device says so."""
+    from ..library import device_label
     from ..report import text_table
     from ..runtime import init_tvm, load_module, release_memory
-    from .results import make_record, write_results
+    from .results import default_path, make_record, write_results
     from .timing import device_name, time_fn
 
     manifest = Path(manifest)
@@ -464,11 +471,12 @@ def run_suite(manifest: Path, out_json: Path) -> list[dict[str, Any]]:
     dev = torch.device("cuda:0")
     rnd = torch.Generator(device=dev).manual_seed(bench_config()["seed"])
     kernels = {
-        kind: {impl: load_module(manifest.parent / name, "cuda")[0]["main"] for impl, name in libs.items()}
+        kind: {impl: load_module(manifest.parent / name, "cuda", accept_ptx=accept_ptx)[0]["main"]
+               for impl, name in libs.items()}
         for kind, libs in raw["libraries"].items()
     }
     tolerance = bench_config()["relerr_tolerance"][layout.dtype]
-    common = {"suite": SUITE, "device": device_name("cuda"), "tvm_version": tvm.__version__,
+    common = {"suite": SUITE, "device": device_label(device_name("cuda"), raw), "tvm_version": tvm.__version__,
               "git_commit": raw.get("git_commit") or "unknown"}
     records, failures = [], []
     copy_gbps = _copy_gbps(torch, dev)
@@ -506,8 +514,10 @@ def run_suite(manifest: Path, out_json: Path) -> list[dict[str, Any]]:
     release_memory()
     meta = {"suite": SUITE, "manifest": str(manifest), "arch": raw.get("arch"), "layout": raw["layout"],
             "copy_gbps": copy_gbps, "failures": failures}
-    write_results(Path(out_json), records, meta)
+    out_json = Path(out_json) if out_json else default_path(common["device"], "paged-attention")
+    write_results(out_json, records, meta)
     print(text_table(records))
     for failure in failures:
         print(f"MISMATCH {failure}")
+    print(f"{len(records)} measurements; results: {out_json}", flush=True)
     return records

@@ -10,6 +10,9 @@ of the one it waits for; these add up to ``busy_us``, and are a kernel's share o
 durations are not). Families are the first matching name pattern of
 ``profile_families`` in ``configs/bench.json`` ("other" if none matches), so the split between weight
 GEMVs, attention and everything else that issue targets name is read off directly.
+``host_launches``: the kernel and graph launches the host makes a step (the CUDA runtime and driver
+calls named by ``host_launch_apis`` in ``configs/bench.json``, as the profiler records them): a
+graph replays many kernels for one, so this, not ``launches``, is what the host pays for.
 Runtime-only: PyTorch is imported when called.
 """
 
@@ -31,6 +34,14 @@ def family_of(kernel: str, families: list[tuple[str, str]]) -> str:
 
 def families() -> list[tuple[str, str]]:
     return [(f, p) for f, p in bench_config()["profile_families"]]
+
+
+def host_launches(api_calls: list[str], apis: list[str]) -> int | None:
+    """How many of the host's CUDA API calls ``api_calls`` launch a kernel or a graph (``apis``);
+    None where none does (a step always launches something, so the profiler did not record them)."""
+    wanted = set(apis)
+    count = sum(1 for name in api_calls if name in wanted)
+    return count or None
 
 
 def covered(intervals: list[tuple[float, float]]) -> float:
@@ -60,10 +71,12 @@ def summarize(
     table: list[tuple[str, str]],
     busy_us: float | None = None,
     exclusive_us: dict[str, float] | None = None,
+    launched_by_host: int | None = None,
 ) -> dict[str, Any]:
     """Per-step totals of ``(kernel name, device µs, calls)`` events, by family and by kernel;
     ``busy_us``: the steps' covered device time (``covered``), stored per step; ``exclusive_us``: each
-    kernel name's exclusive time over the steps (``exclusive``), stored per step beside ``us``."""
+    kernel name's exclusive time over the steps (``exclusive``), stored per step beside ``us``;
+    ``launched_by_host``: the steps' ``host_launches``, stored per step."""
     fields = ("us", "launches", *(("exclusive_us",) if exclusive_us is not None else ()))
     by_family: dict[str, dict[str, float]] = {}
     by_kernel: dict[str, dict[str, Any]] = {}
@@ -81,6 +94,7 @@ def summarize(
         "gpu_us": round(sum(v["us"] for v in by_family.values()), 1),
         **({"busy_us": round(busy_us / steps, 1)} if busy_us is not None else {}),
         "launches": round(sum(v["launches"] for v in by_family.values()), 1),
+        **({"host_launches": round(launched_by_host / steps, 1)} if launched_by_host is not None else {}),
         "families": dict(sorted(rounded.items(), key=lambda kv: -kv[1]["us"])),
         "kernels": {n: {**v, **{f: round(v[f], 2) for f in fields}}
                     for n, v in sorted(by_kernel.items(), key=lambda kv: -kv[1]["us"])},
@@ -107,4 +121,6 @@ def profile_steps(step: Callable[[], Any], steps: int, sync: Callable[[], None])
         for e in prof.events()
         if e.device_type.name == "CUDA" and not e.name.startswith(skip)
     ]
-    return summarize(events, steps, families(), covered([r[1:] for r in runs]), exclusive(runs))
+    api_calls = [e.name for e in prof.events() if e.device_type.name == "CPU"]
+    launched = host_launches(api_calls, list(bench_config()["host_launch_apis"]))
+    return summarize(events, steps, families(), covered([r[1:] for r in runs]), exclusive(runs), launched)

@@ -5,21 +5,29 @@ shape point and implementation, and holds the timing (median/p10/p90 in microsec
 and flops the measurement moves and computes (for GB/s and TFLOP/s), the relative error against a
 float64 reference (null where none was checked), and where it ran. ``metric`` says how the report
 presents it. Compiled impls' records (baseline, fuselight, mlc, mlc+fuselight) also say where the
-MLC passes came from.
+MLC passes came from. ``meta.measured_at`` (UTC, ISO 8601) says when the file was written; the report
+takes the newest measurement of a point by it, not by git.
+
+Where results go by default: ``bench/results/<device folder>/<suite name>.json``, one file per device
+and suite, overwritten by each run (history is git's); the device folder is the device description's
+``results_folder`` (``fuselight.device.results_folder``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 from pathlib import Path
 from typing import Any
 
 from ..compile import PIPELINES
+from ..device import results_folder
 from ..errors import FuselightError
 from ..jsonfile import read_json_object
 from ..library import git_commit
+from ..paths import results_dir
 
 FORMAT = 1
 # MLC-LLM's own models compiled by MLC's pipeline, and with fuselight in it (``fuselight mlc compile``).
@@ -101,11 +109,32 @@ def validate_record(record: Any, where: str) -> None:
         raise FuselightError(f"{label}: missing field 'baseline_source' (required for impl {record['impl']!r})")
 
 
+def default_path(device: str, name: str) -> Path:
+    """Where the latest results of suite ``name`` measured on ``device`` (a record's ``device``) go."""
+    return results_dir() / results_folder(device) / f"{name}.json"
+
+
+def point_key(record: dict[str, Any]) -> tuple:
+    """What a record measures: (suite, case, shape, impl)."""
+    return record["suite"], record["case"], tuple(sorted(record["shape"].items())), record["impl"]
+
+
+def merged_with(path: Path, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the results file at ``path`` (none if there is no file) whose points ``records``
+    does not measure, then ``records``: a partial run updates its points and keeps the others."""
+    if not Path(path).is_file():
+        return list(records)
+    new = {point_key(r) for r in records}
+    return [r for r in read_results(path).records if point_key(r) not in new] + list(records)
+
+
 def write_results(path: Path, records: list[dict[str, Any]], meta: dict[str, Any]) -> Path:
-    """Validate and write ``records`` with ``meta``; returns ``path``."""
+    """Validate and write ``records`` with ``meta`` (plus ``measured_at``: now, unless ``meta`` has
+    one); returns ``path``."""
     path = Path(path)
     for i, record in enumerate(records):
         validate_record(record, f"record {i}")
+    meta = {"measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **meta}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"format": FORMAT, "meta": meta, "records": records}, indent=1) + "\n")
     return path
@@ -125,9 +154,6 @@ def read_results(path: Path) -> Results:
     for i, record in enumerate(records):
         validate_record(record, f"{path}: record {i}")
     return Results(meta=meta, records=records)
-
-
-
 
 
 def make_record(

@@ -7,7 +7,9 @@ Every argument but ours goes to MLC's compile command unchanged. Ours:
 - ``--fuselight-dump DIR`` the module after each of our steps and ``schedule.json``;
 - ``--fuselight-no-programmatic-launch`` each kernel of a ``.so`` launched only after the one before it has finished
   (but those that wait for it by design: the decode attention's merge kernel, o_proj's prefetching GEMV);
-- ``--no-fuselight`` MLC's own pipeline (the baseline), with the same target handling and output.
+- ``--no-fuselight`` MLC's own pipeline (the baseline), with the same target handling and output;
+- ``--fuselight-ptx`` (either pipeline) a ``.so``'s CUDA carried as PTX for the target's arch
+  (``fuselight compile --ptx``).
 
 Two platform adjustments to MLC's command: the "thrust" library MLC adds to CUDA targets is left out
 where TVM was built without it (TVM would only warn and fall back), and a ``.so`` output for a CUDA
@@ -45,6 +47,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--fuselight-dump", default=None)
     p.add_argument("--fuselight-no-programmatic-launch", action="store_true")
     p.add_argument("--no-fuselight", action="store_true")
+    # With or without fuselight: the library's CUDA carried as PTX for the target's arch.
+    p.add_argument("--fuselight-ptx", action="store_true")
     return p.parse_known_args(list(argv))
 
 
@@ -90,7 +94,7 @@ def compile_main(argv: Sequence[str]) -> int:
     if detect is None or not callable(getattr(command, "main", None)):
         raise FuselightError(f"this MLC-LLM's {MLC_COMPILE_MODULE} lacks main or {TARGET_DETECTION}")
     name = PIPELINE_MLC if options is None else PIPELINE_MLC_FUSELIGHT
-    setattr(command, TARGET_DETECTION, _adjusted_detection(detect, name, options))
+    setattr(command, TARGET_DETECTION, _adjusted_detection(detect, name, options, ours.fuselight_ptx))
     try:
         if options is None:
             pipeline.disable()
@@ -103,11 +107,13 @@ def compile_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _adjusted_detection(detect: Callable[..., Any], name: str, options: Any) -> Callable[..., Any]:
+def _adjusted_detection(
+    detect: Callable[..., Any], name: str, options: Any, ptx: bool = False
+) -> Callable[..., Any]:
     def detect_target_and_host(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         target, build_func = detect(*args, **kwargs)
         target = without_missing_thrust(target)
-        return target, _library_build(build_func, name, options)
+        return target, _library_build(build_func, name, options, ptx)
 
     return detect_target_and_host
 
@@ -126,8 +132,9 @@ def without_missing_thrust(target: Any) -> Any:
     return tvm.target.Target(exported)
 
 
-def _library_build(mlc_build: Callable[..., Any], name: str, options: Any) -> Callable[..., Any]:
-    """MLC's build function, or for a ``.so`` on cuda/llvm ours: library, sidecar and AOT cubins."""
+def _library_build(mlc_build: Callable[..., Any], name: str, options: Any, ptx: bool = False) -> Callable[..., Any]:
+    """MLC's build function, or for a ``.so`` on cuda/llvm ours: library, sidecar and AOT cubins
+    (``ptx``: the arch's PTX, ``fuselight.target.resolve``)."""
 
     def build(mod: Any, args: Any, pipeline: Any = None) -> None:
         kind = args.target.kind.name
@@ -141,7 +148,7 @@ def _library_build(mlc_build: Callable[..., Any], name: str, options: Any) -> Ca
         from ..library import write_library
         from ..target import arch_of, resolve
 
-        spec = resolve(kind, arch_of(args.target) if kind == "cuda" else None)
+        spec = resolve(kind, arch_of(args.target) if kind == "cuda" else None, ptx=ptx)
         # MLC's own build (no options) launches its kernels as MLC does.
         every_kernel = (options is not None and options.programmatic_launch
                         and tir_pipeline.programmatic_launch_supported(kind, spec.arch))

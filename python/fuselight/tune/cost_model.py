@@ -1,6 +1,6 @@
 """Training the learned GEMM cost (``fuselight.rules.gemm.cost_model``, where the dispatcher uses it).
 
-``features`` describes one (plan, M, N, K): the analytic estimate of ``rules.gemm.dispatch``, the
+``features`` describes one (plan, M, N, K): the analytic estimate of ``rules.gemm.estimate``, the
 tile, blocks, waves (blocks over the SMs' resident slots), bytes and flops. The booster is trained
 on log time with log(estimate) as its base margin, so it learns how far measured times stray from
 the estimate: on a shape it has not seen, the estimate's scaling carries over (trees do not
@@ -26,7 +26,7 @@ from ..jsonfile import read_json_object
 from ..paths import config_dir
 # (load and load_model: the trained model as the dispatcher reads it, reached through here as well)
 from ..rules.gemm.cost_model import ESTIMATE, FEATURES, GemmCostModel, features, load, load_model, model_path
-from ..rules.gemm.dispatch import candidates, load_dispatch, plan_name
+from ..rules.gemm.estimate import candidates, load_dispatch, plan_name
 from ..rules.gemm.operands import GemmOperands
 from .gemm import read_dataset, write_dataset
 

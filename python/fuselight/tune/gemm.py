@@ -1,7 +1,7 @@
 """Measure the GEMM plans on the GPU and turn the timings into the dispatch table and a dataset.
 
 ``build`` (build host) compiles, for each LLaMA weight shape of the kernel suite, one function per
-candidate plan of ``rules.gemm.dispatch`` (the wgmma tiles, and every mma.sync tile with every
+candidate plan of ``rules.gemm.estimate`` (the wgmma tiles, and every mma.sync tile with every
 split-K; no rest tiles: their gain is left to the estimate) over a symbolic M. ``run`` (GPU host)
 checks every plan at every M of the dispatch grid against PyTorch and times it, L2 flushed, and
 writes a dataset: the device, the versions, and one row per (shape, M, plan) with the plan's tile
@@ -69,7 +69,7 @@ def matmul_prim_func(n: int, k: int, dtype: str, m: int | None = None) -> Any:
 
 def _plans(ops: Any, d: Any) -> list[Any]:
     """The plans timed: every candidate but those with a rest tile (the estimate prices those)."""
-    from fuselight.rules.gemm.dispatch import candidates
+    from fuselight.rules.gemm.estimate import candidates
 
     return [p for p in candidates(ops, d) if getattr(p, "rest", None) is None]
 
@@ -111,7 +111,7 @@ def build(
     import tvm
     from fuselight.rules.gemm import gemm_body
     from fuselight.rules.gemm.analysis import analyze_matmul
-    from fuselight.rules.gemm.dispatch import load_dispatch, plan_name
+    from fuselight.rules.gemm.estimate import load_dispatch, plan_name
 
     from ..compile import library_metadata
     from ..library import git_commit, write_library
@@ -210,7 +210,7 @@ def run(manifest: Path, out_json: Path) -> dict[str, Any]:
 
 DATASET_DOC = (
     "Measured GEMM plan times ('fuselight tune gemm-run'): the device and versions they were taken with; "
-    "'rows': one per (n, k, m, plan): the plan's table name (rules/gemm/dispatch.py plan_name), template "
+    "'rows': one per (n, k, m, plan): the plan's table name (rules/gemm/estimate.py plan_name), template "
     "(wgmma or mma_sync), tile (block_m, block_n, block_k, threads, stages; mma.sync: the main tile), split_k, "
     "rest_block_m (0: no rest tile) and the median microseconds, L2 flushed; 'torch': torch.matmul at the "
     "same shapes. The learned cost model (python/fuselight/tune/cost_model.py) trains on the rows."
@@ -238,7 +238,7 @@ def read_dataset(path: Path, arch: str = "sm_90") -> dict[str, Any]:
         return raw
     if not isinstance(raw.get("timings"), dict):
         raise FuselightError(f"{path}: has neither 'rows' nor 'timings'")
-    from fuselight.rules.gemm.dispatch import candidates, load_dispatch, plan_name
+    from fuselight.rules.gemm.estimate import candidates, load_dispatch, plan_name
     from fuselight.rules.gemm.operands import GemmOperands
 
     d = load_dispatch(arch)
@@ -272,7 +272,8 @@ def timings(dataset: dict[str, Any]) -> dict[tuple[int, int], dict[int, dict[str
 
 def table(results_json: Path, arch: str = "sm_90", write: bool = False) -> dict[str, list[list[Any]]]:
     """Measured ranges per shape from a ``run`` dataset; prints the analytic choice vs the measured best."""
-    from fuselight.rules.gemm.dispatch import best_plan, extend_ranges, load_dispatch, plan_name
+    from fuselight.rules.gemm.dispatch import best_plan, extend_ranges
+    from fuselight.rules.gemm.estimate import load_dispatch, plan_name
     from fuselight.rules.gemm.operands import GemmOperands
 
     raw = read_dataset(Path(results_json), arch)

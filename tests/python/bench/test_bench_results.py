@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -37,7 +39,11 @@ def test_results_round_trip(tmp_path):
     recs = [_record(), _record(impl="torch", relerr=None), _record(impl="baseline", relerr=float("nan"))]
     path = results.write_results(tmp_path / "r" / "out.json", recs, {"suite": "kernels"})
     back = results.read_results(path)
-    assert back.meta == {"suite": "kernels"}
+    assert set(back.meta) == {"suite", "measured_at"} and back.meta["suite"] == "kernels"
+    # When it was written, in UTC: what the report ranks measurements of the same point by.
+    written = datetime.datetime.fromisoformat(back.meta["measured_at"])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    assert written.utcoffset() == datetime.timedelta(0) and abs((now - written).total_seconds()) < 60
     assert back.records[:2] == recs[:2]
     assert "baseline_source" not in back.records[1]  # torch records carry none
     assert math.isnan(back.records[2]["relerr"])  # a NaN output stays visible, not 'unchecked'
@@ -68,6 +74,50 @@ def test_bad_record_names_record_and_field(tmp_path, field, value, message):
         results.read_results(path)
     assert "bad.json: record 1 (case 'gemm-4096x4096', impl " in str(err.value)
     assert message in str(err.value)
+
+
+@pytest.fixture
+def results_root(tmp_path, monkeypatch):
+    """bench/results/ in a temporary directory: where the suites write without -o."""
+    root = tmp_path / "bench-results"
+    monkeypatch.setattr(results, "results_dir", lambda: root)
+    return root
+
+
+def test_default_path_is_device_folder_and_suite(results_root):
+    # The device description's results_folder (configs/targets/devices.json), else the name as a slug.
+    assert results.default_path("NVIDIA H100 80GB HBM3", "kernels") == results_root / "h100" / "kernels.json"
+    assert results.default_path("NVIDIA RTX A6000 (48 GB)", "e2e-llama-3-8b") == (
+        results_root / "nvidia-rtx-a6000-48-gb" / "e2e-llama-3-8b.json"
+    )
+
+
+def test_results_names_of_the_suites():
+    from fuselight.bench.e2e import e2e_name
+    from fuselight.bench.mlc_e2e import mlc_e2e_name
+    from fuselight.config import load
+
+    llama = load("llama-3-8b")
+    assert e2e_name(llama, llama.dtype) == "e2e-llama-3-8b"
+    assert e2e_name(llama.with_quantization("q4f16_1"), llama.dtype) == "e2e-llama-3-8b-q4f16_1"
+    smollm = load("smollm2-135m")  # a bfloat16 preset run in float16 says so
+    assert e2e_name(smollm.with_dtype("float16"), smollm.dtype) == "e2e-smollm2-135m-float16"
+    q4 = [_record(suite="mlc-e2e", impl=i, shape={"tokens": 128, "quantization": "q4f16_1"}) for i in ("mlc", "mlc+fuselight")]
+    assert mlc_e2e_name("llama-3-8b", ["llama-3-8b", "qwen2-2l"], q4) == "mlc-e2e-llama-3-8b-q4f16_1"
+    fp16 = [_record(suite="mlc-e2e", impl="mlc", shape={"tokens": 128})]
+    assert mlc_e2e_name("llama-3-8b", ["llama-3-8b"], fp16) == "mlc-e2e-llama-3-8b"
+    # Not timing the model: named by the cases compared, never the model's file.
+    assert mlc_e2e_name("llama-3-8b", ["qwen2-2l", "phi3-2l"], []) == "mlc-e2e-phi3-2l-qwen2-2l"
+    assert kernels_run.results_name("full") == "kernels" and kernels_run.results_name("small") == "kernels-small"
+
+
+def test_merge_keeps_the_points_a_run_did_not_measure(tmp_path):
+    old = [_record(impl="baseline"), _record(impl="fuselight"), _record(impl="fuselight", shape={"m": 7, "n": 4096, "k": 4096})]
+    path = results.write_results(tmp_path / "k.json", old, {})
+    again = _record(impl="fuselight", stats=timing.Stats(median_us=20.0, p10_us=19.0, p90_us=21.0, n=50))
+    merged = results.merged_with(path, [again])
+    assert merged == [old[0], old[2], again]
+    assert results.merged_with(tmp_path / "none.json", [again]) == [again]
 
 
 def test_bad_results_files(tmp_path):
@@ -245,6 +295,36 @@ def test_kernel_suite_sweep_override(small_suite, tmp_path):
         kernels_run.run_suite(manifest, tmp_path / "r.json", cases=["gemm-48x64"], sweep=[0])
 
 
+def test_kernel_suite_default_output(small_suite, results_root):
+    """Without -o the suite writes bench/results/<device>/kernels-<suite>.json; a partial run there
+    replaces its points and keeps the others."""
+    manifest, _ = small_suite
+    full = kernels_run.run_suite(manifest, cases=["gemm-residual-48x64"])
+    [path] = results_root.glob("*/kernels-small.json")
+    assert results.read_results(path).records == full
+    part = kernels_run.run_suite(manifest, cases=["gemm-48x64"], sweep=[5])
+    assert [(r["case"], r["impl"]) for r in results.read_results(path).records] == [
+        (r["case"], r["impl"]) for r in full + part
+    ]
+    again = kernels_run.run_suite(manifest, cases=["gemm-48x64"], sweep=[5])
+    after = results.read_results(path).records
+    assert after[len(full):] == again and after[: len(full)] == full
+
+
+def test_kernel_suite_records_name_a_ptx_build(small_suite, tmp_path):
+    """A suite built as PTX (the manifest says so) is recorded on 'DEVICE (sm_XX PTX)'."""
+    from fuselight.bench.timing import device_name
+
+    manifest, _ = small_suite
+    raw = json.loads(manifest.read_text())
+    # The llvm build's manifest as a PTX build's would read (its libraries, beside it, are loaded alike).
+    ptx = manifest.parent / "manifest-ptx.json"
+    ptx.write_text(json.dumps({**raw, "arch": "sm_80", "ptx": True}))
+    records = kernels_run.run_suite(ptx, tmp_path / "r.json", cases=["gemm-48x64"], sweep=[3])
+    assert {r["device"] for r in records} == {f"{device_name('cpu')} (sm_80 PTX)"}
+    assert results.read_results(tmp_path / "r.json").meta["ptx"] is True
+
+
 def test_kernel_suite_flags_wrong_results(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     from fuselight.bench import kernels_build
@@ -265,7 +345,7 @@ def test_kernel_suite_flags_wrong_results(tmp_path, monkeypatch):
     assert len(failures) == 2 * len(kernels.load_suite("small", ["rmsnorm-64"])[0].sweep)
 
 
-def test_e2e_on_llvm(tmp_path):
+def test_e2e_on_llvm(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     from fuselight import compile as fc
     from fuselight.bench.e2e import run_e2e
@@ -280,22 +360,25 @@ def test_e2e_on_llvm(tmp_path):
         with_torch = False
     config = load("tiny-llama")
     lib = fc.export(fc.build(config, resolve("llvm"), "baseline"), tmp_path / "tiny-baseline.so")
-    # The same library as if built at another commit: each implementation's records name their own.
+    # The same library as if built at another commit, and as if it carried sm_80 PTX: each
+    # implementation's records name their own commit, and the device its library ran as.
     other = tmp_path / "tiny-other.so"
     shutil.copy(lib, other)
     meta = json.loads(Path(f"{lib}.json").read_text())
-    Path(f"{other}.json").write_text(json.dumps({**meta, "git_commit": "0123456789ab"}))
-    out = tmp_path / "e2e.json"
+    Path(f"{other}.json").write_text(json.dumps({**meta, "git_commit": "0123456789ab", "arch": "sm_80", "ptx": True}))
+    root = tmp_path / "bench-results"
+    monkeypatch.setattr(results, "results_dir", lambda: root)
     records = run_e2e(
         {"baseline": lib, "fuselight": other},
         "tiny-llama",
-        out,
         torch=with_torch,
         device="cpu",
         prefill_tokens=[7, 20],
         decode_contexts=[9],
         decode_steps=3,
     )
+    # Without -o: bench/results/<device>/e2e-<model>.json
+    [out] = root.glob("*/e2e-tiny-llama.json")
     impls = ["baseline", "fuselight"] + (["torch"] if with_torch else [])
     cases = ("tiny-llama-prefill", "tiny-llama-prefill", "tiny-llama-decode")
     # Greedy generation is timed for the compiled libraries only.
@@ -307,6 +390,14 @@ def test_e2e_on_llvm(tmp_path):
     assert generate_check["agree"] == {"baseline": {"9": tokens}, "fuselight": {"9": tokens}}
     commits = {r["impl"]: r["git_commit"] for r in records}
     assert commits["fuselight"] == "0123456789ab" and commits["baseline"] == meta["git_commit"] != "0123456789ab"
+    from fuselight.bench.timing import device_name
+
+    devices = {r["impl"]: r["device"] for r in records}
+    assert devices["baseline"] == device_name("cpu") and devices["fuselight"] == f"{device_name('cpu')} (sm_80 PTX)"
+    from fuselight.bench.timing import device_name
+
+    devices = {r["impl"]: r["device"] for r in records}
+    assert devices["baseline"] == device_name("cpu") and devices["fuselight"] == f"{device_name('cpu')} (sm_80 PTX)"
     # tiny-llama computes in float32: both implementations match the float64 forward pass closely.
     prefill = [r for r in records if r["case"].endswith("prefill")]
     assert all(r["relerr"] < 1e-4 for r in prefill), [(r["impl"], r["relerr"]) for r in prefill]
@@ -375,3 +466,28 @@ def test_relative_error_is_chunked_and_exact():
     assert math.isnan(kernels_run.relative_error(torch, out, ref))
     with pytest.raises(FuselightError, match="differs from the reference"):
         kernels_run.relative_error(torch, out[:10], ref)
+
+
+def _committed_devices():
+    root = Path(__file__).resolve().parents[3] / "bench" / "results"
+    return [d for d in sorted(root.iterdir()) if d.is_dir() and (d / "README.md").is_file()]
+
+
+@pytest.mark.parametrize("folder", _committed_devices(), ids=lambda d: d.name)
+def test_committed_results_follow_the_layout(folder):
+    """bench/results/<device>/: every results file valid, measured on that folder's device, dated, and
+    listed in the folder's README with its commands; every file the README lists exists."""
+    from fuselight.device import results_folder
+
+    readme = (folder / "README.md").read_text()
+    listed = set(re.findall(r"^\| `([^`]+\.json)`", readme, flags=re.M))
+    listed |= set(re.findall(r"^\| `[^`]+\.json`, `([^`]+\.json)`", readme, flags=re.M))
+    files = {p.name for p in folder.glob("*.json")}
+    assert listed == files
+    for path in sorted(folder.glob("*.json")):
+        raw = json.loads(path.read_text())
+        if "records" not in raw:
+            continue  # a probe's or a tuning evaluation's own format
+        res = results.read_results(path)
+        datetime.datetime.fromisoformat(res.meta["measured_at"])
+        assert {results_folder(r["device"]) for r in res.records} <= {folder.name}, path.name

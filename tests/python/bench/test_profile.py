@@ -7,6 +7,7 @@ from fuselight.bench.profile import (
     exclusive,
     families,
     family_of,
+    host_launches,
     summarize,
 )
 
@@ -60,3 +61,13 @@ def test_exclusive_time_counts_an_early_kernel_from_the_end_of_the_one_before():
     out = summarize([("a_matmul", 22.0, 2), ("b", 12.0, 2)], 2, [("gemv", "matmul")], exclusive_us={"a_matmul": 20.0, "b": 8.0})
     assert out["families"]["gemv"] == {"us": 11.0, "launches": 1.0, "exclusive_us": 10.0}
     assert out["kernels"]["b"] == {"family": OTHER, "us": 6.0, "launches": 1.0, "exclusive_us": 4.0}
+
+
+def test_host_launches_count_kernel_and_graph_launches_per_step():
+    apis = ["cuLaunchKernelEx", "cudaGraphLaunch"]
+    calls = ["cudaGraphLaunch", "cuLaunchKernelEx", "cudaMemcpyAsync", "cuLaunchKernelEx", "cudaStreamWaitEvent"] * 3
+    assert host_launches(calls, apis) == 9
+    assert host_launches(["cudaMemcpyAsync", "cudaDeviceSynchronize"], apis) is None  # not recorded: no count
+    out = summarize([("NT_matmul_kernel", 30.0, 90)], 3, [("gemv", "matmul")], launched_by_host=9)
+    assert out["host_launches"] == 3.0 and out["launches"] == 30.0  # a graph launches many kernels for one
+    assert "host_launches" not in summarize([("NT_matmul_kernel", 30.0, 3)], 3, [("gemv", "matmul")])

@@ -20,6 +20,7 @@ tvm = pytest.importorskip("tvm")
 
 from fuselight import mlc  # noqa: E402
 from fuselight.cli import main as cli_main  # noqa: E402
+from fuselight.contracts import NORM_GEMV_NAME as NORM_GEMV  # noqa: E402
 from fuselight.errors import FuselightError  # noqa: E402
 from fuselight.mlc import pipeline as mp  # noqa: E402
 from fuselight.mlc.cli import without_missing_thrust  # noqa: E402
@@ -242,6 +243,9 @@ def test_cli_errors_are_one_line(stub, tmp_path, capsys) -> None:
     assert "--no-fuselight with --fuselight-no-programmatic-launch" in capsys.readouterr().err
     assert _compile(tmp_path, "--fuselight-rules", "bogus")[0] == 2
     assert "unknown rule family 'bogus'" in capsys.readouterr().err
+    # --fuselight-ptx reaches the library's target (either pipeline): PTX is CUDA's alone.
+    assert _compile(tmp_path, "--no-fuselight", "--fuselight-ptx")[0] == 2
+    assert "--ptx applies to cuda targets only" in capsys.readouterr().err
 
 
 def test_thrust_left_out_where_tvm_lacks_it() -> None:
@@ -313,6 +317,10 @@ def test_mlc_quantized_build_writes_no_dequantized_weight(tmp_path, quantization
     log = json.loads((dump / mp.SCHEDULE_LOG_FILE).read_text())
     assert log["materialized_weights"] == []
     assert any(name.startswith("fused_dequantize") for name in log["kernels"])  # MLC's fusions ran
+    # Decode's norms went into the quantized GEMVs after them (QKV, gate+up with its SiLU, the LM
+    # head), dequantize and all, and the GEMV rule scheduled them.
+    fused = [name for name in log["kernels"] if name.startswith(NORM_GEMV)]
+    assert len(fused) >= 2 and all(log["kernels"][name] == "gemv" for name in fused)
 
 
 def test_missing_mlc_requirement_is_one_line(tmp_path, monkeypatch) -> None:

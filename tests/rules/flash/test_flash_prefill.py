@@ -228,7 +228,7 @@ def test_bad_config_names_the_problem(change, head_dim, field):
 
 def test_bad_arguments_fail_cleanly():
     cfg = load_prefill_config("sm_90", 128)
-    with pytest.raises(FuselightError, match="no entry 'sm_75'"):
+    with pytest.raises(FuselightError, match="no entry 'sm_75' and no device description"):
         load_prefill_config("sm_75", 128)
     with pytest.raises(FuselightError, match="no entry '96'"):
         load_prefill_config("sm_90", 96)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from fuselight.cli import main
 from fuselight.errors import FuselightError
-from fuselight.rules.gemm import dispatch
+from fuselight.rules.gemm import dispatch, estimate
 from fuselight.rules.gemm.operands import GemmOperands
 from fuselight.rules.gemm import cost_model as predictor
 from fuselight.tune import cost_model
@@ -28,8 +28,8 @@ def _ops(n: int, k: int, m: int = 64) -> GemmOperands:
 
 
 @pytest.fixture(scope="module")
-def d() -> dispatch.Dispatch:
-    return dispatch.load_dispatch(ARCH)
+def d() -> estimate.Dispatch:
+    return estimate.load_dispatch(ARCH)
 
 
 @pytest.fixture(scope="module")
@@ -47,19 +47,19 @@ def quick() -> dict:
 
 
 def test_features_describe_the_plan_and_the_estimate(d):
-    wgmma = dispatch.WgmmaPlan(d.wgmma["wgmma"])  # 128 x 256
+    wgmma = estimate.WgmmaPlan(d.wgmma["wgmma"])  # 128 x 256
     x = dict(zip(cost_model.FEATURES, cost_model.features(wgmma, 200, 4096, 4096, d)))
     assert len(x) == len(cost_model.FEATURES)
-    assert x["log_estimate_us"] == pytest.approx(math.log(dispatch.estimate_us(wgmma, 200, 4096, 4096, d)))
+    assert x["log_estimate_us"] == pytest.approx(math.log(estimate.estimate_us(wgmma, 200, 4096, 4096, d)))
     assert (x["wgmma"], x["block_m"], x["block_n"], x["split_k"], x["rest_block_m"]) == (1, 128, 256, 1, 0)
     assert x["log_blocks"] == pytest.approx(math.log(2 * 16))  # 2 row tiles x 16 column tiles
     assert x["m_fill"] == pytest.approx(200 / 256)
     tile = d.tiles["m64n128k64w2x2s4"]
-    plan = dispatch.GemmPlan(main=tile, rest=d.tiles["m32n128k64w1x4s5"], split_k=4)
+    plan = estimate.GemmPlan(main=tile, rest=d.tiles["m32n128k64w1x4s5"], split_k=4)
     y = dict(zip(cost_model.FEATURES, cost_model.features(plan, 64, 4096, 14336, d)))
     assert (y["wgmma"], y["block_k"], y["split_k"], y["rest_block_m"]) == (0, 64, 4, 32)
     assert y["k_steps"] == 14336 / (4 * 64)
-    split = dict(zip(cost_model.FEATURES, cost_model.features(dispatch.WgmmaPlan(d.wgmma["wgmma"], 4), 200, 4096, 4096, d)))
+    split = dict(zip(cost_model.FEATURES, cost_model.features(estimate.WgmmaPlan(d.wgmma["wgmma"], 4), 200, 4096, 4096, d)))
     assert (split["wgmma"], split["split_k"], split["k_steps"]) == (1, 4, 4096 / (4 * 64))
     assert split["log_blocks"] == pytest.approx(math.log(2 * 16 * 4))
     assert y["log_blocks"] == pytest.approx(math.log(1 * 32 * 4))
@@ -84,10 +84,10 @@ def test_train_save_load_round_trip(dataset, d, quick, tmp_path):
     back = cost_model.load(path, d)
     np.testing.assert_allclose(back.predict_log_us(s.x), fitted, rtol=1e-6)
     plan, m = d.tiles["m32n128k64w1x4s5"], 48
-    gemm = dispatch.GemmPlan(main=plan, rest=None, split_k=2)
+    gemm = estimate.GemmPlan(main=plan, rest=None, split_k=2)
     assert back.predict_us(gemm, m, 4096, 4096) == pytest.approx(model.predict_us(gemm, m, 4096, 4096), rel=1e-6)
     # A plan outside the shape's candidates (no such split-K) is predicted on its own.
-    odd = dispatch.GemmPlan(main=plan, rest=None, split_k=8)
+    odd = estimate.GemmPlan(main=plan, rest=None, split_k=8)
     assert model.predict_us(odd, m, 4096, 4096) > 0
 
 
@@ -106,7 +106,7 @@ def test_load_refuses_other_models(dataset, d, quick, tmp_path):
 
 def _fake_estimate(plan, m, n, k, d) -> float:
     """An estimate whose ranking is known by hand: the narrowest tile first, then the least split."""
-    tile = plan.tile if isinstance(plan, dispatch.WgmmaPlan) else plan.main
+    tile = plan.tile if isinstance(plan, estimate.WgmmaPlan) else plan.main
     return float(tile.block_n * 100 + plan.split_k)
 
 
@@ -127,8 +127,8 @@ def test_evaluation_fields(dataset, d, quick, monkeypatch):
         assert len(r["choices"]) == sum(len(by_m) for by_m in timings(dataset).values())
 
     def rank(name: str) -> tuple[int, int]:
-        plan = dispatch._plan(d.tiles, d.wgmma, name)
-        tile = plan.tile if isinstance(plan, dispatch.WgmmaPlan) else plan.main
+        plan = estimate.parse_plan(d.tiles, d.wgmma, name)
+        tile = plan.tile if isinstance(plan, estimate.WgmmaPlan) else plan.main
         return tile.block_n, plan.split_k
 
     for choice in report["analytic"]["choices"]:
@@ -181,9 +181,9 @@ def test_dispatch_uses_the_model_only_when_asked_and_present(d, monkeypatch, tmp
     analytic = dataclasses.replace(d, cost_model="analytic", measured={})
     learned = dataclasses.replace(d, cost_model="xgboost", measured={})
     expected = dispatch.best_plan(ops, 64, analytic)
-    odd = dispatch.GemmPlan(main=d.tiles["m128n256k64w2x4s3"], rest=None, split_k=1)
+    odd = estimate.GemmPlan(main=d.tiles["m128n256k64w2x4s3"], rest=None, split_k=1)
     assert odd != expected
-    monkeypatch.setattr(predictor, "load_model", lambda arch: _Favours(odd))
+    monkeypatch.setattr(dispatch, "load_model", lambda arch: _Favours(odd))
     assert dispatch.best_plan(ops, 64, learned) == odd
     assert dispatch.best_plan(ops, 64, analytic) == expected  # the config says analytic
     # Cold start: no model file for the arch -> the estimate decides.
@@ -210,9 +210,9 @@ def test_bad_cost_model_config_names_it(tmp_path, monkeypatch):
     cfg = json.loads((src / "gemm" / "dispatch.json").read_text())
     cfg[ARCH]["cost_model"] = "oracle"
     (tmp_path / "gemm" / "dispatch.json").write_text(json.dumps(cfg))
-    monkeypatch.setattr(dispatch, "config_dir", lambda: tmp_path)
+    monkeypatch.setattr(estimate, "config_dir", lambda: tmp_path)
     with pytest.raises(FuselightError, match="oracle"):
-        dispatch.load_dispatch(ARCH)
+        estimate.load_dispatch(ARCH)
 
 
 def test_dispatch_import_leaves_xgboost_alone():

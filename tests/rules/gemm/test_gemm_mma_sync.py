@@ -99,7 +99,7 @@ def test_nvcc_compiles_the_source():
 def test_candidate_tiles_load_and_are_valid():
     tiles = load_tiles("sm_90")
     assert tiles and all(isinstance(t, GemmTile) for t in tiles.values())
-    with pytest.raises(FuselightError, match="no entry 'sm_42'"):
+    with pytest.raises(FuselightError, match="no entry 'sm_42' and no device description"):
         load_tiles("sm_42")
 
 

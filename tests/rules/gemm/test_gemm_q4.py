@@ -27,7 +27,6 @@ from fuselight.rules.gemm.mma_sync import Q4_DEQUANT, mma_sync_gemm, q4_dequant_
 from fuselight.rules.gemm.plan import GemmPlan, GemmTile, check_plan, q4_smem, shared_bytes
 from fuselight.rules.gemm.wgmma import (
     MAX_DYNAMIC_SMEM,
-    Q4_STAGING,
     WgmmaPlan, WgmmaTile,
     check_tile,
     q4_staging_bytes,
@@ -113,7 +112,11 @@ def _assert_wgmma_producer_dequantizes(body: str) -> None:
     assert loop.index("tvm_builtin_ptx_mbarrier_try_wait(") < deq  # the slot is free
     assert wait < deq < fence < arrive
     assert "ptx_cp_async_bulk_tensor_g2s_cta_tile_2d" in loop  # A's TMA
-    assert "tvm_builtin_ptx_setmaxnreg_dec_64" in body and "tvm_builtin_ptx_setmaxnreg_inc_224" in body
+    # The register split gives back exactly what it takes: producer + 2 consumers = 3 x the launch's
+    # allocation (65536 registers over 384 threads, in steps of 8); more hangs setmaxnreg.inc.
+    (dec,) = map(int, re.findall(r"tvm_builtin_ptx_setmaxnreg_dec_(\d+)\(\)", body))
+    (inc,) = map(int, re.findall(r"tvm_builtin_ptx_setmaxnreg_inc_(\d+)\(\)", body))
+    assert dec + 2 * inc == 3 * (65536 // 384 // 8 * 8)
     # The epilogue is the fp16 template's: every accumulator it reads exists (a regression: the
     # producer's piece count once shadowed the epilogue's, which then read past the accumulators).
     n_acc = int(re.search(r"float acc_ptr\[(\d+)\];", body).group(1))
@@ -135,7 +138,7 @@ def test_q4_ranges_cover_every_m_with_valid_plans(n, k):
     for _, plan in ranges:
         if isinstance(plan, WgmmaPlan):
             check_tile(plan.tile, ops, plan.split_k)
-            assert wgmma_smem_bytes(plan.tile, ops) == plan.tile.smem_bytes + Q4_STAGING * q4_staging_bytes(plan.tile)
+            assert wgmma_smem_bytes(plan.tile, ops) == plan.tile.smem_bytes + plan.tile.q4_staging * q4_staging_bytes(plan.tile)
             assert wgmma_smem_bytes(plan.tile, ops) <= MAX_DYNAMIC_SMEM
         else:
             check_plan(plan, ops)
@@ -143,8 +146,17 @@ def test_q4_ranges_cover_every_m_with_valid_plans(n, k):
     assert ranges[-1][1].split_k == 1  # every larger M: never split
     if n is None:
         assert all(plan.split_k == 1 for _, plan in ranges)  # a symbolic N: no split-K
-    # The shipped ranges are mma.sync's: the wgmma plans hung on the H100 (docs/experiments/q4-gemm.md).
-    assert not any(isinstance(plan, WgmmaPlan) for _, plan in ranges)
+    # Past M = 256 a static N takes a wgmma plan (the sweep's best, docs/experiments/q4-gemm.md); the
+    # LM head's symbolic N cannot (static N only) and falls back to mma.sync. Read by hand from
+    # configs/gemm/mma_sync_q4.json: the ranges up to 768 and above list wgmma-q4-n192s4 first, then
+    # wgmma-q4-n256s3; a tile serves where its block_n divides N (6144 = 32 x 192; 4096 and 28672
+    # only by 256).
+    wgmma = [(upper, plan.tile.block_n, plan.tile.stages) for upper, plan in ranges if isinstance(plan, WgmmaPlan)]
+    if n is None:
+        assert wgmma == []
+    else:
+        tile = (192, 4) if n == 6144 else (256, 3)
+        assert wgmma == [(768, *tile), (2**31 - 1, *tile)]
     assert dispatch.q4_plan_ranges(ops, "sm_42") == []
 
 
@@ -252,9 +264,11 @@ def test_plan_checks_name_the_problem():
     head = analyze_matmul(q4_linear(None, 4096, m=None, epilogue="cast_fp32"), dequant=True).operands
     with pytest.raises(Exception, match="split_k needs a static n"):
         check_plan(GemmPlan(tile, split_k=2), head)
-    # A wgmma tile of the config (no shipped range uses one: they hung on the H100).
+    # A wgmma tile of the config whose block_n divides 4096.
     raw = json.loads((config_dir() / "gemm" / "mma_sync_q4.json").read_text())["sm_90"]["wgmma_tiles"]
-    wg = WgmmaTile(**next(iter(raw.values())))
+    wg = next(t for t in (WgmmaTile(**fields) for fields in raw.values()) if 4096 % t.block_n == 0)
+    with pytest.raises(Exception, match="not a multiple of block_n"):
+        check_tile(dataclasses.replace(wg, block_n=192), ops)
     with pytest.raises(Exception, match="needs a static n"):
         check_tile(wg, head)
     with pytest.raises(Exception, match="shared memory"):

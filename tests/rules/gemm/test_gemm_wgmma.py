@@ -175,9 +175,9 @@ def test_config_tiles_are_valid():
     assert {t.warpgroups for t in tiles.values()} == {1, 2}
     for tile in tiles.values():
         check_tile(tile, _operands(_matmul("float16", 6144, 4096), "float16"), split_k=4)
-    with pytest.raises(FuselightError, match="no entry 'sm_80'"):
+    with pytest.raises(FuselightError, match="sm_80 has no wgmma"):
         load_wgmma_tile("sm_80")
-    with pytest.raises(FuselightError, match="no entry 'sm_80'"):
+    with pytest.raises(FuselightError, match="sm_80 has no wgmma"):
         load_wgmma_tiles("sm_80")
 
 

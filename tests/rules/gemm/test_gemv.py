@@ -11,7 +11,7 @@ import pytest
 from conftest import needs_nvcc
 import tvm
 from fuselight.errors import FuselightError
-from fuselight.rules.gemm import dispatch, gemv
+from fuselight.rules.gemm import estimate, gemv, gemv_common
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemv import Gemv
 from fuselight.rules.matmul import Matmul
@@ -116,9 +116,9 @@ def test_rule_takes_llama_decode_gemvs_with_their_buckets(n, k, blocks, warps, m
 
 
 def test_config_for_takes_the_smallest_grid_bucket_that_fits():
-    small = gemv.GemvConfig(max_m=1, warps=4, unroll=8, min_blocks_per_sm=4, max_blocks=528)
-    large = gemv.GemvConfig(max_m=1, warps=16, unroll=4, min_blocks_per_sm=1)
-    m2 = gemv.GemvConfig(max_m=2, warps=8, unroll=4, min_blocks_per_sm=1)
+    small = gemv_common.GemvConfig(max_m=1, warps=4, unroll=8, min_blocks_per_sm=4, max_blocks=528)
+    large = gemv_common.GemvConfig(max_m=1, warps=16, unroll=4, min_blocks_per_sm=1)
+    m2 = gemv_common.GemvConfig(max_m=2, warps=8, unroll=4, min_blocks_per_sm=1)
     configs = [m2, large, small]
     assert gemv.config_for(configs, 1, 256) == small
     assert gemv.config_for(configs, 1, 528) == small
@@ -183,7 +183,7 @@ def test_rule_takes_every_static_m_below_min_static_m(m, warps, cuda):
 
 
 def test_rule_leaves_matmul_m_dynamic_m_and_cpu(cuda):
-    min_m = dispatch.load_dispatch("sm_90").min_static_m
+    min_m = estimate.load_dispatch("sm_90").min_static_m
     at_min = matmul_prim_func(4096, 4096, "float16", m=min_m)
     assert _scheduled(at_min, cuda) is None
     assert Matmul().apply(at_min.with_attr("target", cuda), cuda, False) is not None  # the Matmul rule's
@@ -215,7 +215,7 @@ def test_registered_after_matmul():
 def test_symbolic_m_template_builds_one_kernel_for_every_m_up_to_16(cuda):
     func = matmul_prim_func(4096, 4096, "float16")
     ops = analyze_matmul(func).operands
-    cfg = gemv.GemvConfig(max_m=16, warps=4, unroll=4, min_blocks_per_sm=1)
+    cfg = gemv_common.GemvConfig(max_m=16, warps=4, unroll=4, min_blocks_per_sm=1)
     body = tirx.SBlockRealize([], True, tirx.SBlock([], [], [], "root", gemv.gemv_body(ops, cfg)))
     kern = kernel(tirx.PrimFunc(func.params, body, func.ret_type, func.attrs))
     # sized for the bucket's 16 tokens (two tiles of 8) whatever M is at run time
@@ -236,7 +236,7 @@ def test_nvcc_compiles_the_gemv_kernels(cuda):
 
 
 def test_block_warps_divide_the_k_steps():
-    cfg = gemv.GemvConfig(max_m=1, warps=16, unroll=4, min_blocks_per_sm=1)
+    cfg = gemv_common.GemvConfig(max_m=1, warps=16, unroll=4, min_blocks_per_sm=1)
 
     def warps(k):
         return gemv.block_warps(analyze_matmul(matmul_prim_func(4096, k, "float16", m=1)).operands, cfg)
@@ -248,26 +248,27 @@ def test_block_warps_divide_the_k_steps():
 
 def test_shipped_config_covers_every_gemv_m():
     configs = gemv.load_gemv_configs("sm_90")
-    for m in range(1, dispatch.load_dispatch("sm_90").min_static_m):
+    for m in range(1, estimate.load_dispatch("sm_90").min_static_m):
         assert gemv.config_for(configs, m) is not None
-    assert gemv.load_gemv_configs("sm_75") == []  # no entry: the rule leaves the function
+    with pytest.raises(FuselightError, match="no device description"):
+        gemv.load_gemv_configs("sm_75")  # no entry, no description: the rule leaves the function
 
 
 @pytest.mark.parametrize("warps,unroll,lane_run,steps", [(1, 4, 1, 12), (4, 4, 2, 112), (16, 4, 4, 8), (2, 6, 4, 9), (8, 8, 8, 3)])
 def test_piece_words_cover_every_word_of_a_row_once(warps, unroll, lane_run, steps):
     # The k permutation the weights and tokens share: the pieces all lanes of all warps read over
     # all steps are the row's words, each exactly once, whatever the run.
-    cfg = gemv.GemvConfig(max_m=16, warps=warps, unroll=unroll, min_blocks_per_sm=1, lane_run=lane_run)
+    cfg = gemv_common.GemvConfig(max_m=16, warps=warps, unroll=unroll, min_blocks_per_sm=1, lane_run=lane_run)
     run = gemv.lane_run(cfg, steps)
     words = [gemv.piece_word(step, warp, quad, warps, run) + e
-             for warp in range(warps) for step in range(steps) for quad in range(4) for e in range(gemv.PIECE_WORDS)]
+             for warp in range(warps) for step in range(steps) for quad in range(4) for e in range(gemv_common.PIECE_WORDS)]
     assert sorted(words) == list(range(warps * steps * gemv.STEP_K // 2))
     # A lane's pieces within a run are adjacent: 16 run contiguous bytes.
-    assert gemv.piece_word(1, 0, 0, warps, run) - gemv.piece_word(0, 0, 0, warps, run) == (gemv.PIECE_WORDS if run > 1 else warps * gemv.STEP_K // 2)
+    assert gemv.piece_word(1, 0, 0, warps, run) - gemv.piece_word(0, 0, 0, warps, run) == (gemv_common.PIECE_WORDS if run > 1 else warps * gemv.STEP_K // 2)
 
 
 def test_lane_run_is_halved_until_it_divides_the_round_and_the_steps():
-    cfg = gemv.GemvConfig(max_m=16, warps=4, unroll=4, min_blocks_per_sm=1, lane_run=4)
+    cfg = gemv_common.GemvConfig(max_m=16, warps=4, unroll=4, min_blocks_per_sm=1, lane_run=4)
     assert gemv.lane_run(cfg, 112) == 4
     assert gemv.lane_run(cfg, 6) == 2  # a run may not straddle the end of K
     assert gemv.lane_run(cfg, 7) == 1
@@ -278,7 +279,7 @@ def test_lane_run_is_halved_until_it_divides_the_round_and_the_steps():
                                          ("min_blocks_per_sm", 0), ("max_blocks", 0), ("lane_run", 0), ("max_k", 0),
                                          ("prefetch_l2_percent", 0), ("prefetch_l2_percent", 25)])
 def test_bad_config_names_the_field(field, value):
-    cfg = gemv.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=1)
+    cfg = gemv_common.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=1)
     with pytest.raises(FuselightError, match=field):
         gemv.check_gemv_config(dataclasses.replace(cfg, **{field: value}))
 
@@ -302,7 +303,7 @@ def test_bad_config_file_names_the_bucket_and_field(tmp_path, monkeypatch):
 
 def test_template_refuses_operands_it_cannot_compute():
     ops = analyze_matmul(matmul_prim_func(4096, 4096, "float16", m=4)).operands
-    cfg = gemv.GemvConfig(max_m=2, warps=8, unroll=4, min_blocks_per_sm=1)
+    cfg = gemv_common.GemvConfig(max_m=2, warps=8, unroll=4, min_blocks_per_sm=1)
     with pytest.raises(FuselightError, match="max_m"):
         gemv.gemv_body(ops, cfg)
     with pytest.raises(FuselightError, match="NT"):

@@ -17,8 +17,9 @@ from conftest import needs_nvcc
 from tir_query import evaluate, kernel
 
 tvm = pytest.importorskip("tvm")
+from cuda_source import kernel_body, kernel_names
 from fuselight.quant_prim_funcs import q4_linear
-from fuselight.rules.gemm import gemv, gemv_rows
+from fuselight.rules.gemm import gemv, gemv_common, gemv_rows
 from fuselight.rules.base import with_kernels
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemv import Gemv
@@ -28,10 +29,10 @@ import tvm_ffi
 from tvm import te, tirx
 from tvm.script import tirx as T
 
-ROWS = gemv.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, rows_per_warp=2)
+ROWS = gemv_common.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, rows_per_warp=2)
 # The mma template at M = 1 (the alternative to ROWS) and at 16 (two token tiles).
-MMA1 = gemv.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, lane_run=2)
-MMA16 = gemv.GemvConfig(max_m=16, warps=4, unroll=2, min_blocks_per_sm=2, lane_run=2)
+MMA1 = gemv_common.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, lane_run=2)
+MMA16 = gemv_common.GemvConfig(max_m=16, warps=4, unroll=2, min_blocks_per_sm=2, lane_run=2)
 # Llama-3-8B's decode projections (N x K) and the LM head (symbolic vocabulary).
 LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
@@ -221,16 +222,6 @@ def _grid_and_allocs(kernel):
     return grid, allocs
 
 
-def _kernel_body(source: str, name: str) -> str:
-    body = source[re.search(rf"{name}\([^)]*\) \{{", source).end():]
-    end = body.find("extern \"C\"")
-    return body if end < 0 else body[:end]
-
-
-def _kernels(source: str) -> set[str]:
-    return set(re.findall(r"__global__ void __launch_bounds__\([^)]*\) (\w+)\(", source))
-
-
 def test_rule_takes_mlcs_qkv_and_the_kernel_streams_packed_words(cuda):
     kernel = _scheduled(mlc_qkv, cuda)
     assert [p.name for p in kernel.params] == [p.name for p in mlc_qkv.params]
@@ -243,7 +234,7 @@ def test_rule_takes_mlcs_qkv_and_the_kernel_streams_packed_words(cuda):
     assert max(int(np.prod([int(d) for d in b.shape])) for b in allocs) == 4096
     assert {b.scope() for b in allocs if b.shape[0] == 4096} == {"shared"}
     source = _source(kernel, cuda)
-    assert len(_kernels(source)) == 1
+    assert len(kernel_names(source)) == 1
     # The weights: 16-byte loads of the uint32 words (4 words, 32 values, a lane a step).
     packed = re.findall(r"\*\(uint4\*\)\(w_ptr \+ \d+\) = \*\(uint4\*\)\(\w+_ptr \+", source)
     assert len(packed) == unroll * rows_per_warp
@@ -306,11 +297,11 @@ def test_nvcc_compiles_every_variant(cuda):
     kernels["mma1_down"] = with_kernels(mma1, gemv.gemv_body(analyze_matmul(mma1, dequant=True).operands, MMA1)).with_attr(
         "global_symbol", "mma1_down")
     source = tvm.compile(tvm.IRModule(kernels), target=cuda).mod.imports[0].inspect_source("cuda")
-    assert {f"{name}_kernel" for name in kernels} <= _kernels(source)
+    assert {f"{name}_kernel" for name in kernels} <= kernel_names(source)
     assert "fuselight_q4_pair_bf16(" in source and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source
     assert "fuselight_q4_dot32_bf16(" in source and "0x43004300u" in source
     # down: 448 pieces a row, 14 steps of 32 lanes, so the 4th round of 4 steps has 2 (a mask on r).
-    assert re.search(r"if \(r < 3\)", _kernel_body(source, "down_kernel"))
+    assert re.search(r"if \(r < 3\)", kernel_body(source, "down_kernel"))
     assert compile_cuda(source, "sm_90")
 
 
@@ -428,11 +419,11 @@ def test_a_and_b_fragments_meet_the_same_k(warps, lane_run, steps):
         for step in range(steps):
             for q in range(4):
                 pw = gemv.piece_word(step, warp, q, warps, lane_run)
-                for s in range(2 * gemv.PIECE_WORDS):
+                for s in range(2 * gemv_common.PIECE_WORDS):
                     a_k, b_k = {}, {}
                     for reg in range(4):
                         word, j = gemv.q4_a_pair(s, reg)
-                        assert 0 <= word < gemv.PIECE_WORDS and 0 <= j < 4
+                        assert 0 <= word < gemv_common.PIECE_WORDS and 0 <= j < 4
                         for half in range(2):
                             k = per_word * (pw + word) + j + 4 * half
                             a_k.setdefault(_a_slot(q, reg, half), set()).add(k)  # rows g and g + 8 alike
@@ -446,7 +437,7 @@ def test_a_and_b_fragments_meet_the_same_k(warps, lane_run, steps):
 
 
 def _count_mma(source: str, kernel: str) -> int:
-    return _kernel_body(source, kernel).count("mma.sync.aligned.m16n8k16")
+    return kernel_body(source, kernel).count("mma.sync.aligned.m16n8k16")
 
 
 @pytest.mark.parametrize("m,cfg", [(1, MMA1), (5, None), (16, MMA16), (None, None)], ids=["m1", "m5", "m16", "batch"])
@@ -457,7 +448,7 @@ def test_mma_kernel_streams_packed_words_into_the_tensor_cores(cuda, m, cfg):
     if cfg is None and m is not None:
         kernel = _scheduled(func, cuda)
         # what the rule must have taken: configs/gemm/gemv_q4.json's bucket for M <= 8, read by hand
-        cfg = gemv.GemvConfig(max_m=8, warps=8, unroll=1, min_blocks_per_sm=2, lane_run=1)
+        cfg = gemv_common.GemvConfig(max_m=8, warps=8, unroll=1, min_blocks_per_sm=2, lane_run=1)
     elif cfg is None:
         kernel = _scheduled(func, cuda)
     else:
@@ -470,14 +461,14 @@ def test_mma_kernel_streams_packed_words_into_the_tensor_cores(cuda, m, cfg):
     if m is None:
         # A symbolic batch: a kernel per bucket (host branches on M), DLight's past the largest.
         buckets = gemv.load_gemv_configs("sm_90", quantized=True)
-        assert len(_kernels(source)) == len(buckets) + 1
+        assert len(kernel_names(source)) == len(buckets) + 1
         assert re.search(r"if \(\(\(int64_t\)0\) < batch_size\)", source) or "batch_size" in source
-        mma_kernels = [kn for kn in _kernels(source) if "mma.sync" in _kernel_body(source, kn)]
+        mma_kernels = [kn for kn in kernel_names(source) if "mma.sync" in kernel_body(source, kn)]
         assert len(mma_kernels) == sum(c.rows_per_warp is None for c in buckets)
         return
     assert [int(g) for g in grid] == [n // 16]
-    (name,) = _kernels(source)
-    body = _kernel_body(source, name)
+    (name,) = kernel_names(source)
+    body = kernel_body(source, name)
     tiles = cfg.token_tiles
     # Per round: unroll steps of 8 mmas for each token tile, 16-byte loads of both rows' words.
     assert _count_mma(source, name) == cfg.unroll * 8 * tiles

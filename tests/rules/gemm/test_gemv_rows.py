@@ -11,9 +11,10 @@ import pytest
 from conftest import needs_nvcc
 
 tvm = pytest.importorskip("tvm")
+from fuselight.device import device_model
 from fuselight.errors import FuselightError
 from fuselight.rules.base import with_kernels
-from fuselight.rules.gemm import gemv, gemv_rows
+from fuselight.rules.gemm import gemv, gemv_common, gemv_rows
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.target import resolve, to_tvm
 from fuselight.tune.gemm import matmul_prim_func
@@ -21,7 +22,7 @@ from test_fuse_norm_gemv import _fused, _gate_up, _nt_matmul
 from test_gemv import _linear_residual, _lm_head
 from tir_query import constants, kernel
 
-ROWS = gemv.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, rows_per_warp=1)
+ROWS = gemv_common.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, rows_per_warp=1)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def cuda():
     return to_tvm(resolve("cuda", "sm_90"))
 
 
-def _kernel(func, cfg: gemv.GemvConfig = ROWS):
+def _kernel(func, cfg: gemv_common.GemvConfig = ROWS):
     ops = analyze_matmul(func, prologue=True).operands
     return with_kernels(func, gemv.gemv_body(ops, cfg)), ops
 
@@ -159,4 +160,4 @@ def test_bad_config_names_the_field(field, value):
 def test_too_large_a_token_row_is_refused():
     ops = analyze_matmul(matmul_prim_func(256, 32768, "float16", m=1)).operands
     with pytest.raises(FuselightError, match="shared memory"):
-        gemv.check_gemv(ops, ROWS, gemv.STATIC_SHARED_BYTES)
+        gemv.check_gemv(ops, ROWS, device_model("sm_90").smem_per_block)  # 64 KiB of token row > 48 KiB

@@ -12,7 +12,7 @@ import pytest
 from conftest import needs_nvcc
 import tvm
 from fuselight.errors import FuselightError
-from fuselight.rules.gemm import dispatch
+from fuselight.rules.gemm import dispatch, estimate
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemm.operands import GemmOperands
 from fuselight.rules.matmul import Matmul
@@ -41,65 +41,65 @@ def _cuda_source(func: tirx.PrimFunc, target) -> str:
 
 @pytest.mark.parametrize("n,k", LLAMA_SHAPES)
 def test_dispatch_covers_every_m_with_valid_plans(n, k):
-    d = dispatch.load_dispatch("sm_90")
+    d = estimate.load_dispatch("sm_90")
     ranges = dispatch.plan_ranges(_ops(n, k), d)
     assert ranges
     uppers = [u for u, _ in ranges]
     assert uppers == sorted(uppers) and len(set(uppers)) == len(uppers)
     for upper, plan in ranges:
-        if isinstance(plan, dispatch.WgmmaPlan):
-            dispatch.check_tile(plan.tile, _ops(n, k), plan.split_k)
+        if isinstance(plan, estimate.WgmmaPlan):
+            estimate.check_tile(plan.tile, _ops(n, k), plan.split_k)
             continue
-        dispatch.check_plan(plan, _ops(n, k))
+        estimate.check_plan(plan, _ops(n, k))
         assert plan.rest is None or upper > plan.main.block_m  # a rest tile only follows whole main tiles
 
 
 def test_no_plan_for_what_no_template_serves():
-    d = dispatch.load_dispatch("sm_90")
+    d = estimate.load_dispatch("sm_90")
     nn = dataclasses.replace(_ops(4096, 4096), b_layout="NN")  # the templates read B as [n, k]
     assert dispatch.plan_ranges(nn, d) == [] and dispatch.best_plan(nn, 4096, d) is None
     assert dispatch.plan_ranges(_ops(4100, 4096), d) == []  # N no tile divides
 
 
 def test_static_m_gets_one_plan():
-    d = dispatch.load_dispatch("sm_90")
+    d = estimate.load_dispatch("sm_90")
     assert len(dispatch.plan_ranges(_ops(4096, 4096, tirx.IntImm("int64", 300)), d)) == 1
 
 
 def test_estimate_prefers_large_tiles_at_large_m_and_fills_the_gpu_at_small_m():
-    d = dispatch.load_dispatch("sm_90")
-    assert dispatch.best_plan(_ops(4096, 4096), 8192, d) == dispatch.WgmmaPlan(d.wgmma[dispatch.WGMMA])
+    d = estimate.load_dispatch("sm_90")
+    assert dispatch.best_plan(_ops(4096, 4096), 8192, d) == estimate.WgmmaPlan(d.wgmma[estimate.WGMMA])
     small = dispatch.best_plan(_ops(4096, 4096), 32, d)
-    tile = small.tile if isinstance(small, dispatch.WgmmaPlan) else small.main
+    tile = small.tile if isinstance(small, estimate.WgmmaPlan) else small.main
     # 32 rows x 4096 columns are 16 128 x 256 tiles; the small-M plan spreads them over the GPU
     assert -(-32 // tile.block_m) * (4096 // tile.block_n) * small.split_k >= 32
 
 
 def test_wgmma_split_k_plans_are_named_priced_and_candidates():
-    d = dispatch.load_dispatch("sm_90")
-    plan = dispatch.WgmmaPlan(d.wgmma["wgmma-n128"], 4)
-    assert dispatch.plan_name(plan, d) == "wgmma-n128/sk4"
-    assert dispatch._plan(d.tiles, d.wgmma, "wgmma-n128/sk4") == plan
-    assert dispatch._plan(d.tiles, d.wgmma, "wgmma") == dispatch.WgmmaPlan(d.wgmma["wgmma"])
-    assert plan in dispatch.candidates(_ops(4096, 4096), d)
+    d = estimate.load_dispatch("sm_90")
+    plan = estimate.WgmmaPlan(d.wgmma["wgmma-n128"], 4)
+    assert estimate.plan_name(plan, d) == "wgmma-n128/sk4"
+    assert estimate.parse_plan(d.tiles, d.wgmma, "wgmma-n128/sk4") == plan
+    assert estimate.parse_plan(d.tiles, d.wgmma, "wgmma") == estimate.WgmmaPlan(d.wgmma["wgmma"])
+    assert plan in estimate.candidates(_ops(4096, 4096), d)
     # 128 x 4096 outputs are 32 tiles of 128 x 128: split four ways they fill the GPU, whole they do not
-    assert dispatch.estimate_us(plan, 128, 4096, 4096, d) < dispatch.estimate_us(
-        dispatch.WgmmaPlan(plan.tile), 128, 4096, 4096, d)
+    assert estimate.estimate_us(plan, 128, 4096, 4096, d) < estimate.estimate_us(
+        estimate.WgmmaPlan(plan.tile), 128, 4096, 4096, d)
     # at large M the partial sums cost more than the split gains
-    assert dispatch.estimate_us(plan, 8192, 4096, 4096, d) > dispatch.estimate_us(
-        dispatch.WgmmaPlan(plan.tile), 8192, 4096, 4096, d)
+    assert estimate.estimate_us(plan, 8192, 4096, 4096, d) > estimate.estimate_us(
+        estimate.WgmmaPlan(plan.tile), 8192, 4096, 4096, d)
     with pytest.raises(FuselightError, match="'wgmma-n96/sk2' has no wgmma tile"):
-        dispatch._plan(d.tiles, d.wgmma, "wgmma-n96/sk2")
+        estimate.parse_plan(d.tiles, d.wgmma, "wgmma-n96/sk2")
     # k = 4096 is 64 slices of 64: no split of it into 128 ranges
-    assert not dispatch._fits(dispatch.WgmmaPlan(plan.tile, 128), _ops(4096, 4096))
+    assert not estimate.fits(estimate.WgmmaPlan(plan.tile, 128), _ops(4096, 4096))
 
 
 def test_measured_table_overrides_the_estimate():
-    d = dispatch.load_dispatch("sm_90")
+    d = estimate.load_dispatch("sm_90")
     tile = next(iter(d.tiles.values()))
-    forced = dataclasses.replace(d, measured={"4096x4096": [(10**9, dispatch.GemmPlan(tile, None, 2))]})
-    assert dispatch.best_plan(_ops(4096, 4096), 4000, forced) == dispatch.GemmPlan(tile, None, 2)
-    assert dispatch.plan_ranges(_ops(4096, 4096), forced) == [(10**9, dispatch.GemmPlan(tile, None, 2))]
+    forced = dataclasses.replace(d, measured={"4096x4096": [(10**9, estimate.GemmPlan(tile, None, 2))]})
+    assert dispatch.best_plan(_ops(4096, 4096), 4000, forced) == estimate.GemmPlan(tile, None, 2)
+    assert dispatch.plan_ranges(_ops(4096, 4096), forced) == [(10**9, estimate.GemmPlan(tile, None, 2))]
     # other shapes keep the estimate
     assert dispatch.best_plan(_ops(6144, 4096), 4000, forced) == dispatch.best_plan(_ops(6144, 4096), 4000, d)
 
@@ -113,11 +113,11 @@ def test_bad_dispatch_config_names_the_problem(tmp_path, monkeypatch):
     cfg = json.loads((src / "gemm" / "dispatch.json").read_text())
     cfg["sm_90"]["efficiency"]["no-such-tile"] = 0.5
     (tmp_path / "gemm" / "dispatch.json").write_text(json.dumps(cfg))
-    monkeypatch.setattr(dispatch, "config_dir", lambda: tmp_path)
+    monkeypatch.setattr(estimate, "config_dir", lambda: tmp_path)
     with pytest.raises(FuselightError, match="unknown tiles"):
-        dispatch.load_dispatch("sm_90")
+        estimate.load_dispatch("sm_90")
     with pytest.raises(FuselightError, match="sm_75"):
-        dispatch.load_dispatch("sm_75")
+        estimate.load_dispatch("sm_75")
 
 
 # The kernels a symbolic M gets, in host-branch order, read by hand from the shipped sm_90 configs:

@@ -1,0 +1,155 @@
+// The KV cache's kernel wrappers of fuselight.kv_hooks (its docstring says what they do), in C++.
+//
+// Linked into every library built with fuselight.passes.fuse_rope_append (fuselight.library), so
+// the cache's three calls a decode layer cost a C++ call each, as TVM's own kernels do, not a trip
+// into Python (GIL, argument conversion): 90 of them a SmolLM2 step. Loading the library registers
+// the factories under the names the library calls, replacing the Python ones (same behaviour;
+// tests/passes/test_kv_hooks_native.py drives both with the same calls).
+
+#include <tvm/ffi/container/array.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/function.h>
+
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace {
+
+namespace ffi = tvm::ffi;
+using Args = std::vector<ffi::Any>;
+
+// Whether two tensors view the same memory with the same shape (the cache passes new views).
+bool SameBuffer(ffi::AnyView a, ffi::AnyView b) {
+  std::optional<DLTensor*> x = a.try_cast<DLTensor*>(), y = b.try_cast<DLTensor*>();
+  if (!x || !y) return false;
+  const DLTensor *s = *x, *t = *y;
+  if (static_cast<const char*>(s->data) + s->byte_offset != static_cast<const char*>(t->data) + t->byte_offset ||
+      s->ndim != t->ndim) {
+    return false;
+  }
+  for (int i = 0; i < s->ndim; ++i) {
+    if (s->shape[i] != t->shape[i]) return false;
+  }
+  return true;
+}
+
+void Call(const ffi::Function& f, const Args& args, ffi::Any* rv) {
+  std::vector<ffi::AnyView> views(args.begin(), args.end());
+  f.CallPacked(views.data(), static_cast<int32_t>(views.size()), rv);
+}
+
+Args Concat(Args a, const Args& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+class RopeAppendHooks {
+ public:
+  RopeAppendHooks(ffi::Function fused, ffi::Function split_rotary, ffi::Function append,
+                  std::optional<ffi::Function> fused_decode, std::optional<ffi::Function> decode)
+      : fused_(std::move(fused)), split_rotary_(std::move(split_rotary)), append_(std::move(append)),
+        fused_decode_(std::move(fused_decode)), decode_(std::move(decode)) {}
+
+  void RecordSplit(ffi::PackedArgs args) {
+    Flush();  // two splits in a row: the first still runs, in order
+    pending_ = Args(args.data(), args.data() + args.size());
+  }
+
+  void RunAppend(ffi::PackedArgs args, ffi::Any* rv) {  // pages, k, v, positions
+    if (pending_ && !pending_append_ && pending_->size() >= 5 && SameBuffer((*pending_)[3], args[1]) &&
+        SameBuffer((*pending_)[4], args[2])) {
+      Args pages_positions{args[0], args[3]};
+      if (fused_decode_) {
+        pending_append_ = std::move(pages_positions);  // the decode attention may take both
+        return;
+      }
+      Args split = Take(pending_);
+      Call(fused_, Concat(std::move(split), pages_positions), rv);
+      return;
+    }
+    Flush();
+    append_.CallPacked(args, rv);
+  }
+
+  void RunDecode(ffi::PackedArgs args, ffi::Any* rv) {  // q, pages, then the attention's own
+    if (pending_ && pending_append_ && pending_->size() >= 3 && SameBuffer((*pending_)[2], args[0]) &&
+        SameBuffer((*pending_append_)[0], args[1])) {
+      Args split = Take(pending_), append = Take(pending_append_);
+      Args rest(args.data() + 2, args.data() + args.size());
+      Call(*fused_decode_, Concat(Concat(std::move(split), append), rest), rv);
+      return;
+    }
+    Flush();
+    decode_->CallPacked(args, rv);
+  }
+
+  void Flush() {
+    if (!pending_) {
+      pending_append_.reset();
+      return;
+    }
+    Args split = Take(pending_);
+    ffi::Any rv;
+    if (pending_append_) {
+      Call(fused_, Concat(std::move(split), Take(pending_append_)), &rv);
+    } else {
+      Call(split_rotary_, split, &rv);
+    }
+  }
+
+ private:
+  static Args Take(std::optional<Args>& slot) {
+    Args out = std::move(*slot);
+    slot.reset();
+    return out;
+  }
+
+  ffi::Function fused_, split_rotary_, append_;
+  std::optional<ffi::Function> fused_decode_, decode_;
+  std::optional<Args> pending_;          // split-rotary's arguments
+  std::optional<Args> pending_append_;   // (pages, append positions), only with fused_decode
+};
+
+// [split-rotary wrapper, append wrapper, (decode wrapper,) then one wrapper per other kernel].
+ffi::Array<ffi::Function> Wrappers(std::shared_ptr<RopeAppendHooks> hooks, bool with_decode, ffi::PackedArgs kernels) {
+  ffi::Array<ffi::Function> out;
+  out.push_back(ffi::Function::FromPacked([hooks](ffi::PackedArgs args, ffi::Any*) { hooks->RecordSplit(args); }));
+  out.push_back(ffi::Function::FromPacked([hooks](ffi::PackedArgs args, ffi::Any* rv) { hooks->RunAppend(args, rv); }));
+  if (with_decode) {
+    out.push_back(ffi::Function::FromPacked([hooks](ffi::PackedArgs args, ffi::Any* rv) { hooks->RunDecode(args, rv); }));
+  }
+  for (int i = 0; i < kernels.size(); ++i) {
+    ffi::Function kernel = kernels[i].cast<ffi::Function>();
+    out.push_back(ffi::Function::FromPacked([hooks, kernel](ffi::PackedArgs args, ffi::Any* rv) {
+      hooks->Flush();
+      kernel.CallPacked(args, rv);
+    }));
+  }
+  return out;
+}
+
+// fuse_rope_append(fused, split_rotary, append, *kernels)
+void MakeWrappers(ffi::PackedArgs args, ffi::Any* rv) {
+  auto hooks = std::make_shared<RopeAppendHooks>(args[0].cast<ffi::Function>(), args[1].cast<ffi::Function>(),
+                                                 args[2].cast<ffi::Function>(), std::nullopt, std::nullopt);
+  *rv = Wrappers(hooks, false, args.Slice(3));
+}
+
+// fuse_rope_append_decode(fused, fused_decode, split_rotary, append, decode, *kernels)
+void MakeDecodeWrappers(ffi::PackedArgs args, ffi::Any* rv) {
+  auto hooks = std::make_shared<RopeAppendHooks>(args[0].cast<ffi::Function>(), args[2].cast<ffi::Function>(),
+                                                 args[3].cast<ffi::Function>(), args[1].cast<ffi::Function>(),
+                                                 args[4].cast<ffi::Function>());
+  *rv = Wrappers(hooks, true, args.Slice(5));
+}
+
+}  // namespace
+
+// The names are fuselight.contracts.HOOKS_FUNC and HOOKS_DECODE_FUNC; replacing the Python ones.
+TVM_FFI_STATIC_INIT_BLOCK() {
+  tvm::ffi::Function::SetGlobal("fuselight.kv_cache.fuse_rope_append", tvm::ffi::Function::FromPacked(MakeWrappers), true);
+  tvm::ffi::Function::SetGlobal("fuselight.kv_cache.fuse_rope_append_decode",
+                                tvm::ffi::Function::FromPacked(MakeDecodeWrappers), true);
+}

@@ -1,0 +1,221 @@
+"""Every rule family on every described arch (``rules/arch_config.py``): the analytic configs of the
+unmeasured archs (sm_80, sm_86, sm_89), what the rules claim of our LLaMA there against sm_90, and
+the CUDA of those kernels: nvcc compiles it for the arch and it has no Hopper-only instruction.
+
+One pipeline run (phases 1-3 and the rules) per arch and weight format, shared by the tests; one
+TVM build and one nvcc per arch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import shutil
+
+import pytest
+import tvm
+from fuselight import config, tir_pipeline
+from fuselight import pipeline as pl
+from fuselight.computations import AttentionSpec, attention_prim_func
+from fuselight.cuda_compile import compile_cuda
+from fuselight.device import device_model
+from fuselight.errors import FuselightError
+from fuselight.model.llama import export_module
+from fuselight.model.weights import hf_config
+from fuselight.paths import config_dir
+from fuselight.rules import fuselight_rules
+from fuselight.rules.flash_attention import FlashAttention
+from fuselight.rules.flash.decode import load_decode_config
+from fuselight.rules.flash.prefill import load_prefill_config
+from fuselight.quant_prim_funcs import q4_linear
+from fuselight.rules.gemm import dispatch
+from fuselight.rules.gemm.analysis import analyze_matmul
+from fuselight.rules.gemm.gemv import load_gemv_configs
+from fuselight.rules.gemm.plan import load_tiles
+from fuselight.rules.reduce.rowwise import load_split_config
+from fuselight.target import resolve, to_tvm
+from tvm import tirx
+
+UNMEASURED = ("sm_80", "sm_86", "sm_89")
+QUANTIZATIONS = (None, "q4f16_1")
+# PTX only sm_90 has (wgmma, TMA and its barriers and proxy fence, setmaxnreg, griddepcontrol).
+HOPPER_ONLY = re.compile(r"wgmma|cp\.async\.bulk|cp_async_bulk|setmaxnreg|griddepcontrol|expect_tx|fence\.proxy\.async")
+# The one fusion that differs: gate/up with SiLU-mul is one matmul with a paired epilogue, which only
+# the wgmma template computes; elsewhere it stays a matmul and its SiLU-mul.
+WGMMA_ONLY_FUSION = "gate_up_matmul_swiglu"
+ATTENTION = AttentionSpec(num_qo_heads=8, num_kv_heads=2, head_dim=64, scale=0.125, causal=True, additive_mask=False,
+                          layout="BSHD", dtype="float16", softmax_dtype="float32", same_length=True)
+
+
+def _model(quantization: str | None) -> config.ModelConfig:
+    """One layer at hidden 1024 and head dim 128: every family's kernels (FuseAddRMSNorm needs
+    hidden % 1024 == 0, the attention kernels head dim 64 or 128)."""
+    raw = {**hf_config(config.load("tiny-llama")), "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 1,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 2000}
+    cfg = config.from_dict(raw, name="arch-llama")
+    return cfg.with_quantization(quantization) if quantization else cfg.with_dtype("float16")
+
+
+@functools.lru_cache(maxsize=None)
+def _claimed(arch: str, quantization: str | None) -> dict[str, tuple[str, tvm.tirx.PrimFunc]]:
+    """PrimFunc name -> (rule family, scheduled kernel) for what fuselight's rules take of the model
+    after phase 3 of the fuselight pipeline for ``arch`` (the rules in their phase-4 order)."""
+    target = to_tvm(resolve("cuda", arch))
+    rules = fuselight_rules()
+    mod, _ = export_module(_model(quantization), target)
+    with target:
+        for stage in pl.stages(target, use_mlc=False, graph_passes=pl.graph_passes(None, rules), rules=rules):
+            if stage.phase > 3:
+                break
+            mod = stage.pass_(mod)
+        claimed = {}
+        for gv, func in mod.functions.items():
+            if not isinstance(func, tirx.PrimFunc):
+                continue
+            for rule in rules:
+                sch = rule.apply(func, target, False)
+                if sch is not None:
+                    claimed[gv.name_hint] = (rule.family, sch.mod["main"])
+                    break
+    return claimed
+
+
+def _families(claimed: dict[str, tuple[str, object]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for name, (family, _) in claimed.items():
+        out.setdefault(family, set()).add(name)
+    return out
+
+
+def _flash_attention(arch: str) -> tvm.tirx.PrimFunc | None:
+    """The flash-attention rule's kernel (prefill, and split-KV decode where Sq is 1 at run time) for
+    a fused GQA attention of head dim 64 (what ``passes/fuse_attention`` hands it), or None."""
+    target = to_tvm(resolve("cuda", arch))
+    func = attention_prim_func(ATTENTION).with_attr("target", target)
+    sch = FlashAttention().apply(func, target, False)
+    return None if sch is None else sch.mod["main"]
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_source(arch: str) -> str:
+    """The CUDA of every kernel claimed for ``arch`` (both weight formats, and the dense flash
+    attention), as a build lowers it."""
+    target = to_tvm(resolve("cuda", arch))
+    funcs = {"flash_attention": _flash_attention(arch).with_attr("global_symbol", "flash_attention")}
+    for q in QUANTIZATIONS:
+        for name, (_, func) in _claimed(arch, q).items():
+            symbol = f"{q or 'f16'}_{name}"
+            funcs[symbol] = func.with_attr("global_symbol", symbol).with_attr("target", target)
+    every_kernel = tir_pipeline.programmatic_launch_supported("cuda", arch)
+    exe = tvm.compile(tvm.IRModule(funcs), target=target, tir_pipeline=tir_pipeline.register(every_kernel))
+    return exe.mod.imports[0].inspect_source("cuda")
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+@pytest.mark.parametrize("arch", UNMEASURED)
+def test_every_family_claims_on_every_described_arch_what_it_claims_on_sm90(arch, quantization):
+    ours, hopper = _families(_claimed(arch, quantization)), _families(_claimed("sm_90", quantization))
+    families = {"matmul", "gemv", "row_reduction", "rope_append", "paged_attention"}
+    assert set(ours) == set(hopper) == families
+    assert ours["paged_attention"] == {"fuselight_decode_paged_kv", "fuselight_prefill_paged_kv",
+                                       "fuselight_prefill_ragged_kv", "fuselight_rope_append_decode_paged_kv"}
+    for family in families - {"matmul"}:
+        assert ours[family] == hopper[family], family
+    # Matmuls: as many, the one paired gate/up of sm_90 a plain matmul here.
+    assert len(ours["matmul"]) == len(hopper["matmul"]) >= 4
+    assert not any(WGMMA_ONLY_FUSION in n for n in ours["matmul"])
+    assert {n for n in hopper["matmul"] if WGMMA_ONLY_FUSION not in n} <= ours["matmul"]
+
+
+@pytest.mark.parametrize("arch", UNMEASURED)
+def test_flash_attention_claims_the_fused_attention_on_every_described_arch(arch):
+    ours, hopper = _flash_attention(arch), _flash_attention("sm_90")
+    assert ours is not None and hopper is not None
+    assert [p.name for p in ours.params] == [p.name for p in hopper.params]
+
+
+# One TVM build and nvcc a minute or two each: sm_80's in CI, sm_86's and sm_89's (the same templates,
+# other tiles and grid sizes) with the slow tests.
+@pytest.mark.parametrize("arch", ["sm_80", pytest.param("sm_86", marks=pytest.mark.slow),
+                                  pytest.param("sm_89", marks=pytest.mark.slow)])
+def test_kernels_have_no_hopper_only_instruction_and_nvcc_compiles_them(arch):
+    source = _cuda_source(arch)
+    assert source.count("__global__") >= 20  # every family's kernels, both weight formats
+    assert "mma.sync" in source and "cp.async" in source and "ldmatrix" in source  # sm_80's tensor-core path
+    assert HOPPER_ONLY.findall(source) == []
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    assert len(compile_cuda(source, arch=arch)) > 0
+
+
+def test_the_hopper_pattern_finds_sm90s_instructions():
+    """The check above can fail: sm_90's kernels (their TIR, which names the PTX) use wgmma and griddepcontrol."""
+    found = {m for _, func in _claimed("sm_90", None).values() for m in HOPPER_ONLY.findall(func.script())}
+    assert {"wgmma", "griddepcontrol"} <= found
+
+
+# --- the analytic configs against the datasheet numbers ------------------------------------------
+
+
+def test_measured_arch_keeps_its_table_and_others_get_analytic_configs():
+    assert dispatch.load_dispatch("sm_90").cost_model == "xgboost"  # configs/gemm/dispatch.json
+    assert load_decode_config("sm_90").target_blocks == 1056  # the measured value
+    for arch in UNMEASURED:
+        d = dispatch.load_dispatch(arch)
+        assert d.cost_model == "analytic" and d.wgmma == {} and d.measured == {}
+        assert not load_decode_config(arch).griddepcontrol
+    assert load_decode_config("sm_90").griddepcontrol
+
+
+@pytest.mark.parametrize("arch,sms,optin_kib", [("sm_80", 108, 163), ("sm_86", 72, 99), ("sm_89", 142, 99)])
+def test_analytic_configs_follow_the_device(arch, sms, optin_kib):
+    assert device_model(arch).sms == sms and device_model(arch).smem_per_block_optin == optin_kib * 1024
+    assert load_decode_config(arch).target_blocks == 8 * sms
+    assert load_split_config(arch).target_blocks == 2 * sms
+    assert dispatch.load_dispatch(arch).sms == sms
+    m1 = [c for c in load_gemv_configs(arch) if c.max_m == 1 and c.max_blocks is not None]
+    assert sorted({c.max_blocks for c in m1}) == [2 * sms, 4 * sms]
+    assert all(c.prefetch_l2_percent is None for c in load_gemv_configs(arch))  # bulk prefetch is sm_90's
+    # Prefill's static shared memory is 48 KiB everywhere: Q (64 rows) + K + V of 128 halves a row.
+    assert load_prefill_config(arch, 128).tile_kv == 64 and load_prefill_config(arch, 64).tile_kv == 128
+    tiles = load_tiles(arch)
+    candidates = json.loads((config_dir() / "gemm" / "mma_sync.json").read_text())["analytic"]
+    most = {(c["block_m"], c["block_n"], c["block_k"], c["warps_m"], c["warps_n"]): c["stages"]
+            for name, c in candidates.items() if not name.startswith("_")}
+    for name, t in tiles.items():
+        pipeline = t.stages * (t.block_m + t.block_n) * t.block_k * 2
+        epilogue = t.block_m * (t.block_n + 8) * 4
+        assert max(pipeline, epilogue) <= optin_kib * 1024, name
+        # one stage more would not fit (or the shape's most stages are reached)
+        shape = (t.block_m, t.block_n, t.block_k, t.warps_m, t.warps_n)
+        assert t.stages == most[shape] or (t.stages + 1) * (t.block_m + t.block_n) * t.block_k * 2 > optin_kib * 1024
+    # 128 x 256: its fp32 epilogue tile (135168 bytes) fits the A100's 163 KiB, not the 99 KiB of sm_86/89.
+    assert ("m128n256k64w2x4s3" in tiles) == (optin_kib == 163)
+
+
+def test_q4_gemm_ranges_on_every_described_arch():
+    ops = analyze_matmul(q4_linear(4096, 4096, m=None), dequant=True).operands
+    for arch in UNMEASURED:
+        ranges = dispatch.q4_plan_ranges(ops, arch)
+        assert [upper for upper, _ in ranges][:3] == [64, 256, 1024], arch
+        assert all(p.main.block_m == bm for (_, p), bm in zip(ranges, (32, 64, 128))), arch
+
+
+def test_undescribed_arch_has_no_config():
+    for load in (lambda: load_tiles("sm_75"), lambda: load_decode_config("sm_100"), lambda: dispatch.load_dispatch("sm_75")):
+        with pytest.raises(FuselightError, match="no device description"):
+            load()
+
+
+def test_a_gemv_prefetch_asked_of_an_arch_without_tma_is_refused(tmp_path, monkeypatch):
+    from fuselight.rules.gemm import gemv
+
+    raw = json.loads((config_dir() / "gemm" / "gemv.json").read_text())
+    raw["sm_80"] = raw["sm_90"]  # sm_90's measured buckets, one with the L2 bulk prefetch
+    (tmp_path / "gemm").mkdir()
+    (tmp_path / "gemm" / "gemv.json").write_text(json.dumps(raw))
+    monkeypatch.setattr(gemv, "config_dir", lambda: tmp_path)
+    with pytest.raises(FuselightError, match="prefetch_l2_percent needs TMA and griddepcontrol, which sm_80 lacks"):
+        load_gemv_configs("sm_80")
+    assert any(c.prefetch_l2_percent for c in load_gemv_configs("sm_90"))
