@@ -7,7 +7,20 @@ from typing import Any
 
 import pytest
 from fuselight.config import ModelConfig
+from fuselight.cuda_compile import nvcc_path
 from fuselight.library import CACHE_ENV
+
+# A test whose point is nvcc's verdict is skipped (and counted as skipped) where nvcc is absent.
+needs_nvcc = pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+
+
+def require_nvcc() -> str:
+    """nvcc's path, or skip the test here: a test's nvcc step after its other checks is reported as a
+    skip where nvcc is absent, never as a pass."""
+    path = nvcc_path()
+    if path is None:
+        pytest.skip("nvcc not installed: the CUDA source was not compiled")
+    return path
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -92,9 +92,14 @@ def cmd_bench_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_paged_build(args: argparse.Namespace) -> int:
-    from .bench.paged_attention import build_suite
+    from .bench.paged_attention import build_gpu_tier, build_suite
 
-    print(f"paged-attention suite built: {build_suite(Path(args.out), arch=args.arch, ptx=args.ptx)}")
+    if args.gpu_tier:
+        manifests = build_gpu_tier(Path(args.out), args.arch, ptx=args.ptx)
+    else:
+        manifests = [build_suite(Path(args.out), arch=args.arch, ptx=args.ptx)]
+    for manifest in manifests:
+        print(f"paged-attention suite built: {manifest}")
     return 0
 
 
@@ -273,6 +278,8 @@ def _parser() -> argparse.ArgumentParser:
     pb = bsub.add_parser("paged-build", help="compile the KV-cache attention kernels, TVM's and ours")
     pb.add_argument("out", help="output directory")
     pb.add_argument("--arch", default="sm_90")
+    pb.add_argument("--gpu-tier", action="store_true",
+                    help="one suite per layout of the GPU test tier (paged_attention.gpu), into OUT/paged-<layout>/")
     pb.add_argument("--ptx", action="store_true", help=PTX_HELP)
     pb.set_defaults(func=cmd_bench_paged_build)
     pr = bsub.add_parser("paged-run", help="check and time the KV-cache attention kernels (GPU host)")

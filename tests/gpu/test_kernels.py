@@ -1,4 +1,7 @@
-"""The GPU tier: every kernel family run on the GPU against float64, outputs poisoned first.
+"""The GPU tier, kernel suite: GEMMs (fp16 mma.sync and wgmma from the smallest tile to the largest,
+q4f16_1 / q4bf16_1), GEMVs (the row and mma templates), gate+up SiLU-mul, RMSNorm and add+RMSNorm,
+softmax, flash prefill and split-KV decode (GQA groups 1 to 7, head dim 64 and 128), fp16 and bf16,
+run on the GPU against float64, outputs poisoned first (the KV-cache kernels: test_kv_cache_kernels.py).
 
 Runs on the GPU host with the runtime-only TVM, over libraries built on the build host by one
 command (``fuselight bench build DIR --suite gpu``: the ``gpu`` suite of ``configs/bench.json``, both
@@ -13,25 +16,13 @@ as its proxy. Skipped where there is no CUDA device or no build.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
+from gpu_tier import BUILD, RESULTS, cuda_available
 
-BUILD = os.environ.get("FUSELIGHT_GPU_BUILD")
-MANIFEST = Path(BUILD) / "manifest.json" if BUILD else None
-
-
-def _cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
+MANIFEST = BUILD / "manifest.json" if BUILD else None
 
 pytestmark = pytest.mark.skipif(
-    MANIFEST is None or not MANIFEST.is_file() or not _cuda(),
+    MANIFEST is None or not MANIFEST.is_file() or not cuda_available(),
     reason="GPU tier: needs a CUDA device and FUSELIGHT_GPU_BUILD (built by 'fuselight bench build DIR --suite gpu')",
 )
 
@@ -52,7 +43,7 @@ def results(tmp_path_factory) -> tuple[list[dict], list[str]]:
     from fuselight.bench.kernels_run import run_suite
     from fuselight.runtime import accept_ptx_from_env
 
-    out = Path(os.environ.get("FUSELIGHT_GPU_RESULTS") or tmp_path_factory.mktemp("gpu") / "gpu-tests.json")
+    out = RESULTS or tmp_path_factory.mktemp("gpu") / "gpu-tests.json"
     records = run_suite(MANIFEST, out, accept_ptx=accept_ptx_from_env())
     return records, json.loads(out.read_text())["meta"]["failures"]
 

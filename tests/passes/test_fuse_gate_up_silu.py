@@ -5,14 +5,11 @@ epilogue and rejects near-misses; the Gemv and Matmul rules build it for sm_90 a
 
 from __future__ import annotations
 
-import re
-import shutil
-
 import numpy as np
 import pytest
+from conftest import needs_nvcc
 
 tvm = pytest.importorskip("tvm")
-from cuda_source import kernel_body, kernel_names
 from fuselight.errors import FuselightError
 from fuselight.passes import AccumulateMatmulFP32, FuseGateUpSiLU
 from fuselight.computations import gate_up_silu_te
@@ -27,10 +24,10 @@ from fuselight.model.weights import numpy_dtype
 from fuselight.passes.weight_source import materialized_weights
 from fuselight.quantization import SCHEMES, random_quantized, te_dequantize
 from fuselight.target import resolve, to_tvm
+from tir_query import constants, kernel, kernels
 from tvm import relax, te, tirx
 from tvm.script import tirx as T
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 K, HALF = 96, 40  # the MLP's hidden size and intermediate size (the weight has 2 * HALF rows)
 
 
@@ -267,12 +264,13 @@ def _nvcc(src: str, tmp_path) -> None:
 @pytest.mark.parametrize("m", [1, 4])
 def test_gemv_rule_builds_the_paired_kernel(cuda, m: int) -> None:
     func = _fused_func(m, n=512, k=256)
-    sch = Gemv().apply(func, cuda, False)
-    assert sch is not None
-    src = _cuda_source(sch.mod["main"], cuda)
-    # One launch; both accumulators of an output combined by one thread (silu's exp in the epilogue).
-    # With the shipped buckets one token row streams whole rows, more run on the tensor cores.
-    assert "hexp" in src and ("mma.sync" in src) == (m > 1)
+    # One launch writing the 256 outputs only; both accumulators of an output combined by one thread
+    # (silu's sigmoid in the epilogue). With the shipped buckets one token row streams whole rows
+    # (a gate and an up sum a lane), more run on the tensor cores (4 floats a lane per 8 tokens, each half).
+    kern = kernel(Gemv().apply(func, cuda, False).mod["main"])
+    assert kern.outputs == {"silu_multiply"} and kern.calls["tirx.sigmoid"] == 1
+    assert ("tirx.ptx.mma_legacy" in kern.calls) == (m > 1)
+    assert kern.allocs["acc"] == ("local", "float32", (4 if m > 1 else 2,))
     assert Matmul().apply(func, cuda, False) is None  # static M below min_static_m: the Gemv rule's
 
 
@@ -284,31 +282,42 @@ def _q4_fused_func(rows: int, scheme: str = "q4f16_1") -> tirx.PrimFunc:
     return next(f for gv, f in fused.functions_items() if gv.name_hint.startswith(PRIMFUNC_NAME))
 
 
-@needs_nvcc
-def test_gemv_paired_kernel_compiles(cuda, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def gemv_kernels(cuda) -> dict[str, tirx.PrimFunc]:
+    """The Gemv rule's kernels for the fp16 pair and the q4 pairs (Llama-3-8B's gate+up), built once."""
     funcs = {"fp16": _fused_func(1, n=512, k=256), "q4_m1": _q4_fused_func(1), "q4_m8": _q4_fused_func(8),
              "q4bf16_m1": _q4_fused_func(1, "q4bf16_1")}
-    kernels = {name: Gemv().apply(f, cuda, False).mod["main"].with_attr("global_symbol", name) for name, f in funcs.items()}
-    source = tvm.compile(tvm.IRModule(kernels), target=cuda).mod.imports[0].inspect_source("cuda")
-    assert kernel_names(source) == {f"{name}_kernel" for name in funcs}  # one launch each
-    for name in ("q4_m1", "q4_m8", "q4bf16_m1"):
-        # Packed words in, silu(gate) * up out: the in-register conversion (row template at M = 1,
-        # mma fragments at 8) and the epilogue's exp in the same kernel.
-        body = kernel_body(source, f"{name}_kernel")
-        convert = "fuselight_q4_pair" if name == "q4_m8" else "fuselight_q4_dot32"
-        assert re.search(convert + r"_(fp|bf)16\(", body) and re.search(r"\bh?exp", body), name
-        assert [str(p.ty.dtype) for p in kernels[name].params].count("uint32") == 1
-    _nvcc(source, tmp_path)
+    return {name: Gemv().apply(f, cuda, False).mod["main"].with_attr("global_symbol", name) for name, f in funcs.items()}
+
+
+@pytest.mark.parametrize("name, convert, mma", [("q4_m1", "fuselight_q4_dot32_fp16", False),
+                                                ("q4_m8", "fuselight_q4_pair_fp16", True),
+                                                ("q4bf16_m1", "fuselight_q4_dot32_bf16", False)])
+def test_gemv_rule_builds_the_q4_paired_kernel(gemv_kernels, name: str, convert: str, mma: bool) -> None:
+    # Packed words in, silu(gate) * up out, one launch: the in-register conversion (row template at
+    # M = 1, mma fragments at 8) and the epilogue's sigmoid in the same kernel.
+    func = gemv_kernels[name]
+    kern = kernel(func)
+    assert [str(p.ty.dtype) for p in func.params].count("uint32") == 1
+    assert kern.outputs == {"silu_multiply_intermediate"} and kern.calls["tirx.sigmoid"] == 1
+    assert [args[0].value for args in kern.call_args["tirx.cuda.func_call"]] == [convert]
+    assert ("tirx.ptx.mma_legacy" in kern.calls) == mma
+
+
+@needs_nvcc
+def test_gemv_paired_kernel_compiles(cuda, gemv_kernels, tmp_path) -> None:
+    _nvcc(tvm.compile(tvm.IRModule(gemv_kernels), target=cuda).mod.imports[0].inspect_source("cuda"), tmp_path)
 
 
 def test_matmul_rule_builds_the_paired_wgmma_kernel(cuda) -> None:
     func = _fused_func(tirx.Var("seq_len", "int64"), n=1024, k=256)
-    sch = Matmul().apply(func, cuda, False)
-    assert sch is not None
-    src = _cuda_source(sch.mod["main"], cuda)
-    assert "wgmma.mma_async" in src and "hexp" in src
-    # Two B boxes a slot: the gate rows and the up rows pair_offset (512) further.
-    assert src.count("ptx_cp_async_bulk_tensor_g2s_cta_tile_2d((") >= 3 and "+ 512)" in src
+    gemms = [k for k in kernels(Matmul().apply(func, cuda, False).mod["main"]) if "tirx.ptx.wgmma_mma_async_ss" in k.calls]
+    assert gemms  # the GEMV's buckets below, a wgmma kernel for each range above
+    for kern in gemms:
+        assert kern.outputs - {"epi"} == {"silu_multiply"} and kern.calls["tirx.sigmoid"] == 1
+        # Three boxes a slot: A's rows, B's gate rows at n0 / 2, and its up rows pair_offset (512) further.
+        a_box, gate_box, up_box = (args[-1] for args in kern.call_args["tirx.ptx.cp_async_bulk_tensor_g2s_cta"])
+        assert 512 not in constants(gate_box) and 512 in constants(up_box)
 
 
 @needs_nvcc

@@ -6,16 +6,13 @@ build for sm_90 and nvcc compiles them (GPU numerics against float64: the measur
 
 from __future__ import annotations
 
-import re
-import shutil
 from collections import Counter
 
 import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
-from conftest import relative_error
-from cuda_source import kernel_body, kernel_names
+from conftest import needs_nvcc, relative_error
 from fuselight.baseline.fuse_add_rms_norm import FuseAddRMSNorm
 from fuselight.baseline.fuse_transpose_matmul import FuseTransposeMatmul, nt_matmul
 from fuselight.passes import (
@@ -35,9 +32,9 @@ from fuselight.rules.gemv import Gemv
 from fuselight.rules.matmul import Matmul
 from fuselight.target import resolve, to_tvm
 from relax_module import single_function
+from tir_query import kernel
 from tvm import relax, te, tirx
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 HIDDEN = 1024  # a multiple of 1024: FuseAddRMSNorm applies on cuda
 EPS = 1e-5
 
@@ -172,19 +169,21 @@ def test_too_much_shared_memory_is_refused():
         gemv.check_gemv(ops, cfg, gemv.shared_bytes(ops, cfg) - 4)
 
 
-@needs_nvcc
-def test_llama_shaped_kernels_build_for_sm90_and_nvcc_compiles_them(cuda):
-    from fuselight.cuda_compile import compile_cuda
+# 4-bit weights: the dequantize comes along (M = 1: the row template; 2 and 4: the mma one).
+Q4_KERNELS = {"qkv_q4": "fuselight_q4_dot32_fp16", "gate_up_q4": "fuselight_q4_dot32_fp16",
+              "gate_up_q4_m2": "fuselight_q4_pair_fp16", "qkv_q4bf16_m4": "fuselight_q4_pair_bf16",
+              "lm_head_q4_first": "fuselight_q4_dot32_fp16"}
 
+
+@pytest.fixture(scope="module")
+def llama_kernels(cuda) -> dict[str, tirx.PrimFunc]:
+    """The Gemv rule's kernels for Llama-3-8B's fused norm + projection shapes, fp16, bf16 and 4-bit."""
     k = 4096
     funcs = {
         "qkv": _fused(_nt_matmul(6144, k), 6144, k=k),
         "qkv_first": _fused(_nt_matmul(6144, k), 6144, residual=False, k=k),
         "gate_up": _fused(_gate_up(28672, k), 28672, casts=(), k=k),
         "qkv_bf16": _fused(_nt_matmul(6144, k, "bfloat16"), 6144, casts=("bfloat16",), k=k, dtype="bfloat16"),
-    }
-    # 4-bit weights: the dequantize comes along (M = 1: the row template; 2 and 4: the mma one).
-    q4 = {
         "qkv_q4": _fused_q4(_nt_matmul(6144, k), 6144, k=k),
         "gate_up_q4": _fused_q4(_gate_up(28672, k), 28672, casts=(), k=k),
         "gate_up_q4_m2": _fused_q4(_gate_up(28672, k, m=2), 28672, casts=(), k=k, m=2),
@@ -192,28 +191,34 @@ def test_llama_shaped_kernels_build_for_sm90_and_nvcc_compiles_them(cuda):
                                    scheme="q4bf16_1", m=4),
         "lm_head_q4_first": _fused_q4(_nt_matmul(1000, k), 1000, residual=False, casts=(), k=k),
     }
-    funcs.update(q4)
     kernels = {}
     for name, func in funcs.items():
         sch = Gemv().apply(func.with_attr("target", cuda), cuda, False)
         assert sch is not None, name
         kernels[name] = sch.mod["main"].without_attr("target").with_attr("global_symbol", name)
-    for name in q4:
-        # The kernel reads the packed words, the scales and the norm's inputs; it allocates no
-        # weight-sized buffer (the dequantized values live in registers).
-        params = kernels[name].params
-        assert [str(p.ty.dtype) for p in params].count("uint32") == 1
-        assert all(_numel(b) < k * 64 for b in _allocs(kernels[name]))
-    lib = tvm.compile(tvm.IRModule(kernels), target=cuda)
-    source = lib.mod.imports[0].inspect_source("cuda")
-    assert kernel_names(source) == {f"{name}_kernel" for name in funcs}  # one launch each
-    for name in funcs:
-        body = kernel_body(source, f"{name}_kernel")
-        assert "rsqrtf(" in body  # the norm in every kernel (which template: test_gemv, test_gemv_rows)
-        if name in q4:  # and the in-register conversion of the packed words
-            convert = "fuselight_q4_dot32" if name.endswith(("_q4", "_first")) else "fuselight_q4_pair"
-            assert re.search(convert + r"_(fp|bf)16\(", body), name
-    assert compile_cuda(source, "sm_90")
+    return kernels
+
+
+def test_llama_shaped_kernels_build_for_sm90(llama_kernels):
+    for name, func in llama_kernels.items():
+        kern = kernel(func)  # one launch each
+        assert kern.calls["tirx.rsqrt"] >= 1, name  # the norm (which template: test_gemv, test_gemv_rows)
+        if name not in Q4_KERNELS:
+            continue
+        externs = [args[0].value for args in kern.call_args.get("tirx.cuda.func_call", [])]
+        # The kernel reads the packed words, the scales and the norm's inputs, converts the words in
+        # registers and allocates no weight-sized buffer.
+        assert [str(p.ty.dtype) for p in func.params].count("uint32") == 1
+        assert Q4_KERNELS[name] in externs, name
+        assert all(_numel(b) < 4096 * 64 for b in _allocs(func))
+
+
+@needs_nvcc
+def test_llama_shaped_kernels_nvcc_compiles_them(cuda, llama_kernels):
+    from fuselight.cuda_compile import compile_cuda
+
+    lib = tvm.compile(tvm.IRModule(llama_kernels), target=cuda)
+    assert compile_cuda(lib.mod.imports[0].inspect_source("cuda"), "sm_90")
 
 
 def _allocs(func: tirx.PrimFunc) -> list[tirx.Buffer]:

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 import tvm
-from conftest import FakeTensor, compare_with_reference
+from conftest import FakeTensor, compare_with_reference, require_nvcc
 from fuselight import FuselightError, config, kv_hooks
 from fuselight.model.llama import export_module
 from fuselight.model.weights import hf_config, random_weights
@@ -197,8 +197,7 @@ def test_mlc_integration_leaves_the_pass_out():
 
 
 def test_the_rule_schedules_only_the_fused_kernel_and_it_builds_for_sm_90():
-    import shutil
-
+    
     from fuselight.cuda_compile import compile_cuda
     from fuselight.rules.rope_append import RopeAppend, load_rope_append_config
 
@@ -216,5 +215,5 @@ def test_the_rule_schedules_only_the_fused_kernel_and_it_builds_for_sm_90():
     source = lib.mod.imports[0].inspect_source("cuda")
     kernels = set(re.findall(r"__global__ void __launch_bounds__\((\d+)\) (\w+)\(", source))
     assert kernels == {(str(threads), f"{FUSED_NAME}_kernel")}  # one kernel, a block of `threads`
-    if shutil.which("nvcc"):
-        assert compile_cuda(source, "sm_90")
+    require_nvcc()
+    assert compile_cuda(source, "sm_90")

@@ -7,12 +7,12 @@ model's KV cache at fuselight's kernels only where it should, and the suite's po
 """
 
 import dataclasses
-import shutil
 
 import pytest
+from conftest import require_nvcc
 import tvm
 from fuselight import config as model_config
-from fuselight.bench.paged_attention import Layout, Point, load_points
+from fuselight.bench.paged_attention import Layout, Point, gpu_layouts, layout_name, load_points
 from fuselight.contracts import PAGED_ATTENTION_ATTR
 from fuselight.cuda_compile import compile_cuda
 from fuselight.errors import FuselightError
@@ -89,8 +89,8 @@ def test_decode_template_keeps_tvm_signature_and_splits_in_two_kernels(d, h_kv):
     src = tvm.compile(tvm.IRModule({"main": ours}), target=CUDA).mod.imports[0].inspect_source("cuda")
     assert src.count("__global__") == 4  # split and merge, each declared then defined
     assert "uint4" in src  # 16-byte K/V loads
-    if shutil.which("nvcc"):
-        compile_cuda(src, arch="sm_90")
+    require_nvcc()
+    compile_cuda(src, arch="sm_90")
 
 
 def test_decode_template_errors_name_the_problem():
@@ -167,6 +167,21 @@ def test_pass_leaves_inline_rope_and_cpu_alone():
     mod = _llama()
     with LLVM:
         assert "fuselight" not in _cache_kernels(PagedAttentionKernels()(mod))
+
+
+def test_gpu_tier_layouts_cover_dtype_head_dim_and_group():
+    """The GPU tier's KV-cache layouts (issue 28): fp16 and bf16 x head dim 64 and 128 x GQA groups
+    1, 3 and 4, GQA 32/8, 9/3, 7/1 and 1/1; every kind checked at lengths 1, 7, 127 and 1000."""
+    layouts = gpu_layouts()
+    assert {(l.dtype, l.head_dim, l.q_heads // l.kv_heads) for l in layouts} >= {
+        (dt, d, g) for dt in ("float16", "bfloat16") for d in (64, 128) for g in (1, 3, 4)}
+    assert {(l.q_heads, l.kv_heads) for l in layouts} >= {(32, 8), (9, 3), (7, 1), (1, 1)}
+    assert len({layout_name(l) for l in layouts}) == len(layouts)
+    _, points = load_points("gpu")
+    for kind in ("decode", "prefill", "rope_decode"):
+        assert {1, 7, 127, 1000} <= {n for p in points if p.kind == kind for n in p.lengths}, kind
+    with pytest.raises(FuselightError, match="no paged_attention.nothing section"):
+        load_points("nothing")
 
 
 def test_suite_points_and_costs():

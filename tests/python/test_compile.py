@@ -1,9 +1,9 @@
 """`fuselight compile` end to end (CUDA with ahead-of-time cubins) and the demo (the README's main job)."""
 
 import json
-import shutil
 
 import pytest
+from conftest import needs_nvcc
 from fuselight import compile as fc
 from fuselight import library
 from fuselight.cli import main
@@ -11,7 +11,6 @@ from fuselight.config import load
 from fuselight.errors import FuselightError
 from fuselight.target import resolve
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 
 
 @needs_nvcc

@@ -15,12 +15,13 @@ import types
 
 import numpy as np
 import pytest
+from conftest import require_nvcc
 
 tvm = pytest.importorskip("tvm")
 import tvm_ffi  # noqa: E402
 from fuselight import mlc, rules  # noqa: E402
 from fuselight import pipeline as pl  # noqa: E402
-from fuselight.cuda_compile import compile_cuda, gencode, nvcc_path  # noqa: E402
+from fuselight.cuda_compile import compile_cuda, gencode  # noqa: E402
 from fuselight.errors import FuselightError  # noqa: E402
 from fuselight.target import resolve, to_tvm  # noqa: E402
 from tvm import relax, tirx  # noqa: E402
@@ -350,8 +351,7 @@ def test_cuda_build_compiles_with_nvcc(cuda, cuda_lowered, name: str) -> None:
     executable = tvm.compile(cuda_lowered[name], target=cuda, relax_pipeline=None)
     sources = [s for s in cuda_sources(executable) if s]
     assert len(sources) == 1 and "__global__" in sources[0]
-    if nvcc_path() is None:
-        pytest.skip("nvcc not found")
+    require_nvcc()
     assert len(compile_cuda(sources[0], "sm_90")) > 0
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import needs_nvcc
 from fuselight import library, runtime
 from fuselight.library import aot_dir, metadata_path
-from fuselight.cuda_compile import nvcc_path
 from fuselight.errors import FuselightError
 
 # A CUDA fatbin starts with this magic number (0xBA55ED50, little-endian).
@@ -220,7 +220,7 @@ def test_llvm_library_loads_and_runs(tmp_path):
     np.testing.assert_allclose(out, ref, rtol=5e-3, atol=5e-3)
 
 
-@pytest.mark.skipif(nvcc_path() is None, reason="needs nvcc")
+@needs_nvcc
 def test_cuda_case_compiled_ahead_of_time(tmp_path, callback_state):
     from fuselight.bench.kernels import load_suite
     from fuselight.bench.kernels_build import compile_case, export_case

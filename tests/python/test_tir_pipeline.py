@@ -8,9 +8,9 @@ among the launch parameters, which targets take it, and that the code compiles w
 """
 
 import re
-import shutil
 
 import pytest
+from conftest import require_nvcc
 import tvm
 from fuselight import tir_pipeline
 from fuselight.cuda_compile import compile_cuda
@@ -94,8 +94,8 @@ def test_every_kernel_waits_at_entry_and_is_flagged(wait_in_second):
         # the kernel's first statement, before any load, and only once where the kernel waited already
         assert body.strip().startswith("tvm_builtin_ptx_griddepcontrol_wait();")
         assert body.count("griddepcontrol_wait") == 1
-    if shutil.which("nvcc"):
-        compile_cuda(src, arch="sm_90")
+    require_nvcc()
+    compile_cuda(src, arch="sm_90")
 
 
 @pytest.mark.parametrize(
@@ -120,8 +120,8 @@ def test_decode_merge_kernel_is_launched_early_and_compiles(d, h_kv):
     # The merge lets the next kernel (o_proj) launch once it has waited for the split kernel.
     merge = src[re.search(r"void __launch_bounds__\([^)]*\) \w+_kernel_1\([^)]*\) \{", src).start():]
     assert merge.index("griddepcontrol_wait();") < merge.index("griddepcontrol_launch_dependents();")
-    if shutil.which("nvcc"):
-        compile_cuda(src, arch="sm_90")
+    require_nvcc()
+    compile_cuda(src, arch="sm_90")
 
 
 @pytest.mark.parametrize("programmatic_launch,arch,waits", [(True, "sm_90", True), (False, "sm_90", False), (True, "sm_80", False)])

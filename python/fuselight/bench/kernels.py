@@ -55,6 +55,18 @@ def _gemm_gate_up_silu_cost(d: dict[str, int], m: int) -> tuple[int, int]:
     return m * k + n * k + m * n // 2, 2 * m * n * k + 3 * m * n // 2
 
 
+def _gemm_q4_cost(d: dict[str, int], m: int) -> tuple[int, int]:
+    n, k = d["n"], d["k"]
+    # 4-bit weights and a scale per 32 of them, counted in 2-byte elements
+    return m * k + n * k // 4 + n * k // 32 + m * n, 2 * m * n * k
+
+
+def _add_rmsnorm_cost(d: dict[str, int], m: int) -> tuple[int, int]:
+    h = d["hidden"]
+    # two rows read, the sum and the normed row written; the add, then the norm's four operations
+    return 4 * m * h + h, 5 * m * h
+
+
 def _rmsnorm_cost(d: dict[str, int], m: int) -> tuple[int, int]:
     h = d["hidden"]
     # square, sum, scale, weight: four operations an element
@@ -87,13 +99,19 @@ OPS: dict[str, OpSpec] = {
     "gemm_residual": OpSpec("m", ("n", "k"), "tflops", _gemm_residual_cost),
     # The gated MLP's gate+up projection (gate rows, then up rows) with silu(gate) * up applied.
     "gemm_gate_up_silu": OpSpec("m", ("n", "k"), "tflops", _gemm_gate_up_silu_cost),
+    # A linear layer over 4-bit weights (q4f16_1 / q4bf16_1 by the dtype): the dequantize in the kernel.
+    "gemm_q4": OpSpec("m", ("n", "k"), "tflops", _gemm_q4_cost),
     "rmsnorm": OpSpec("m", ("hidden",), "gbps", _rmsnorm_cost),
+    # The residual add and the next norm: both the sum and the normed row are outputs.
+    "add_rmsnorm": OpSpec("m", ("hidden",), "gbps", _add_rmsnorm_cost),
     "softmax": OpSpec("rows", ("cols",), "gbps", _softmax_cost),
     "attention_prefill": OpSpec("seq", _ATTENTION_DIMS, "tflops", _prefill_cost),
     "attention_decode": OpSpec("context", _ATTENTION_DIMS, "gbps", _decode_cost),
 }
 # Float attributes some ops take besides their dimensions.
-_FLOAT_ATTRS = {"rmsnorm": ("eps",)}
+_FLOAT_ATTRS = {"rmsnorm": ("eps",), "add_rmsnorm": ("eps",)}
+# The 4-bit scheme of a ``gemm_q4`` case's dtype.
+Q4_SCHEMES = {"float16": "q4f16_1", "bfloat16": "q4bf16_1"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +175,8 @@ def case_from_dict(raw: Any, sweeps: dict[str, list[int]] | None = None, where: 
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise FuselightError(f"{where}: field {d!r} must be a positive integer, got {v!r}")
         dims[d] = v
+    if op == "gemm_q4" and (dtype not in Q4_SCHEMES or dims["k"] % 32):
+        raise FuselightError(f"{where}: a gemm_q4 case needs dtype float16 or bfloat16 and k a multiple of 32")
     if op.startswith("attention") and dims["q_heads"] % dims["kv_heads"]:
         raise FuselightError(f"{where}: kv_heads ({dims['kv_heads']}) must divide q_heads ({dims['q_heads']})")
     attr_source = raw.get("attrs", raw)

@@ -16,12 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .. import quantization
 from ..compile import library_metadata, lower, pipeline_pass, write_library
 from ..target import TargetSpec, resolve, to_tvm
 from .kernels import (
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     PIPELINES,
+    Q4_SCHEMES,
     Case,
     library_name,
     load_suite,
@@ -52,6 +54,36 @@ def _gemm_gate_up_silu(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
         return relax.op.multiply(relax.op.nn.silu(gate), up)
 
     return [x, w], body
+
+
+def _gemm_q4(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
+    """``x @ dequantize(q, scale)^T`` as MLC-LLM's q4 linear layer writes it (``model.llama.QuantLinear``)."""
+    s = quantization.SCHEMES[Q4_SCHEMES[case.dtype]]
+    q_shape, s_shape = s.packed_shapes(case.dims["n"], case.dims["k"])
+    x = relax.Var("x", relax.TensorType([n, case.dims["k"]], case.dtype))
+    q = relax.Var("q", relax.TensorType(list(q_shape), quantization.STORAGE_DTYPE))
+    scale = relax.Var("scale", relax.TensorType(list(s_shape), case.dtype))
+
+    def body(bb: Any) -> Any:
+        w = bb.emit_te(lambda qt, st: quantization.te_dequantize(qt, st, s), q, scale, primfunc_name_hint="dequantize")
+        return relax.op.matmul(x, relax.op.permute_dims(w))
+
+    return [x, q, scale], body
+
+
+def _add_rmsnorm(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
+    """``(x + residual, rms_norm(x + residual))``: the residual stream and the next layer's input."""
+    h = case.dims["hidden"]
+    x = relax.Var("x", relax.TensorType([n, h], case.dtype))
+    r = relax.Var("residual", relax.TensorType([n, h], case.dtype))
+    w = relax.Var("weight", relax.TensorType([h], case.dtype))
+
+    def body(bb: Any) -> Any:
+        total = bb.emit(relax.op.add(x, r))
+        normed = bb.emit(relax.op.nn.rms_norm(total, w, axes=[-1], epsilon=case.attrs["eps"]))
+        return relax.Tuple([total, normed])
+
+    return [x, r, w], body
 
 
 def _rmsnorm(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
@@ -108,7 +140,9 @@ _BUILDERS: dict[str, Callable[[Case, Any, Any], tuple[list, Callable]]] = {
     "gemm": _gemm,
     "gemm_residual": _gemm_residual,
     "gemm_gate_up_silu": _gemm_gate_up_silu,
+    "gemm_q4": _gemm_q4,
     "rmsnorm": _rmsnorm,
+    "add_rmsnorm": _add_rmsnorm,
     "softmax": _softmax,
     "attention_prefill": lambda case, n, relax: _attention(case, n, n, True, relax),
     "attention_decode": lambda case, n, relax: _attention(case, 1, n, False, relax),

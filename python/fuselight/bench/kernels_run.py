@@ -17,11 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .. import quantization
 from ..errors import FuselightError
 from ..library import device_label
 from ..runtime import DEVICE_OF_TARGET, init_tvm, load_library, release_memory
 from . import bench_config
-from .kernels import PIPELINES, SUITE, Case, load_suite, read_manifest, select
+from .kernels import PIPELINES, Q4_SCHEMES, SUITE, Case, load_suite, read_manifest, select
 from .results import default_path, git_commit, make_record, merged_with, write_results
 from .timing import device_name, synchronizer, time_fn
 
@@ -66,6 +67,24 @@ def _gemm_residual_inputs(case: Case, m: int, rnd: _Random, fixed: dict) -> list
     return [*_gemm_inputs(case, m, rnd, fixed), rnd.normal((m, case.dims["n"]), case.dtype)]
 
 
+def _gemm_q4_inputs(case: Case, m: int, rnd: _Random, fixed: dict) -> list:
+    n, k = case.dims["n"], case.dims["k"]
+    if "q" not in fixed:
+        # A weight of std 1/sqrt(K) quantized as MLC quantizes: nibbles and per-group scales that vary.
+        w = rnd.normal((n, k), case.dtype, std=k**-0.5)
+        fixed["q"], fixed["scale"] = quantization.quantize_torch(w, _q4_scheme(case))
+    return [rnd.normal((m, k), case.dtype), fixed["q"], fixed["scale"]]
+
+
+def _q4_scheme(case: Case) -> quantization.QuantScheme:
+    return quantization.SCHEMES[Q4_SCHEMES[case.dtype]]
+
+
+def _add_rmsnorm_inputs(case: Case, m: int, rnd: _Random, fixed: dict) -> list:
+    x, w = _rmsnorm_inputs(case, m, rnd, fixed)
+    return [x, rnd.normal((m, case.dims["hidden"]), case.dtype), w]
+
+
 def _rmsnorm_inputs(case: Case, m: int, rnd: _Random, fixed: dict) -> list:
     h = case.dims["hidden"]
     if "weight" not in fixed:
@@ -90,7 +109,9 @@ _INPUTS: dict[str, Callable[[Case, int, _Random, dict], list]] = {
     "gemm": _gemm_inputs,
     "gemm_residual": _gemm_residual_inputs,
     "gemm_gate_up_silu": _gemm_inputs,
+    "gemm_q4": _gemm_q4_inputs,
     "rmsnorm": _rmsnorm_inputs,
+    "add_rmsnorm": _add_rmsnorm_inputs,
     "softmax": _softmax_inputs,
     "attention_prefill": lambda case, n, rnd, fixed: _attention_inputs(case, n, n, rnd),
     "attention_decode": lambda case, n, rnd, fixed: _attention_inputs(case, 1, n, rnd),
@@ -115,7 +136,12 @@ def _attention_reference(torch: Any, case: Case, q: Any, k: Any, v: Any, causal:
     return out
 
 
+def _rmsnorm64(torch: Any, x: Any, w: Any, eps: float) -> Any:
+    return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + eps) * w
+
+
 def _reference(torch: Any, case: Case, inputs: list) -> Any:
+    """Float64; a tuple where the function returns several tensors."""
     if case.op == "gemm":
         x, w = inputs
         return x.double() @ w.double().T
@@ -126,9 +152,15 @@ def _reference(torch: Any, case: Case, inputs: list) -> Any:
         x, w = inputs
         gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
+    if case.op == "gemm_q4":
+        x, q, scale = inputs
+        return x.double() @ quantization.dequantize_torch(q, scale.double(), _q4_scheme(case)).T
     if case.op == "rmsnorm":
         x, w = (t.double() for t in inputs)
-        return x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + case.attrs["eps"]) * w
+        return _rmsnorm64(torch, x, w, case.attrs["eps"])
+    if case.op == "add_rmsnorm":
+        x, r, w = (t.double() for t in inputs)
+        return x + r, _rmsnorm64(torch, x + r, w, case.attrs["eps"])
     if case.op == "softmax":
         return torch.softmax(inputs[0].double(), dim=-1)
     return _attention_reference(torch, case, *inputs, causal=case.op == "attention_prefill")
@@ -199,6 +231,17 @@ def _torch_fn(torch: Any, case: Case, inputs: list, device: str) -> Callable[[],
             return F.silu(gate) * up
 
         return gate_up
+    if case.op == "gemm_q4":
+        x, q, scale = inputs  # PyTorch has no q4f16_1 kernel: dequantize, then cuBLAS
+        return lambda: F.linear(x, quantization.dequantize_torch(q, scale, _q4_scheme(case)))
+    if case.op == "add_rmsnorm":
+        x, r, w = inputs
+
+        def add_norm() -> Any:
+            total = x + r
+            return total, _torch_rmsnorm(torch, total, w, case.attrs["eps"])
+
+        return add_norm
     if case.op == "rmsnorm":
         x, w = inputs
         return lambda: _torch_rmsnorm(torch, x, w, case.attrs["eps"])
@@ -229,10 +272,27 @@ def relative_error(torch: Any, out: Any, ref: Any) -> float:
     return math.sqrt(num / den)
 
 
-def _tvm_fn(tvm: Any, vm: Any, inputs: list) -> tuple[Callable[[], Any], Callable[[], Any]]:
+def tensor_to_tvm(tvm: Any, torch: Any, t: Any) -> Any:
+    """``t`` as a TVM tensor (no copy); uint32 through int32 where torch's DLPack lacks uint32."""
+    if t.dtype == torch.uint32:
+        try:
+            return tvm.runtime.from_dlpack(t)
+        except Exception:  # noqa: BLE001 - a torch without uint32 DLPack: same bits as int32
+            return tvm.runtime.from_dlpack(t.view(torch.int32))._create_view(tuple(t.shape), "uint32")
+    return tvm.runtime.from_dlpack(t)
+
+
+def _outputs(torch: Any, out: Any, impl: str) -> tuple:
+    """A call's result as a tuple of torch tensors (a function may return several)."""
+    many = isinstance(out, (tuple, list)) or (not hasattr(out, "shape") and hasattr(out, "__len__"))
+    outs = tuple(out) if many else (out,)
+    return outs if impl == "torch" else tuple(torch.from_dlpack(o) for o in outs)
+
+
+def _tvm_fn(tvm: Any, torch: Any, vm: Any, inputs: list) -> tuple[Callable[[], Any], Callable[[], Any]]:
     """(timed call, poisoned call) of the library's ``main`` on the inputs."""
     func = vm["main"]
-    args = [tvm.runtime.from_dlpack(t) for t in inputs]
+    args = [tensor_to_tvm(tvm, torch, t) for t in inputs]
     poison = inputs[0].clone().fill_(float("nan"))
     poisoned_args = [tvm.runtime.from_dlpack(poison), *args[1:]]
     return (lambda: func(*args)), (lambda: func(*poisoned_args))
@@ -258,7 +318,7 @@ def _run_case(
         nbytes, flops = case.cost(n)
         fns: dict[str, Callable[[], Any]] = {}
         for pipeline, vm in vms.items():
-            call, poisoned = _tvm_fn(tvm, vm, inputs)
+            call, poisoned = _tvm_fn(tvm, torch, vm, inputs)
             for _ in range(_POISON_CALLS):
                 poisoned()
             fns[pipeline] = call
@@ -267,7 +327,9 @@ def _run_case(
         for impl, fn in fns.items():
             out = fn()
             synchronizer(device)()
-            relerr = relative_error(torch, out if impl == "torch" else torch.from_dlpack(out), ref)
+            refs = ref if isinstance(ref, tuple) else (ref,)
+            errors = [relative_error(torch, o, r) for o, r in zip(_outputs(torch, out, impl), refs, strict=True)]
+            relerr = max(errors, key=lambda e: math.inf if math.isnan(e) else e)  # a NaN is the worst
             del out
             if not relerr <= tolerance:
                 failures.append(f"{case.name} {case.spec.sweep_var}={n} {impl}: relerr {relerr:.2e} > {tolerance:g}")

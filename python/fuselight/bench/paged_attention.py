@@ -73,8 +73,9 @@ class Point:
         return (2 * tokens * h * d + 2 * tokens * kvh * d) * item, 4 * pairs * d * h
 
 
-def load_points() -> tuple[Layout, list[Point]]:
-    """The layout and points of ``paged_attention`` in ``configs/bench.json``."""
+def load_points(points: str | None = None) -> tuple[Layout, list[Point]]:
+    """The layout and points of ``paged_attention`` in ``configs/bench.json`` (``points="gpu"``: the
+    GPU test tier's points, its ``gpu`` section)."""
     cfg = bench_config().get(SUITE)
     if not isinstance(cfg, dict):
         raise FuselightError(f"configs/bench.json: no {SUITE!r} section")
@@ -82,23 +83,55 @@ def load_points() -> tuple[Layout, list[Point]]:
         layout = Layout(*(cfg[f.name] for f in dataclasses.fields(Layout)))
     except KeyError as err:
         raise FuselightError(f"configs/bench.json: {SUITE}.{err.args[0]} missing") from None
-    if layout.dtype not in _ITEMSIZE:
-        raise FuselightError(f"configs/bench.json: {SUITE}.dtype {layout.dtype!r} is not one of {', '.join(_ITEMSIZE)}")
-    points = []
+    _check_dtype(layout, SUITE)
+    section, where = cfg, SUITE
+    if points is not None:
+        if points not in cfg or not isinstance(cfg[points], dict):
+            raise FuselightError(f"configs/bench.json: no {SUITE}.{points} section")
+        section, where = cfg[points], f"{SUITE}.{points}"
+    found = []
     for kind in KINDS:
-        for i, entry in enumerate(cfg.get(kind, [])):
-            where = f"configs/bench.json: {SUITE}.{kind}[{i}]"
+        for i, entry in enumerate(section.get(kind, [])):
+            at = f"configs/bench.json: {where}.{kind}[{i}]"
             if "lengths" in entry:
                 groups = [entry["lengths"]]
             elif "batch" in entry and "contexts" in entry:
                 groups = [[c] * entry["batch"] for c in entry["contexts"]]
             else:
-                raise FuselightError(f"{where}: give 'lengths', or 'batch' and 'contexts'")
+                raise FuselightError(f"{at}: give 'lengths', or 'batch' and 'contexts'")
             for lengths in groups:
                 if not lengths or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in lengths):
-                    raise FuselightError(f"{where}: lengths must be positive integers, got {lengths!r}")
-                points.append(Point(kind, tuple(lengths), bool(entry.get("causal", False))))
-    return layout, points
+                    raise FuselightError(f"{at}: lengths must be positive integers, got {lengths!r}")
+                found.append(Point(kind, tuple(lengths), bool(entry.get("causal", False))))
+    return layout, found
+
+
+def _check_dtype(layout: Layout, where: str) -> None:
+    if layout.dtype not in _ITEMSIZE:
+        raise FuselightError(f"configs/bench.json: {where}.dtype {layout.dtype!r} is not one of {', '.join(_ITEMSIZE)}")
+
+
+def gpu_layouts() -> list[Layout]:
+    """The GPU test tier's head layouts (``paged_attention.gpu.layouts``), with the suite's page size
+    and RoPE base."""
+    base, _ = load_points()
+    raw = bench_config()[SUITE].get("gpu", {}).get("layouts", [])
+    layouts = []
+    for i, entry in enumerate(raw):
+        where = f"{SUITE}.gpu.layouts[{i}]"
+        try:
+            layout = dataclasses.replace(base, **{f: entry[f] for f in ("q_heads", "kv_heads", "head_dim", "dtype")})
+        except (KeyError, TypeError):
+            raise FuselightError(f"configs/bench.json: {where}: give q_heads, kv_heads, head_dim and dtype") from None
+        _check_dtype(layout, where)
+        if layout.q_heads % layout.kv_heads:
+            raise FuselightError(f"configs/bench.json: {where}: kv_heads must divide q_heads")
+        layouts.append(layout)
+    return layouts
+
+
+def layout_name(layout: Layout) -> str:
+    return f"{layout.q_heads}x{layout.kv_heads}x{layout.head_dim}-{layout.dtype}"
 
 
 # --- build host ------------------------------------------------------------------------------------
@@ -164,9 +197,12 @@ def _suite_kernels(kind: str, layout: Layout, target: Any, arch: str) -> dict[st
             "append": _dlight_scheduled(append, target)}
 
 
-def build_suite(out_dir: Path, arch: str = "sm_90", *, ptx: bool = False) -> Path:
-    """Compile every kernel of each kind for ``arch`` (``ptx``: carried as its PTX) into ``out_dir``;
-    returns the manifest path."""
+def build_suite(
+    out_dir: Path, arch: str = "sm_90", layout: Layout | None = None, points: str | None = None, *, ptx: bool = False
+) -> Path:
+    """Compile every kernel of each kind for ``arch`` (``ptx``: carried as its PTX) and ``layout``
+    (default: the suite's) into ``out_dir``; returns the manifest path. ``points`` names the points
+    ``run_suite`` checks (``gpu``: the GPU test tier's; default the suite's own)."""
     import tvm
 
     from .. import tir_pipeline
@@ -176,7 +212,7 @@ def build_suite(out_dir: Path, arch: str = "sm_90", *, ptx: bool = False) -> Pat
 
     spec = resolve("cuda", arch, ptx=ptx)
     target = to_tvm(spec)
-    layout, _ = load_points()
+    layout = layout or load_points()[0]
     out_dir = Path(out_dir)
     libraries: dict[str, dict[str, str]] = {}
     for kind in KINDS:
@@ -191,9 +227,15 @@ def build_suite(out_dir: Path, arch: str = "sm_90", *, ptx: bool = False) -> Pat
             print(f"built {name}", flush=True)
     manifest = out_dir / MANIFEST_NAME
     body = {"suite": SUITE, "arch": arch, "ptx": ptx, "layout": dataclasses.asdict(layout), "libraries": libraries,
-            "git_commit": git_commit()}
+            "git_commit": git_commit(), "points": points}
     manifest.write_text(json.dumps(body, indent=1) + "\n")
     return manifest
+
+
+def build_gpu_tier(out_dir: Path, arch: str = "sm_90", *, ptx: bool = False) -> list[Path]:
+    """The suite for each of the GPU test tier's layouts, ``out_dir/paged-<layout>/``: their manifests."""
+    return [build_suite(Path(out_dir) / f"paged-{layout_name(layout)}", arch, layout, "gpu", ptx=ptx)
+            for layout in gpu_layouts()]
 
 
 # --- GPU host --------------------------------------------------------------------------------------
@@ -420,7 +462,7 @@ def run_suite(manifest: Path, out_json: Path | None = None, *, accept_ptx: bool 
     if raw.get("suite") != SUITE:
         raise FuselightError(f"{manifest}: not a {SUITE} manifest")
     layout = Layout(**raw["layout"])
-    _, points = load_points()
+    _, points = load_points(raw.get("points"))
     tvm = init_tvm()
     import torch
 

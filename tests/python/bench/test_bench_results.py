@@ -224,12 +224,43 @@ def test_manifest_errors(tmp_path):
         kernels.read_manifest(path)
 
 
+# A plain GEMM, epilogues (a residual; two outputs: add + RMSNorm), 4-bit weights and attention.
+SMALL_CASES = ["gemm-48x64", "gemm-residual-48x64", "gemm-q4-48x64", "add-rmsnorm-64", "attention-prefill-4x2x16"]
+
+
+def test_gpu_suite_covers_every_family_dtype_head_dim_and_group():
+    """The GPU tier's matrix (issue 28): each family in fp16 and bf16; attention at head dim 64 and
+    128 and GQA groups 1, 3 and 4, at prime and tile-edge lengths; GQA 32/8, 9/3, 7/1 and 1/1."""
+    cases = kernels.load_suite("gpu")
+    dtypes = {"float16", "bfloat16"}
+    attention = {(c.op, c.dtype, c.dims["head_dim"], c.dims["q_heads"] // c.dims["kv_heads"])
+                 for c in cases if c.op.startswith("attention")}
+    assert attention >= {(op, dt, d, g) for op in ("attention_prefill", "attention_decode") for dt in dtypes
+                         for d in (64, 128) for g in (1, 3, 4)}
+    layouts = {(c.dims["q_heads"], c.dims["kv_heads"]) for c in cases if c.op.startswith("attention")}
+    assert layouts >= {(32, 8), (9, 3), (7, 1), (1, 1)}
+    for c in cases:
+        if c.op.startswith("attention"):
+            assert {1, 7, 127, 1000} <= set(c.sweep), c.name
+    for op in ("gemm", "gemm_q4", "gemm_gate_up_silu", "rmsnorm", "add_rmsnorm"):
+        assert {c.dtype for c in cases if c.op == op} >= dtypes, op
+    for op in ("gemm", "gemm_q4"):
+        for dt in dtypes:
+            # M = 1 as the decode shape (static) and within a symbolic M: the row template; 2..16:
+            # the GEMV's mma template; above: the GEMM's plans, from the smallest tile to the largest.
+            assert any(c.static and c.sweep == (1,) for c in cases if (c.op, c.dtype) == (op, dt))
+            swept = set().union(*(c.sweep for c in cases if (c.op, c.dtype) == (op, dt) and not c.static))
+            assert {1, 7, 16, 33, 63, 127, 1000, 4095} <= swept, (op, dt)
+    # A static M of 16 over 6144 x 4096 is the Matmul rule's (min_static_m) and its mma.sync plan.
+    assert {c.dtype for c in cases if c.op == "gemm" and c.static and c.sweep == (16,)} == dtypes
+
+
 @pytest.fixture(scope="module")
 def small_suite(tmp_path_factory):
-    """Three small cases built for llvm through the same build path as CUDA, and their run."""
+    """Small cases built for llvm through the same build path as CUDA, and their run."""
     pytest.importorskip("torch")
     out = tmp_path_factory.mktemp("suite")
-    manifest = kernels_build.build_suite(out, None, ["gemm-48x64", "gemm-residual-48x64", "attention-prefill-4x2x16"], target="llvm", suite="small")
+    manifest = kernels_build.build_suite(out, None, SMALL_CASES, target="llvm", suite="small")
     records = kernels_run.run_suite(manifest, out / "results.json")
     return manifest, records
 
@@ -237,7 +268,7 @@ def small_suite(tmp_path_factory):
 def test_kernel_suite_on_llvm(small_suite):
     manifest, records = small_suite
     raw, cases = kernels.read_manifest(manifest)
-    assert raw["target"] == "llvm" and [c.name for c in cases] == ["gemm-48x64", "gemm-residual-48x64", "attention-prefill-4x2x16"]
+    assert raw["target"] == "llvm" and [c.name for c in cases] == SMALL_CASES
     for entry in raw["cases"]:
         for lib in entry["libraries"].values():
             assert (manifest.parent / lib).is_file() and (manifest.parent / (lib + ".json")).is_file()

@@ -7,9 +7,9 @@ and the PagedAttention rule swaps in the paged one for TVM's (not its sliding-wi
 """
 
 import dataclasses
-import shutil
 
 import pytest
+from conftest import needs_nvcc
 from fuselight.cuda_compile import compile_cuda
 from fuselight.errors import FuselightError
 from fuselight.rules.flash.prefill import (
@@ -23,9 +23,6 @@ from fuselight.rules.flash.prefill import (
 from fuselight.rules.paged_attention import PagedAttention, analyze, kernel_for
 from fuselight.target import resolve, to_tvm
 
-needs_nvcc = pytest.mark.skipif(
-    shutil.which("nvcc") is None, reason="nvcc not installed"
-)
 ROTARY_MESSAGE = "rotary_mode 1 (RoPE inside attention) is not supported"
 
 

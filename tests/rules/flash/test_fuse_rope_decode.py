@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shutil
 
 import numpy as np
 import pytest
 import tvm
-from conftest import FakeTensor
+from conftest import FakeTensor, require_nvcc
 from fuselight import config as model_config
 from fuselight import kv_hooks
 from fuselight.compile import kv_cache_kernels
@@ -184,8 +183,8 @@ def test_the_pass_gives_fuselight_decode_the_rope_and_append_and_it_builds_for_s
     source = lib.mod.imports[0].inspect_source("cuda")
     assert len(set(re.findall(r"__global__ void __launch_bounds__\(\d+\) (\w+)\(", source))) == 2  # split, merge
     assert "cosf" in source and "sinf" in source  # RoPE computed in the split kernel
-    if shutil.which("nvcc"):
-        assert compile_cuda(source, "sm_90")
+    require_nvcc()
+    assert compile_cuda(source, "sm_90")
 
 
 def _factory(mod: tvm.IRModule) -> str:

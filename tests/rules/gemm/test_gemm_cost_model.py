@@ -104,7 +104,16 @@ def test_load_refuses_other_models(dataset, d, quick, tmp_path):
         cost_model.load(path, d)
 
 
-def test_evaluation_fields(dataset, d, quick):
+def _fake_estimate(plan, m, n, k, d) -> float:
+    """An estimate whose ranking is known by hand: the narrowest tile first, then the least split."""
+    tile = plan.tile if isinstance(plan, estimate.WgmmaPlan) else plan.main
+    return float(tile.block_n * 100 + plan.split_k)
+
+
+def test_evaluation_fields(dataset, d, quick, monkeypatch):
+    # The analytic choice is the timed plan of lowest estimate: under the fake estimate, the
+    # narrowest tile (then the least split), found here from the plans' names alone.
+    monkeypatch.setattr(predictor, "estimate_us", _fake_estimate)
     report = cost_model.evaluate(dataset, d, quick)
     shapes = {(r["n"], r["k"]) for r in dataset["rows"]}
     assert [f["n_train"] + f["n_heldout"] for f in report["folds"]] == [len(dataset["rows"])] * len(shapes)
@@ -116,14 +125,17 @@ def test_evaluation_fields(dataset, d, quick):
         assert 0 <= r["regret_median"] <= r["regret_max"]
         assert -1 <= r["spearman"] <= 1
         assert len(r["choices"]) == sum(len(by_m) for by_m in timings(dataset).values())
-    # The analytic choice is the plan with the lowest estimate; its regret, the measured ratio.
-    choice = report["analytic"]["choices"][0]
-    n, k = (int(v) for v in choice["shape"].split("x"))
-    timed = timings(dataset)[(n, k)][choice["m"]]
-    plans = {estimate.plan_name(p, d): p for p in estimate.candidates(_ops(n, k), d)}
-    chosen = min(timed, key=lambda name: estimate.estimate_us(plans[name], choice["m"], n, k, d))
-    assert choice["chosen"] == chosen
-    assert choice["regret"] == pytest.approx(timed[chosen] / min(timed.values()) - 1)
+
+    def rank(name: str) -> tuple[int, int]:
+        plan = estimate.parse_plan(d.tiles, d.wgmma, name)
+        tile = plan.tile if isinstance(plan, estimate.WgmmaPlan) else plan.main
+        return tile.block_n, plan.split_k
+
+    for choice in report["analytic"]["choices"]:
+        n, k = (int(v) for v in choice["shape"].split("x"))
+        timed = timings(dataset)[(n, k)][choice["m"]]
+        assert rank(choice["chosen"]) == min(rank(name) for name in timed)
+        assert choice["regret"] == pytest.approx(timed[choice["chosen"]] / min(timed.values()) - 1)
 
 
 def test_gemm_model_cli_writes_the_evaluation(dataset, tmp_path, capsys):

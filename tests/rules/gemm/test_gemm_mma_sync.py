@@ -8,9 +8,9 @@ nvcc accepts the source; the candidate tiles load and the checks name the field 
 
 import dataclasses
 import re
-import shutil
 
 import pytest
+from conftest import needs_nvcc
 from fuselight.cuda_compile import compile_cuda
 from fuselight.errors import FuselightError
 from fuselight.rules.gemm.mma_sync import mma_sync_gemm
@@ -19,8 +19,8 @@ from fuselight.rules.gemm.operands import GemmOperands
 from fuselight.rules.gemm.plan import GemmPlan, GemmTile, check_plan, load_tiles
 from fuselight.target import resolve, to_tvm
 from fuselight.tune.gemm import matmul_prim_func
+from tir_query import kernel, kernels
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 
 N, K = 512, 256
 BIG = GemmTile(128, 256, 64, 2, 4, 3)  # 144 KiB of shared memory
@@ -36,7 +36,7 @@ def _operands(func, b_layout: str = "NT") -> GemmOperands:
     return dataclasses.replace(analyze_matmul(func).operands, b_layout=b_layout)
 
 
-def _build(func, plan: GemmPlan, dtype: str = "float16"):
+def _bound(func, plan: GemmPlan):
     import tvm
 
     stmt = mma_sync_gemm(_operands(func), plan)
@@ -44,39 +44,51 @@ def _build(func, plan: GemmPlan, dtype: str = "float16"):
         {"global_symbol": "gemm", "tirx.is_scheduled": True}
     )
     tvm.tirx.analysis.verify_well_formed(bound)
-    exe = tvm.compile(tvm.IRModule({"gemm": bound}), target=to_tvm(resolve("cuda", "sm_90")))
+    return bound
+
+
+def _build(func, plan: GemmPlan):
+    import tvm
+
+    exe = tvm.compile(tvm.IRModule({"gemm": _bound(func, plan)}), target=to_tvm(resolve("cuda", "sm_90")))
     return exe.mod.imports[0].inspect_source("cuda")
-
-
-def _kernels(src: str) -> set[str]:
-    # (each kernel is declared, then defined)
-    return set(re.findall(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(', src))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_main_and_rest_tiles_build_with_tensor_cores(dtype):
-    src = _build(_matmul(N, K, dtype), GemmPlan(BIG, REST), dtype)
-    abbrev = {"float16": "f16", "bfloat16": "bf16"}[dtype]
-    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{abbrev}.{abbrev}.f32" in src
-    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in src
-    assert "cp.async.cg.shared.global" in src
-    # Over 48 KiB: dynamic shared memory (TVM's CUDA runtime raises the kernel's limit at launch).
-    assert "extern __shared__" in src
-    assert len(_kernels(src)) == 1  # main and rest tiles in one launch
-    # The rest tile's rows past M are zero-filled (cp.async with a source size), the main tile's are not.
-    assert "cp_async_cg_16_with_src_size" in src
-    # Every output is written as 16 bytes.
-    assert "*(uint4*)(O_ptr" in src
+    kern = kernel(_bound(_matmul(N, K, dtype), GemmPlan(BIG, REST)))  # main and rest tiles in one launch
+    # BIG: 2 x 4 warps; 3 stages of A's 128 x 64 and B's 256 x 64 tiles (144 KiB: dynamic shared
+    # memory, over the static 48 KiB). Each warp's 64 x 64 of the main tile is 4 x 8 mma tiles of 4
+    # floats; the rest tile's 32 x 32 a warp, 2 x 4 of them.
+    assert kern.launch["threadIdx.x"] == 2 * 4 * 32 and kern.launch["blockIdx.y"] == 1
+    assert kern.allocs["smem"] == ("shared.dyn", dtype, (3 * (128 + 256) * 64,))
+    assert kern.allocs["main_frags_2"] == ("local", "float32", (4 * 8 * 4,))
+    assert kern.allocs["rest_frags_2"] == ("local", "float32", (2 * 4 * 4,))
+    # Blocks: whole 128-row tiles, then 32-row rest tiles for what is left of M, 2 column tiles each.
+    assert kern.launch["blockIdx.x"] == 'T.Cast("int32", seq_len) // 128 * 2 + (T.Cast("int32", seq_len) % 128 + 31) // 32 * 2'
+    abbrev = {"float16": "fp16", "bfloat16": "bf16"}[dtype]
+    for args in kern.call_args["tirx.ptx.mma_legacy"]:  # the main tile's and the rest tile's
+        assert [a.value for a in args[:6]] == ["m16n8k16", "row", "col", abbrev, abbrev, "fp32"]
+    assert kern.calls["tirx.ptx.mma_legacy"] == 2 and kern.calls["tirx.ptx.ldmatrix_legacy"] >= 2
+    assert kern.calls["tirx.ptx.cp_async"] >= 4  # A and B of the main and the rest tile, through cp.async
+    assert kern.outputs - {"C_smem"} == {"O"} and kern.vectorized[8] >= 1  # O stored 16 bytes a thread
 
 
 def test_split_k_launches_gemm_and_reduction():
-    src = _build(_matmul(N, K), GemmPlan(SMALL, split_k=2))
-    assert len(_kernels(src)) == 2
+    gemm, reduction = kernels(_bound(_matmul(N, K), GemmPlan(SMALL, split_k=2)))
+    # The GEMM: K split over blockIdx.y, 32-row tiles x 4 column tiles of 128, fp32 partials out.
+    assert gemm.launch == {"threadIdx.x": 128, "blockIdx.y": 2, "blockIdx.x": '(T.Cast("int32", seq_len) + 31) // 32 * 4'}
+    assert gemm.outputs - {"C_smem"} == {"part"}
+    # The reduction: 8 outputs a thread, 256 threads a block over M x 512 outputs.
+    assert reduction.launch == {"threadIdx.x": 256, "blockIdx.x": '(T.Cast("int32", seq_len) * 64 + 255) // 256'}
+    assert set(reduction.loads) >= {"part"} and reduction.outputs == {"O"}
 
 
 def test_static_m_builds():
-    src = _build(_matmul(N, K, m=16), GemmPlan(GemmTile(16, 128, 64, 1, 4, 4)))
-    assert "mma.sync.aligned.m16n8k16" in src
+    kern = kernel(_bound(_matmul(N, K, m=16), GemmPlan(GemmTile(16, 128, 64, 1, 4, 4))))
+    # M = 16: one row tile x 512 / 128 column tiles; each warp's 16 x 32 is 1 x 4 mma tiles of 4 floats.
+    assert kern.launch == {"threadIdx.x": 128, "blockIdx.y": 1, "blockIdx.x": 4}
+    assert kern.allocs["main_frags_2"] == ("local", "float32", (16,)) and kern.calls["tirx.ptx.mma_legacy"] == 1
 
 
 @needs_nvcc

@@ -11,9 +11,9 @@ handle is refused with a FuselightError naming it.
 """
 
 import dataclasses
-import shutil
 
 import pytest
+from conftest import needs_nvcc
 from fuselight.cuda_compile import compile_cuda
 from fuselight.errors import FuselightError
 from fuselight.rules.gemm.operands import Epilogue, GemmOperands
@@ -26,8 +26,8 @@ from fuselight.rules.gemm.wgmma import (
     wgmma_gemm,
 )
 from fuselight.target import resolve, to_tvm
+from tir_query import constants, kernel, kernels
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 N, K = 512, 256
 TILE = load_wgmma_tile("sm_90")
 
@@ -83,36 +83,56 @@ def _operands(func, elem_dtype: str, **changes) -> GemmOperands:
     return dataclasses.replace(ops, **changes)
 
 
-def _build(dtype: str, tile: WgmmaTile = TILE, residual: bool = False, split_k: int = 1):
+def _bound(dtype: str, tile: WgmmaTile = TILE, residual: bool = False, split_k: int = 1, ops=None):
+    """The template bound to the matmul (or ``ops``, for another epilogue), ready to compile."""
     import tvm
 
     func = _matmul_residual(dtype) if residual else _matmul(dtype)
-    stmt = wgmma_gemm(_operands(func, dtype), tile, split_k)
+    stmt = wgmma_gemm(ops or _operands(func, dtype), tile, split_k)
     bound = tvm.tirx.PrimFunc(func.params, stmt, func.ret_type, func.attrs).with_attr("tirx.is_scheduled", True)
     assert str(bound.params[0].shape[1]) == "seq_len"  # M stays symbolic
-    return tvm.compile(tvm.IRModule({"main": bound}), target=to_tvm(resolve("cuda", "sm_90")))
+    return bound
+
+
+def _build(dtype: str, tile: WgmmaTile = TILE, residual: bool = False, split_k: int = 1):
+    import tvm
+
+    return tvm.compile(tvm.IRModule({"main": _bound(dtype, tile, residual, split_k)}), target=to_tvm(resolve("cuda", "sm_90")))
+
+
+# H100's largest dynamic shared memory a block may opt into (227 KiB).
+MAX_DYNAMIC_SHARED = 232448
+
+
+def _check_gemm_kernel(kern, dtype: str, tile: WgmmaTile, outputs: set[str], copies: int = 2) -> None:
+    """The GEMM kernel of ``tile``: one producer warpgroup and ``tile.warpgroups`` consumers, each
+    consumer's m64nN accumulator spread over its 128 threads, stages of the A and B tiles (64 of K)
+    in dynamic shared memory, filled by ``copies`` TMA copies (the only copies), wgmma from shared memory."""
+    block_m = 64 * tile.warpgroups
+    assert kern.launch["threadIdx.x"] == 128 * (tile.warpgroups + 1)
+    assert kern.allocs["acc"] == ("local", "float32", (64 * tile.block_n // 128,))
+    ((scope, _, (smem,)),) = [a for a in kern.allocs.values() if a[0] == "shared.dyn"]
+    assert tile.stages * (block_m + tile.block_n) * 64 * 2 <= smem <= MAX_DYNAMIC_SHARED
+    assert [c for c in kern.calls if "cp_async" in c] == ["tirx.ptx.cp_async_bulk_tensor_g2s_cta"]
+    assert kern.calls["tirx.ptx.cp_async_bulk_tensor_g2s_cta"] == copies
+    assert kern.calls["tirx.ptx.mbarrier_arrive_expect_tx"] == 1 and kern.calls["tirx.ptx.mbarrier_try_wait"] >= 1
+    ((shape_m, shape_n, shape_k, in_dtype, acc_dtype, *_),) = kern.call_args["tirx.ptx.wgmma_mma_async_ss"]
+    assert (int(shape_m), int(shape_n), int(shape_k), in_dtype.value, acc_dtype.value) == (64, tile.block_n, 16, dtype, "float32")
+    assert kern.outputs - {"epi"} == outputs  # epi: the accumulators' staging, a view of shared memory
 
 
 def _build_cuda(dtype: str, tile: WgmmaTile = TILE, residual: bool = False, split_k: int = 1) -> str:
     return _build(dtype, tile, residual, split_k).mod.imports[0].inspect_source("cuda")
 
 
-@pytest.mark.parametrize("dtype,ptx", [("float16", "f16"), ("bfloat16", "bf16")])
-def test_builds_wgmma_fed_by_tma(dtype, ptx):
-    src = _build_cuda(dtype)
-    assert f"wgmma.mma_async.sync.aligned.m64n{TILE.block_n}k16.f32.{ptx}.{ptx}" in src
-    assert "ptx_wgmma_encode_matrix_descriptor" in src and "wgmma.wait_group.sync.aligned 1" in src
-    # Both operands arrive by TMA, from tensor maps passed as kernel parameters.
-    assert src.count("const __grid_constant__ CUtensorMap") == 2 * src.count("__global__")
-    assert "cp.async.bulk.tensor.2d.shared::cta.global.mbarrier::complete_tx::bytes" in src
-    assert "mbarrier.arrive.expect_tx" in src and "mbarrier.try_wait.parity" in src
-    assert "setmaxnreg.dec" in src and "setmaxnreg.inc" in src
-    assert "cp.async.cg" not in src and "cp.async.ca" not in src  # no per-thread copies left
-    # The epilogue: accumulators staged in shared memory (each warpgroup syncs on its own barrier),
-    # then 16 bytes (8 halves) a thread stored; no 4-byte stores from the accumulator registers.
-    assert "bar.sync %0, 128" in src
-    assert "*(uint4*)(out_ptr + " in src and "*(half2*)(out_ptr" not in src
-    assert "*(__nv_bfloat162*)(out_ptr" not in src
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_builds_wgmma_fed_by_tma(dtype):
+    kern = kernel(_bound(dtype))
+    _check_gemm_kernel(kern, dtype, TILE, {"out"})  # A's tile and B's
+    # Two consumer warpgroups: the producer gives registers back (setmaxnreg.dec), they take them.
+    assert sorted(bool(inc) for inc, _ in kern.call_args["tirx.ptx.setmaxnreg"]) == [False, True]
+    assert kern.launch["blockIdx.x"] == "blocks"  # a persistent grid, sized at run time
+    assert kern.vectorized[8] >= 1  # the epilogue stores 8 elements (16 bytes) a thread
 
 
 @needs_nvcc
@@ -166,18 +186,21 @@ def test_nvcc_compiles_the_narrow_tile():
     assert compile_cuda(_build_cuda("bfloat16", load_wgmma_tiles("sm_90")["n128"]), arch="sm_90")
 
 
-@needs_nvcc
 def test_split_k_stores_partials_and_reduces_them():
     # A 64-row tile (one consumer warpgroup) with K split in two, the residual read by the reduction.
     tile = load_wgmma_tiles("sm_90")["m64n128"]
-    src = _build_cuda("float16", tile, residual=True, split_k=2)
-    assert src.count("__global__") == 2 * 2  # the GEMM and the reduction, each declared and defined
-    assert f"wgmma.mma_async.sync.aligned.m64n{tile.block_n}k16.f32.f16.f16" in src
-    assert "setmaxnreg" not in src  # one consumer warpgroup keeps the compiler's registers
-    # Partials leave as 32 bytes a thread, the reduction reads them as float4 and writes 16 bytes.
-    assert "*(ulonglong4*)(part_ptr + " in src and "*(float4*)(part_ptr + " in src
-    assert "*(uint4*)(out_ptr + " in src and "*(uint4*)(r_ptr + " in src
-    assert compile_cuda(src, arch="sm_90")
+    gemm, reduction = kernels(_bound("float16", tile, residual=True, split_k=2))
+    _check_gemm_kernel(gemm, "float16", tile, {"part"})  # fp32 partials, not the output
+    assert "tirx.ptx.setmaxnreg" not in gemm.calls  # one consumer warpgroup keeps the compiler's registers
+    # The reduction: 8 columns a thread (N = 512: 64 threads a row), the partials summed, R added.
+    assert reduction.launch["threadIdx.x"] == 256 and "seq_len) * 64" in reduction.launch["blockIdx.x"]
+    assert reduction.allocs == {"sums": ("local", "float32", (8,))}
+    assert set(reduction.loads) == {"part", "sums", "r"} and reduction.outputs == {"out"}
+
+
+@needs_nvcc
+def test_nvcc_compiles_split_k_with_a_residual():
+    assert compile_cuda(_build_cuda("float16", load_wgmma_tiles("sm_90")["m64n128"], residual=True, split_k=2), arch="sm_90")
 
 
 def test_split_k_paired_epilogue_reduces_gate_and_up():
@@ -187,12 +210,13 @@ def test_split_k_paired_epilogue_reduces_gate_and_up():
     ops = _operands(func, "float16")
     paired = dataclasses.replace(ops, out=dataclasses.replace(
         ops.out, value=lambda r, c, gate, up: tvm.tirx.Cast("float16", gate * up), pair_offset=N // 2))
-    bound = tvm.tirx.PrimFunc(func.params, wgmma_gemm(paired, TILE, 2), func.ret_type, func.attrs)
-    lib = tvm.compile(tvm.IRModule({"main": bound.with_attr("tirx.is_scheduled", True)}),
-                      target=to_tvm(resolve("cuda", "sm_90")))
-    src = lib.mod.imports[0].inspect_source("cuda")
-    # The GEMM stores gate and up sums at their own columns; the reduction reads both halves.
-    assert src.count("__global__") == 2 * 2 and f"+ {N // 2}" in src
+    gemm, reduction = kernels(_bound("float16", split_k=2, ops=paired))
+    # The GEMM stores gate and up sums at their own columns (all N of them); the reduction reads
+    # each output's up sum N / 2 = 256 columns after its gate sum and writes N / 2 columns, 8 a thread.
+    _check_gemm_kernel(gemm, "float16", TILE, {"part"}, copies=3)  # A's tile, B's gate rows and up rows
+    assert reduction.outputs == {"out"} and set(reduction.allocs) == {"sums", "up"}
+    assert N // 2 in set().union(*(constants(i) for i in reduction.loads["part"]))
+    assert "seq_len) * 32" in reduction.launch["blockIdx.x"]  # 256 columns / 8: 32 threads a row
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
-import shutil
 
 import pytest
+from conftest import needs_nvcc
 import tvm
 from fuselight.errors import FuselightError
 from fuselight.rules.gemm import estimate, gemv, gemv_common
@@ -20,10 +19,8 @@ from fuselight.target import resolve, to_tvm
 from fuselight.tune.gemm import matmul_prim_func
 from tvm import tirx
 from tvm.script import tirx as T
+from tir_query import kernel
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-# Our LLaMA's decode projections (fp16 out through a cast): qkv, o_proj, gate_up, down.
-LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 LM_HEAD = (128256, 4096)
 
 
@@ -60,11 +57,6 @@ def _lm_head(n: int, k: int, m: int) -> tirx.PrimFunc:
     return func
 
 
-def _cuda_source(func: tirx.PrimFunc, target) -> str:
-    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
-    return lib.mod.imports[0].inspect_source("cuda")
-
-
 def _linear_residual(n: int, k: int, m: int) -> tirx.PrimFunc:
     """o_proj with the residual add fused: cast(x @ W^T) + R."""
 
@@ -94,37 +86,33 @@ def _linear_residual(n: int, k: int, m: int) -> tirx.PrimFunc:
     return func
 
 
-def _kernels(source: str) -> set[str]:
-    """Names of the CUDA kernels (each is declared, then defined)."""
-    return set(re.findall(r"__global__ void __launch_bounds__\([^)]*\) (\w+)\(", source))
-
-
 def _scheduled(func: tirx.PrimFunc, target) -> tirx.PrimFunc | None:
     sch = Gemv().apply(func.with_attr("target", target), target, False)
     return None if sch is None else sch.mod["main"]
 
 
-@pytest.mark.parametrize("n,k", LLAMA_SHAPES)
-def test_rule_takes_llama_decode_gemvs_and_builds_for_sm90(n, k, cuda):
+# The shipped sm_90 buckets (configs/gemm/gemv.json), read by hand. The rule sizes the grid as
+# blocks of 16 rows (16 warps, a row each): qkv's 384 blocks take the bucket for grids up to 528
+# (two blocks an SM); o_proj's and down's 256 the one for up to 256 (o_proj's K of 4096 also asks L2
+# for its rows); gate_up's 1792 the one for any grid: 8 warps, so 28672 / 8 = 3584 blocks.
+@pytest.mark.parametrize("n,k,blocks,warps,min_blocks,prefetch", [
+    (6144, 4096, 384, 16, 2, False), (4096, 4096, 256, 16, 1, True),
+    (28672, 4096, 3584, 8, 2, False), (4096, 14336, 256, 16, 1, False)])
+def test_rule_takes_llama_decode_gemvs_with_their_buckets(n, k, blocks, warps, min_blocks, prefetch, cuda):
     func = matmul_prim_func(n, k, "float16", m=1)
-    kernel = _scheduled(func, cuda)
-    assert kernel is not None
-    assert [p.name for p in kernel.params] == [p.name for p in func.params]  # the signature stays
-    source = _cuda_source(kernel, cuda)
-    assert len(_kernels(source)) == 1  # one launch: the cast epilogue is fused
-    assert "uint4" in source  # 16-byte weight loads
-    # ptxas may keep every unrolled load in flight rather than budget registers for full occupancy
-    cfg = gemv.config_for(gemv.load_gemv_configs("sm_90"), 1, gemv.grid_blocks(analyze_matmul(func).operands))
-    assert f"__launch_bounds__({cfg.warps * 32}, {cfg.min_blocks_per_sm}) main_kernel" in source
-    _assert_template(source, cfg)
-
-
-def _assert_template(source: str, cfg: gemv_common.GemvConfig) -> None:
-    """The kernel is the template ``cfg`` names: whole rows summed over the lanes by shuffles, or mma tiles."""
-    if cfg.rows_per_warp is not None:
-        assert "__shfl_xor_sync" in source and "mma.sync" not in source
-    else:
-        assert "mma.sync.aligned.m16n8k16.row.col.f32" in source
+    scheduled = _scheduled(func, cuda)
+    assert [p.name for p in scheduled.params] == [p.name for p in func.params]  # the signature stays
+    kern = kernel(scheduled)  # one launch: the cast epilogue is fused
+    assert kern.launch == {"blockIdx.x": blocks, "threadIdx.x": 32 * warps}
+    assert kern.attrs["tirx.launch_bounds_min_blocks_per_sm"] == min_blocks
+    assert kern.outputs == {"O"}  # no intermediate leaves the kernel
+    assert kern.allocs["xs"] == ("shared", "float16", (k,))  # the token row, staged once a block
+    assert kern.allocs["acc"] == ("local", "float32", (1,))  # one row a warp, summed in fp32
+    # Whole rows summed over the lanes by shuffles (the row template, no tensor cores); weights and
+    # the token row move 8 halves (16 bytes) a load.
+    assert kern.calls["tirx.tvm_warp_shuffle_xor"] == 1 and "tirx.ptx.mma_legacy" not in kern.calls
+    assert kern.vectorized[8] >= 3
+    assert ("tirx.cuda.func_call" in kern.calls) == prefetch  # the L2 prefetch is the one extern call
 
 
 def test_config_for_takes_the_smallest_grid_bucket_that_fits():
@@ -145,44 +133,53 @@ def test_config_for_takes_the_smallest_grid_bucket_that_fits():
     assert gemv.config_for(configs, 1, 256) == small  # K unknown: only buckets for any K
 
 
-def test_rule_gives_each_grid_its_bucket(cuda):
-    # LLaMA-3-8B's down projection (256 blocks of 16 rows), QKV (384) and gate_up with SiLU-mul's
-    # 28672 rows (1792): the shipped buckets bound by max_blocks, then the one for any grid.
-    configs = gemv.load_gemv_configs("sm_90")
-    got = {}
-    for name, (n, k) in (("down", (4096, 14336)), ("qkv", (6144, 4096)), ("gate_up", (28672, 4096))):
-        func = matmul_prim_func(n, k, "float16", m=1)
-        blocks = gemv.grid_blocks(analyze_matmul(func).operands)
-        got[name] = gemv.config_for(configs, 1, blocks)
-        assert got[name].max_blocks is None or blocks <= got[name].max_blocks
-        assert f"__launch_bounds__({got[name].warps * 32}, {got[name].min_blocks_per_sm}) main_kernel" in _cuda_source(
-            _scheduled(func, cuda), cuda)
-    assert got["down"].max_blocks < got["qkv"].max_blocks and got["gate_up"].max_blocks is None
-    assert len({got[name] for name in got}) == 3
-
-
 def test_rule_takes_the_lm_head_with_its_two_casts(cuda):
     desc = Gemv.analyze(_lm_head(*LM_HEAD, 1))
     assert desc is not None and desc.out_dtype == "float32" and len(desc.epilogue_stages) == 2
-    source = _cuda_source(_scheduled(_lm_head(*LM_HEAD, 1), cuda), cuda)
-    assert len(_kernels(source)) == 1 and "= ((float)((half)" in source  # both casts in the one kernel
+    kern = kernel(_scheduled(_lm_head(*LM_HEAD, 1), cuda))
+    # 128256 rows in the bucket for any grid (8 warps, a row each): 16032 blocks of 256 threads
+    assert kern.launch == {"blockIdx.x": 128256 // 8, "threadIdx.x": 256}
+    # Both casts in the one kernel: the fp32 sum rounded to fp16, then widened, straight into O.
+    assert kern.outputs == {"O"}
+    (value,) = kern.values["O"]
+    assert isinstance(value, tirx.Cast) and str(value.ty) == "float32"
+    assert isinstance(value.value, tirx.Cast) and str(value.value.ty) == "float16"
+    assert isinstance(value.value.value, tirx.BufferLoad) and value.value.value.buffer.name == "acc"
 
 
 def test_rule_fuses_a_residual_add_epilogue(cuda):
-    source = _cuda_source(_scheduled(_linear_residual(4096, 4096, 1), cuda), cuda)
-    assert len(_kernels(source)) == 1 and "R_ptr[" in source  # the residual is read in the epilogue
+    func = _linear_residual(4096, 4096, 1)
+    kern = kernel(_scheduled(func, cuda))
+    assert kern.outputs == {"O"}
+    (value,) = kern.values["O"]  # cast(sum) + R[row]: the residual is read in the epilogue
+    assert isinstance(value, tirx.Add) and isinstance(value.a, tirx.Cast) and str(value.a.ty) == "float16"
+    residual = value.b  # a load of the function's R (the kernel's view of it), not of a buffer it allocates
+    assert isinstance(residual, tirx.BufferLoad) and residual.buffer.name.startswith("R")
+    assert residual.buffer.name not in kern.allocs
 
 
 def test_rule_takes_a_target_that_does_not_state_its_shared_memory():
     # The kernel's shared memory is static: without the target's figure, CUDA's static limit bounds it.
     bare = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
     assert "max_shared_memory_per_block" not in bare.attrs
-    assert _scheduled(matmul_prim_func(4096, 4096, "float16", m=1), bare) is not None
+    kern = kernel(_scheduled(matmul_prim_func(4096, 4096, "float16", m=1), bare))
+    assert kern.launch == {"blockIdx.x": 256, "threadIdx.x": 512}  # o_proj's bucket, as with the full target
+    shared = [shape for scope, _, shape in kern.allocs.values() if scope == "shared"]
+    assert shared == [(4096,)]  # 8 KiB of fp16: under CUDA's 48 KiB static limit
 
 
-@pytest.mark.parametrize("m", [2, 8, 9, 15])
-def test_rule_takes_every_static_m_below_min_static_m(m, cuda):
-    assert _scheduled(matmul_prim_func(4096, 4096, "float16", m=m), cuda) is not None
+# The mma template: a block's 16 weight rows are mma's M and the tokens its N, in tiles of 8, so a
+# lane accumulates 4 floats a token tile; warps split K and sum through shared memory (each lane's
+# floats, for each warp). Buckets: M 2 and 8 take 16 warps, M 9 and 15 the 16-token bucket's 4.
+@pytest.mark.parametrize("m,warps", [(2, 16), (8, 16), (9, 4), (15, 4)])
+def test_rule_takes_every_static_m_below_min_static_m(m, warps, cuda):
+    kern = kernel(_scheduled(matmul_prim_func(4096, 4096, "float16", m=m), cuda))
+    tiles = -(-m // 8)
+    assert kern.launch == {"blockIdx.x": 4096 // 16, "threadIdx.x": 32 * warps}
+    assert kern.calls["tirx.ptx.mma_legacy"] == 1 and "tirx.tvm_warp_shuffle_xor" not in kern.calls
+    assert kern.allocs["acc"] == ("local", "float32", (4 * tiles,))
+    assert kern.allocs["red"] == ("shared", "float32", (warps * 32 * 4 * tiles,))
+    assert kern.outputs == {"O"}
 
 
 def test_rule_leaves_matmul_m_dynamic_m_and_cpu(cuda):
@@ -218,11 +215,13 @@ def test_registered_after_matmul():
 def test_symbolic_m_template_builds_one_kernel_for_every_m_up_to_16(cuda):
     func = matmul_prim_func(4096, 4096, "float16")
     ops = analyze_matmul(func).operands
-    cfg = gemv.config_for(gemv.load_gemv_configs("sm_90"), 16)
+    cfg = gemv_common.GemvConfig(max_m=16, warps=4, unroll=4, min_blocks_per_sm=1)
     body = tirx.SBlockRealize([], True, tirx.SBlock([], [], [], "root", gemv.gemv_body(ops, cfg)))
-    source = _cuda_source(tirx.PrimFunc(func.params, body, func.ret_type, func.attrs), cuda)
-    assert len(_kernels(source)) == 1
-    assert source.count("mma.sync") >= 2 * 2  # two token tiles, two k16 steps a piece
+    kern = kernel(tirx.PrimFunc(func.params, body, func.ret_type, func.attrs))
+    # sized for the bucket's 16 tokens (two tiles of 8) whatever M is at run time
+    assert kern.launch == {"blockIdx.x": 256, "threadIdx.x": 128}
+    assert kern.allocs["acc"] == ("local", "float32", (8,)) and kern.calls["tirx.ptx.mma_legacy"] == 1
+    assert kern.outputs == {"O"}
 
 
 @needs_nvcc

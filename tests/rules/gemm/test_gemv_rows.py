@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shutil
 
 import pytest
+from conftest import needs_nvcc
 
 tvm = pytest.importorskip("tvm")
 from fuselight.device import device_model
@@ -20,8 +20,8 @@ from fuselight.target import resolve, to_tvm
 from fuselight.tune.gemm import matmul_prim_func
 from test_fuse_norm_gemv import _fused, _gate_up, _nt_matmul
 from test_gemv import _linear_residual, _lm_head
+from tir_query import constants, kernel
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 ROWS = gemv_common.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, rows_per_warp=1)
 
 
@@ -40,36 +40,53 @@ def _source(funcs: dict, target) -> str:
     return lib.mod.imports[0].inspect_source("cuda")
 
 
-def _kernels(source: str) -> set[str]:
-    return set(re.findall(r"__global__ void __launch_bounds__\([^)]*\) (\w+)\(", source))
-
-
 def test_the_config_selects_the_template():
-    # rows_per_warp set: gemv_body writes the row-streaming kernel (no tensor cores).
-    ops = analyze_matmul(matmul_prim_func(384, 256, "float16", m=1)).operands
-    assert "mma" not in str(gemv.gemv_body(ops, ROWS))
-    assert "mma" in str(gemv.gemv_body(ops, dataclasses.replace(ROWS, rows_per_warp=None)))
+    # rows_per_warp set: gemv_body writes the row-streaming kernel (shuffles, no tensor cores).
+    func = matmul_prim_func(384, 256, "float16", m=1)
+    rows = kernel(_kernel(func)[0])
+    mma = kernel(_kernel(func, dataclasses.replace(ROWS, rows_per_warp=None))[0])
+    assert "tirx.ptx.mma_legacy" not in rows.calls and rows.calls["tirx.tvm_warp_shuffle_xor"] == 1
+    assert mma.calls["tirx.ptx.mma_legacy"] == 1 and "tirx.tvm_warp_shuffle_xor" not in mma.calls
+    assert rows.launch == {"blockIdx.x": 384 // 8, "threadIdx.x": 256}  # 8 warps, a row each
+    assert mma.launch == {"blockIdx.x": 384 // 16, "threadIdx.x": 256}  # mma's 16 rows a block
+
+
+K = 4096
+# What each function is and what its kernel must write (the normed prologue's residual variant also
+# writes the residual sum, Tg); a block is 8 warps of one row, so blocks = rows / 8 (gate_up: output
+# columns, each a gate and an up row).
+FUNCS = {
+    "plain": (lambda: matmul_prim_func(4096, 14336, "float16", m=1), 4096 // 8, {"O"}),
+    "residual": (lambda: _linear_residual(4096, K, 1), 4096 // 8, {"O"}),
+    "lm_head": (lambda: _lm_head(1000, K, 1), -(-1000 // 8), {"O"}),  # two casts
+    "qkv": (lambda: _fused(_nt_matmul(6144, K), 6144, k=K), 6144 // 8, {"Tg", "compute_intermediate"}),
+    "qkv_first": (lambda: _fused(_nt_matmul(6144, K), 6144, residual=False, k=K), 6144 // 8, {"compute_intermediate"}),
+    "gate_up": (lambda: _fused(_gate_up(28672, K), 28672, casts=(), k=K), 28672 // 2 // 8,
+                {"Tg", "silu_multiply_intermediate"}),
+    "bf16": (lambda: matmul_prim_func(4096, 4096, "bfloat16", m=1), 4096 // 8, {"O"}),
+}
+
+
+@pytest.mark.parametrize("name", FUNCS)
+def test_each_epilogue_and_prologue_builds_one_kernel(name):
+    make, blocks, outputs = FUNCS[name]
+    kern = kernel(_kernel(make())[0])
+    assert kern.launch == {"blockIdx.x": blocks, "threadIdx.x": ROWS.warps * 32}
+    assert kern.attrs["tirx.launch_bounds_min_blocks_per_sm"] == ROWS.min_blocks_per_sm
+    assert kern.outputs == outputs
+    assert "tirx.ptx.mma_legacy" not in kern.calls and kern.calls["tirx.tvm_warp_shuffle_xor"] == 1
+    # The norm prologue: the row's sum of squares reduced over the block, then rsqrt.
+    normed = name in ("qkv", "qkv_first", "gate_up")
+    assert ("tirx.rsqrt" in kern.calls) == normed and ("tirx.tvm_thread_allreduce" in kern.calls) == normed
+    # gate_up's warps hold a gate and an up row: two accumulators, two rows of weights in flight.
+    assert kern.allocs["acc"] == ("local", "float32", (2 if name == "gate_up" else 1,))
 
 
 @needs_nvcc
-def test_each_epilogue_and_prologue_builds_one_kernel_that_nvcc_compiles(cuda):
+def test_nvcc_compiles_every_epilogue_and_prologue(cuda):
     from fuselight.cuda_compile import compile_cuda
 
-    k = 4096
-    funcs = {
-        "plain": matmul_prim_func(4096, 14336, "float16", m=1),
-        "residual": _linear_residual(4096, 4096, 1),
-        "lm_head": _lm_head(1000, k, 1),  # two casts
-        "qkv": _fused(_nt_matmul(6144, k), 6144, k=k),  # norm prologue with the residual
-        "qkv_first": _fused(_nt_matmul(6144, k), 6144, residual=False, k=k),
-        "gate_up": _fused(_gate_up(28672, k), 28672, casts=(), k=k),  # paired, norm prologue
-        "bf16": matmul_prim_func(4096, 4096, "bfloat16", m=1),
-    }
-    source = _source({name: _kernel(f)[0] for name, f in funcs.items()}, cuda)
-    assert _kernels(source) == {f"{name}_kernel" for name in funcs}  # one launch each
-    assert "mma.sync" not in source and source.count("__shfl_xor_sync") >= 5 * len(funcs)
-    assert f"__launch_bounds__({ROWS.warps * 32}, {ROWS.min_blocks_per_sm})" in source
-    assert "rsqrtf" in source and "R_ptr[" in source  # the norm prologue; the residual epilogue
+    source = _source({name: _kernel(make())[0] for name, (make, _, _) in FUNCS.items()}, cuda)
     assert compile_cuda(source, "sm_90")
 
 
@@ -82,19 +99,20 @@ def test_grid_and_shared_memory():
     assert gemv.shared_bytes(plain, ROWS) == 256 * 2  # the token row
 
 
-def test_paired_warps_stream_the_gate_row_and_its_up_row(cuda):
-    # Output column c reads weight rows c and c + n / 2: the up rows sit n / 2 x k elements further.
+def test_paired_warps_stream_the_gate_row_and_its_up_row():
+    # Output column c reads weight rows c and c + n / 2 (344 rows further); silu(gate) * up in the epilogue.
     n, k = 2 * 344, 256
-    source = _source({"g": _kernel(_fused(_gate_up(n, k), n, casts=(), k=k))[0]}, cuda)
-    assert str(n // 2 * k) in source
-    assert "silu" in source.lower() or "__expf" in source or "exp" in source  # silu in the epilogue
+    kern = kernel(_kernel(_fused(_gate_up(n, k), n, casts=(), k=k))[0])
+    assert 344 in set().union(*(constants(i) for i in kern.loads["W"]))
+    assert kern.calls["tirx.sigmoid"] == 1
+    assert kern.launch == {"blockIdx.x": 344 // 8, "threadIdx.x": 256}
 
 
-def test_ragged_k_masks_the_pieces_past_the_row(cuda):
-    # K = 384: 48 pieces of 16 bytes, not a multiple of 32 lanes x 4 steps: the last round is masked.
-    func = matmul_prim_func(256, 384, "float16", m=1)
-    source = _source({"r": _kernel(func)[0]}, cuda)
-    assert re.search(r"< 48\)", source)
+def test_ragged_k_masks_the_pieces_past_the_row():
+    # K = 384: 48 pieces of 16 bytes, not a multiple of 32 lanes x 4 steps: the last round is masked
+    # at piece 48, not at the 64 of whole rounds.
+    bounds = kernel(_kernel(matmul_prim_func(256, 384, "float16", m=1))[0]).bounds
+    assert bounds[48] >= 1 and 64 not in bounds
 
 
 @needs_nvcc
@@ -103,10 +121,11 @@ def test_symbolic_m_of_one_row_builds(cuda):
     from fuselight.cuda_compile import compile_cuda
 
     func = matmul_prim_func(4096, 4096, "float16")
-    kernel, ops = _kernel(func)
+    scheduled, ops = _kernel(func)
     assert not isinstance(ops.m, int)
-    source = _source({"sym": kernel}, cuda)
-    assert len(_kernels(source)) == 1 and compile_cuda(source, "sm_90")
+    kern = kernel(scheduled)  # one launch, the same grid as a static M of 1
+    assert kern.launch == {"blockIdx.x": 4096 // 8, "threadIdx.x": 256} and kern.outputs == {"O"}
+    assert compile_cuda(_source({"sym": scheduled}, cuda), "sm_90")
 
 
 @needs_nvcc

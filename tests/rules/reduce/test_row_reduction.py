@@ -11,10 +11,10 @@ replaces the function's body and must match the original on random inputs, at od
 from __future__ import annotations
 
 import re
-import shutil
 
 import numpy as np
 import pytest
+from conftest import needs_nvcc
 import tvm
 import tvm_ffi
 from fuselight.computations import plain_add_rms_norm
@@ -31,7 +31,6 @@ from tvm import relax, te, tirx, topi
 from tvm.s_tir import dlight as dl
 from tvm.script import tirx as T
 
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 
 
 @pytest.fixture(scope="module")
