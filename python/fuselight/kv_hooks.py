@@ -131,9 +131,10 @@ def register() -> None:
 
 
 def uses_hooks(executable: Any) -> bool:
-    """Whether a ``tvm.relax.VMExecutable`` creates its KV cache through these wrappers."""
-    text = executable.as_text()
-    return any(name in text for name in _FACTORIES)
+    """Whether a ``tvm.relax.VMExecutable`` creates its KV cache through these wrappers (a library of
+    PrimFuncs alone, such as the kernel suites', has no VM and creates none)."""
+    as_text = getattr(executable, "as_text", None)
+    return as_text is not None and any(name in as_text() for name in _FACTORIES)
 
 
 def _compile(out: Path, *flags: str) -> Path:
