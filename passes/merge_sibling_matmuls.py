@@ -54,7 +54,8 @@ class MergeSiblingMatmuls:
 
     def __init__(self, arch: str | None = None) -> None:
         self.arch = arch  # None: the target's in scope when the pass runs
-        self.cost: WeightCost | None = None
+        # A named arch is checked now, so a typo fails where it is written, not when the pass runs.
+        self.cost: WeightCost | None = None if arch is None else WeightCost(arch)
         self.merged: list[tuple[str, list[str]]] = []
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:

@@ -29,7 +29,7 @@ from fuselight.rules.flash_attention import FlashAttention
 from fuselight.rules.flash.decode import load_decode_config
 from fuselight.rules.flash.prefill import load_prefill_config
 from fuselight.quant_prim_funcs import q4_linear
-from fuselight.rules.gemm import dispatch
+from fuselight.rules.gemm import dispatch, estimate
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemm.gemv import load_gemv_configs
 from fuselight.rules.gemm.plan import load_tiles
@@ -159,10 +159,10 @@ def test_the_hopper_pattern_finds_sm90s_instructions():
 
 
 def test_measured_arch_keeps_its_table_and_others_get_analytic_configs():
-    assert dispatch.load_dispatch("sm_90").cost_model == "xgboost"  # configs/gemm/dispatch.json
+    assert estimate.load_dispatch("sm_90").cost_model == "xgboost"  # configs/gemm/dispatch.json
     assert load_decode_config("sm_90").target_blocks == 1056  # the measured value
     for arch in UNMEASURED:
-        d = dispatch.load_dispatch(arch)
+        d = estimate.load_dispatch(arch)
         assert d.cost_model == "analytic" and d.wgmma == {} and d.measured == {}
         assert not load_decode_config(arch).griddepcontrol
     assert load_decode_config("sm_90").griddepcontrol
@@ -173,7 +173,7 @@ def test_analytic_configs_follow_the_device(arch, sms, optin_kib):
     assert device_model(arch).sms == sms and device_model(arch).smem_per_block_optin == optin_kib * 1024
     assert load_decode_config(arch).target_blocks == 8 * sms
     assert load_split_config(arch).target_blocks == 2 * sms
-    assert dispatch.load_dispatch(arch).sms == sms
+    assert estimate.load_dispatch(arch).sms == sms
     m1 = [c for c in load_gemv_configs(arch) if c.max_m == 1 and c.max_blocks is not None]
     assert sorted({c.max_blocks for c in m1}) == [2 * sms, 4 * sms]
     assert all(c.prefetch_l2_percent is None for c in load_gemv_configs(arch))  # bulk prefetch is sm_90's
@@ -203,7 +203,7 @@ def test_q4_gemm_ranges_on_every_described_arch():
 
 
 def test_undescribed_arch_has_no_config():
-    for load in (lambda: load_tiles("sm_75"), lambda: load_decode_config("sm_100"), lambda: dispatch.load_dispatch("sm_75")):
+    for load in (lambda: load_tiles("sm_75"), lambda: load_decode_config("sm_100"), lambda: estimate.load_dispatch("sm_75")):
         with pytest.raises(FuselightError, match="no device description"):
             load()
 
