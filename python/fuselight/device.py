@@ -148,9 +148,7 @@ def results_folder(device_name: str) -> str:
     case with every run of other characters as one '-'."""
     # A PTX build's records name the GPU it ran on, marked "(sm_80 PTX)" (library.device_label).
     device_name = re.sub(r" \(sm_\d+a? PTX\)$", "", device_name)
-    path = config_dir() / "targets" / "devices.json"
-    node = read_json_object(path, missing=f"device descriptions not found: {path}")
-    for entry in node.values():
+    for entry in _table().values():
         if isinstance(entry, dict) and entry.get("name") == device_name and entry.get("results_folder"):
             return str(entry["results_folder"])
     return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") or "unknown-device"
