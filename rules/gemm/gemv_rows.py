@@ -23,11 +23,13 @@ weights: lane l's 16-byte piece ``32 s + l`` of a row is 4 words, 32 values, wit
 the lane also loads that group's scale. The values are converted in registers by bit tricks, not by
 a shift and a cast each (``Q4_DOT``): ``((w >> 4 j) & 0x000F000F) | 0x64006400`` read as half2 is
 ``(1024 + e_j, 1024 + e_{j+4})`` (values j and j + 4 of the word), minus ``1024 + zero`` (exact)
-is ``(e - zero)`` in fp16, times the scale in fp16: bit for bit the dequantize's
-``(fp16(e) - fp16(zero)) * scale`` (bf16: bias 0x4300, 128 + e). Products and sums are float32, as
-the matmul's. Since each word pairs values j and j + 4, the token row is staged in shared memory
-permuted the same way (within every 8 tokens: 0, 4, 1, 5, 2, 6, 3, 7), so no shuffle is needed;
-the norm prologue stages its normed row so too.
+is ``(e - zero)`` in fp16 (bf16: bias 0x4300, 128 + e). Products and sums are float32, as the
+matmul's; the scale multiplies the piece's float32 sum once, not each weight (so the weight is not
+rounded to fp16 as the dequantize rounds it: within float32 of the exact product). Since each word
+pairs values j and j + 4, the token row is staged in shared memory permuted the same way (within
+every 8 tokens: 0, 4, 1, 5, 2, 6, 3, 7), so no shuffle is needed; the norm prologue stages its
+normed row so too. A lane converts its piece's 32 tokens to float32 once for all its rows: at about
+five instructions a weight, the conversions had made the template issue-bound below the copy rate.
 N may be symbolic there (the LM head's vocabulary): the grid is then computed at launch.
 
 Why beside the mma template: at M = 1 the tensor cores buy nothing, and there its rows-of-16 layout
@@ -53,43 +55,38 @@ __forceinline__ __device__ void {PREFETCH_L2}(const void* p, unsigned int bytes)
 
 
 # The dequantizing dot product of one lane's 16-byte piece of 4-bit words (32 values of one group)
-# with the 32 tokens it meets (staged permuted, see the module docstring), added to ``acc``. The
-# piece's 4 chunks of 8 tokens sit rotated by ``rot`` (``q4_chunk``) in shared memory.
+# with the 32 tokens it meets (float32, in the staged order: see the module docstring), times the
+# group's scale, added to ``acc``.
 Q4_DOT = {"float16": "fuselight_q4_dot32_fp16", "bfloat16": "fuselight_q4_dot32_bf16"}
 _Q4_DOT_BODY = """
-  const uint4* x4 = reinterpret_cast<const uint4*>(xp);  // the piece's 4 chunks of 8 tokens, rotated
   const unsigned int w[4] = {{w0, w1, w2, w3}};
-  const {v2} s2 = {{s, s}};
   unsigned int zb = {bias}u | ({bias}u << 16);
   const {v2} z2 = *reinterpret_cast<const {v2}*>(&zb);
   float a0 = 0.f, a1 = 0.f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {{
-    const uint4 xv = x4[(i + rot) & 3];
-    const unsigned int xw[4] = {{xv.x, xv.y, xv.z, xv.w}};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {{
       unsigned int b = ((w[i] >> (4 * j)) & 0x000F000Fu) | {magic}u;
-      const {v2} v = __hmul2(__hsub2(*reinterpret_cast<const {v2}*>(&b), z2), s2);
-      const float2 vf = {to_f2}(v);
-      const float2 xf = {to_f2}(*reinterpret_cast<const {v2}*>(&xw[j]));
-      a0 = fmaf(vf.x, xf.x, a0);
-      a1 = fmaf(vf.y, xf.y, a1);
+      const float2 v = {to_f2}(__hsub2(*reinterpret_cast<const {v2}*>(&b), z2));
+      a0 = fmaf(v.x, x[8 * i + 2 * j], a0);
+      a1 = fmaf(v.y, x[8 * i + 2 * j + 1], a1);
     }}
   }}
-  return acc + (a0 + a1);
+  return fmaf({to_f}(s), a0 + a1, acc);
 """
 
 
 def q4_dot_source(dtype: str, zero: int) -> str:
     """The CUDA device function ``Q4_DOT[dtype]`` for a zero point ``zero`` (see the module docstring)."""
     if dtype == "float16":
-        scalar, v2, magic, base, to_f2 = "half", "half2", 0x64006400, 0x6400, "__half22float2"
+        scalar, v2, magic, base, to_f2, to_f = "half", "half2", 0x64006400, 0x6400, "__half22float2", "__half2float"
     else:
-        scalar, v2, magic, base, to_f2 = "nv_bfloat16", "nv_bfloat162", 0x43004300, 0x4300, "__bfloat1622float2"
-    body = _Q4_DOT_BODY.format(v2=v2, bias=hex(base + zero), magic=hex(magic), to_f2=to_f2)
+        scalar, v2, magic, base = "nv_bfloat16", "nv_bfloat162", 0x43004300, 0x4300
+        to_f2, to_f = "__bfloat1622float2", "__bfloat162float"
+    body = _Q4_DOT_BODY.format(v2=v2, bias=hex(base + zero), magic=hex(magic), to_f2=to_f2, to_f=to_f)
     return (f"\n__forceinline__ __device__ float {Q4_DOT[dtype]}(unsigned int w0, unsigned int w1, unsigned int w2, "
-            f"unsigned int w3, {scalar} s, const void* xp, int rot, float acc) {{{body}}}\n")
+            f"unsigned int w3, {scalar} s, const float* x, float acc) {{{body}}}\n")
 
 
 def q4_chunk(piece: Any, c: Any) -> Any:
@@ -192,6 +189,7 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                     if deq is not None:
                         sc = T.sblock_alloc_buffer((rows_w * unroll,), dtype, scope="local")
                         xp = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
+                        xf = T.sblock_alloc_buffer((Q4_PIECE,), "float32", scope="local")
                     xv = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
                     acc = T.sblock_alloc_buffer((rows_w,), "float32", scope="local")
                     xs = T.sblock_alloc_buffer((k,), dtype, scope="shared")
@@ -245,12 +243,17 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                                         for e in T.unroll(PIECE):
                                             acc[j] = acc[j] + T.Cast("float32", w[(j * unroll + u) * PIECE + e]) * T.Cast("float32", xv[e])
                                 else:
+                                    # The piece's 32 tokens in float32, converted once for every row.
+                                    for c in T.unroll(Q4_PIECE // PIECE):
+                                        for e in T.vectorized(PIECE):
+                                            xv[e] = xs[(p * (Q4_PIECE // PIECE) + q4_chunk(p, c)) * PIECE + e]
+                                        for e in T.unroll(PIECE):
+                                            xf[c * PIECE + e] = T.Cast("float32", xv[e])
                                     for j in T.unroll(rows_w):
                                         acc[j] = cuda_op.cuda_func_call(
                                             dot, w[(j * unroll + u) * PIECE_WORDS], w[(j * unroll + u) * PIECE_WORDS + 1],
                                             w[(j * unroll + u) * PIECE_WORDS + 2], w[(j * unroll + u) * PIECE_WORDS + 3],
-                                            sc[j * unroll + u], xs.access_ptr("r", offset=p * Q4_PIECE),
-                                            q4_chunk(p, 0), acc[j],
+                                            sc[j * unroll + u], xf.access_ptr("r"), acc[j],
                                             source_code=dot_source, return_type="float32")
                     # Butterfly sums: every lane ends with its warp's row totals.
                     for sh in T.unroll(LOG_WARP):

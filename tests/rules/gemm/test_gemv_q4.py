@@ -330,8 +330,10 @@ def _bf16_round(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("source", [gemv_rows.q4_dot_source, gemv.q4_pair_source], ids=["rows", "mma"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_the_bit_trick_is_mlcs_dequantize_bit_for_bit(dtype, source):
-    # The constants the CUDA helpers use: magic | nibble is (base + e) exactly; minus (base + zero)
-    # and times the scale, rounded once, equals MLC's (dtype(e) - dtype(zero)) * scale.
+    # The constants the CUDA helpers use: magic | nibble is (base + e) exactly, and minus (base + zero)
+    # it is e - zero exactly. The mma helper then multiplies by the scale, rounded once: MLC's
+    # (dtype(e) - dtype(zero)) * scale bit for bit. The row helper applies the scale to the float32
+    # sum of (e - zero) * token instead (one multiply a piece, no rounding of the weight to dtype).
     zero = 7
     src = source(dtype, zero)
     magic = int(re.search(r"\| (0x[0-9a-f]+)u;", src).group(1), 16)
@@ -339,21 +341,26 @@ def test_the_bit_trick_is_mlcs_dequantize_bit_for_bit(dtype, source):
     rng = np.random.default_rng(0)
     scales = np.concatenate([rng.uniform(-0.05, 0.05, 4000), rng.uniform(-3, 3, 4000), [1e-4, 0.0078125]]).astype(np.float32)
     e = np.arange(16, dtype=np.uint32)
+    lanes = (((e | (e << 16)) & 0x000F000F) | magic).astype(np.uint32)
     if dtype == "float16":
-        lanes = (((e | (e << 16)) & 0x000F000F) | magic).astype(np.uint32)
         lo = (lanes & 0xFFFF).astype(np.uint16).view(np.float16)
         hi = (lanes >> 16).astype(np.uint16).view(np.float16)
         assert (lo == hi).all() and (lo.astype(np.float64) == 1024 + e).all()
         z = np.uint16(bias).view(np.float16)
+        assert ((lo - z).astype(np.float64) == e.astype(np.float64) - zero).all()
+        if source is gemv_rows.q4_dot_source:
+            return
         s = scales.astype(np.float16)
         ours = (lo[None, :] - z) * s[:, None]
         mlc = (e.astype(np.float16)[None, :] - np.float16(zero)) * s[:, None]
         assert ours.dtype == np.float16 and (ours.view(np.uint16) == mlc.view(np.uint16)).all()
     else:
-        lanes = (((e | (e << 16)) & 0x000F000F) | magic).astype(np.uint32)
         lo = ((lanes & 0xFFFF) << 16).view(np.float32)
         assert (lo.astype(np.float64) == 128 + e).all()
         z = np.array([bias << 16], dtype=np.uint32).view(np.float32)[0]
+        assert (_bf16_round(lo - z).astype(np.float64) == e.astype(np.float64) - zero).all()
+        if source is gemv_rows.q4_dot_source:
+            return
         s = _bf16_round(scales)
         ours = _bf16_round(_bf16_round(lo[None, :] - z) * s[:, None])
         mlc = _bf16_round(_bf16_round(e.astype(np.float32)[None, :] - np.float32(zero)) * s[:, None])
