@@ -133,8 +133,15 @@ class Case:
     def itemsize(self) -> int:
         return _ITEMSIZE[self.dtype]
 
-    def shape(self, n: int) -> dict[str, int]:
-        return {**self.dims, self.spec.sweep_var: n}
+    @property
+    def quantization(self) -> str | None:
+        """The 4-bit scheme of a quantized case (``gemm_q4``), else None."""
+        return Q4_SCHEMES[self.dtype] if self.op == "gemm_q4" else None
+
+    def shape(self, n: int) -> dict[str, int | str]:
+        """A record's ``shape`` at sweep value ``n``; a quantized case's names its scheme."""
+        scheme = {"quantization": self.quantization} if self.quantization else {}
+        return {**self.dims, self.spec.sweep_var: n, **scheme}
 
     def cost(self, n: int) -> tuple[int, int]:
         """(bytes, flops) of one call at sweep value ``n``: the minimum traffic and the math."""

@@ -5,8 +5,11 @@ fresh random inputs on the device (scaled so fp16 stays finite), a float64 PyTor
 calls per library first (NaN inputs, so an output element a kernel never writes stays NaN in
 the reused output buffer and fails the check), then the checked call and the timing. PyTorch's
 own kernels (cuBLAS ``F.linear``, ``F.rms_norm``, ``softmax``, ``scaled_dot_product_attention``
-limited to the flash and memory-efficient backends) run the same inputs. A CUDA build runs on the
-GPU; an llvm build runs the same way on the CPU (for tests).
+limited to the flash and memory-efficient backends) run the same inputs. A 4-bit case (``gemm_q4``)
+has two PyTorch anchors: its GEMM in the case's dtype on the dequantized weight (``torch``), and
+``_weight_int4pack_mm`` (``torch-int4pack``), timed only; where that op is missing or fails, the
+error goes into the results' ``meta.anchor_errors``. A CUDA build runs on the GPU; an llvm build runs
+the same way on the CPU (for tests).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from ..library import device_label
 from ..runtime import DEVICE_OF_TARGET, init_tvm, load_library, release_memory
 from . import bench_config
 from .kernels import PIPELINES, Q4_SCHEMES, SUITE, Case, load_suite, read_manifest, select
-from .results import default_path, git_commit, make_record, merged_with, write_results
+from .results import TORCH_INT4PACK, default_path, git_commit, make_record, merged_with, write_results
 from .timing import device_name, synchronizer, time_fn
 
 # Float64 error sums over chunks of at most this many elements, to bound the reference's memory.
@@ -35,6 +38,16 @@ _POISON_CALLS = 2
 # real logits (a few dominant entries). Everything else is N(0, 1), weights N(0, 1/K).
 _NORM_WEIGHT_STD = 0.1
 _LOGIT_STD = 3.0
+# PyTorch's int4 weight-only matmul per device: (the op packing its [N, K] weight, that op's inner
+# K tiles, the matmul). CUDA's (tinygemm) packs two 4-bit values a byte; the CPU's takes them in int32.
+_INT4PACK_OPS = {
+    "cuda": ("_convert_weight_to_int4pack", 8, "_weight_int4pack_mm"),
+    "cpu": ("_convert_weight_to_int4pack_for_cpu", 1, "_weight_int4pack_mm_for_cpu"),
+}
+INT4PACK_NOTE = (
+    "torch.ops.aten._weight_int4pack_mm: its own random 4-bit words, groups as q4f16_1's, bf16 scales and "
+    "zeros, the tokens cast to bf16; timed only (another packing and precision); bytes and flops as q4f16_1's"
+)
 
 
 class _Random:
@@ -232,8 +245,10 @@ def _torch_fn(torch: Any, case: Case, inputs: list, device: str) -> Callable[[],
 
         return gate_up
     if case.op == "gemm_q4":
-        x, q, scale = inputs  # PyTorch has no q4f16_1 kernel: dequantize, then cuBLAS
-        return lambda: F.linear(x, quantization.dequantize_torch(q, scale, _q4_scheme(case)))
+        # PyTorch has no q4f16_1 kernel: its GEMM at the same shape, on the weight dequantized once, untimed.
+        x, q, scale = inputs
+        w = quantization.dequantize_torch(q, scale, _q4_scheme(case))
+        return lambda: F.linear(x, w)
     if case.op == "add_rmsnorm":
         x, r, w = inputs
 
@@ -249,6 +264,28 @@ def _torch_fn(torch: Any, case: Case, inputs: list, device: str) -> Callable[[],
         x = inputs[0]
         return lambda: torch.softmax(x, dim=-1)
     return _torch_attention(torch, case, inputs, device)
+
+
+def _int4pack_fn(torch: Any, case: Case, x: Any, rnd: _Random, device: str, fixed: dict) -> Callable[[], Any]:
+    """``_weight_int4pack_mm`` on the tokens ``x`` in bf16, over random packed weights drawn once per
+    case; called once here, so an op this torch or device lacks raises before anything is timed."""
+    pack, inner_k_tiles, matmul = _INT4PACK_OPS[device]
+    group = _q4_scheme(case).group_size
+    if "int4pack" not in fixed:
+        n, k = case.dims["n"], case.dims["k"]
+        values = torch.randint(0, 16, (n, k), generator=rnd.gen, device=rnd.device, dtype=torch.int32)
+        if device == "cuda":
+            values = (values[:, ::2] << 4 | values[:, 1::2]).to(torch.uint8)
+        scales_zeros = (torch.rand((k // group, n, 2), generator=rnd.gen, device=rnd.device) + 0.01).to(torch.bfloat16)
+        fixed["int4pack"] = getattr(torch.ops.aten, pack)(values, inner_k_tiles), scales_zeros
+    w4, scales_zeros = fixed["int4pack"]
+    op, xb = getattr(torch.ops.aten, matmul), x.to(torch.bfloat16)
+
+    def fn() -> Any:
+        return op(xb, w4, group, scales_zeros)
+
+    fn()
+    return fn
 
 
 # --- checking --------------------------------------------------------------------------------------
@@ -307,10 +344,11 @@ def _run_case(
     rnd: _Random,
     device: str,
     common: dict,
-) -> tuple[list[dict[str, Any]], list[str]]:
-    """Every sweep point of one case: (records, descriptions of results above tolerance)."""
+) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """Every sweep point of one case: (records, descriptions of results above tolerance, anchors that
+    could not run)."""
     tolerance = bench_config()["relerr_tolerance"][case.dtype]
-    records, failures = [], []
+    records, failures, anchor_errors = [], [], []
     fixed: dict = {}
     for n in case.sweep:
         inputs = _INPUTS[case.op](case, n, rnd, fixed)
@@ -323,16 +361,26 @@ def _run_case(
                 poisoned()
             fns[pipeline] = call
         fns["torch"] = _torch_fn(torch, case, inputs, device)
+        point = f"{case.name} {case.spec.sweep_var}={n}"
+        if case.quantization:
+            try:
+                fns[TORCH_INT4PACK] = _int4pack_fn(torch, case, inputs[0], rnd, device, fixed)
+            except Exception as err:  # noqa: BLE001 - an anchor this torch lacks is recorded, not fatal
+                reason = (str(err).splitlines() or [""])[0][:200]
+                anchor_errors.append(f"{point} {TORCH_INT4PACK}: {type(err).__name__}: {reason}")
+                print(f"  {anchor_errors[-1]}", flush=True)
         line = []
         for impl, fn in fns.items():
-            out = fn()
-            synchronizer(device)()
-            refs = ref if isinstance(ref, tuple) else (ref,)
-            errors = [relative_error(torch, o, r) for o, r in zip(_outputs(torch, out, impl), refs, strict=True)]
-            relerr = max(errors, key=lambda e: math.inf if math.isnan(e) else e)  # a NaN is the worst
-            del out
-            if not relerr <= tolerance:
-                failures.append(f"{case.name} {case.spec.sweep_var}={n} {impl}: relerr {relerr:.2e} > {tolerance:g}")
+            relerr = None
+            if impl != TORCH_INT4PACK:
+                out = fn()
+                synchronizer(device)()
+                refs = ref if isinstance(ref, tuple) else (ref,)
+                errors = [relative_error(torch, o, r) for o, r in zip(_outputs(torch, out, impl), refs, strict=True)]
+                relerr = max(errors, key=lambda e: math.inf if math.isnan(e) else e)  # a NaN is the worst
+                del out
+                if not relerr <= tolerance:
+                    failures.append(f"{point} {impl}: relerr {relerr:.2e} > {tolerance:g}")
             stats = time_fn(fn, device=device)
             records.append(
                 make_record(
@@ -346,12 +394,14 @@ def _run_case(
                     flops=flops,
                     relerr=relerr,
                     baseline_source=sources.get(impl),
+                    note=INT4PACK_NOTE if impl == TORCH_INT4PACK else None,
                 )
             )
-            line.append(f"{impl} {stats.median_us:.1f} us (err {relerr:.1e})")
+            checked = "timed only" if relerr is None else f"err {relerr:.1e}"
+            line.append(f"{impl} {stats.median_us:.1f} us ({checked})")
         print(f"  {case.spec.sweep_var}={n}: " + ", ".join(line), flush=True)
         del inputs, ref, fns
-    return records, failures
+    return records, failures, anchor_errors
 
 
 def results_name(suite: str) -> str:
@@ -399,6 +449,7 @@ def run_suite(
     }
     records: list[dict[str, Any]] = []
     failures: list[str] = []
+    anchor_errors: list[str] = []
     for i, case in enumerate(selected, 1):
         libs = entries[case.name]["libraries"]
         vms, sources = {}, {}
@@ -411,16 +462,19 @@ def run_suite(
             flush=True,
         )
         with torch.no_grad():
-            case_records, case_failures = _run_case(torch, tvm, case, vms, sources, rnd, device, common)
+            case_records, case_failures, case_anchor_errors = _run_case(
+                torch, tvm, case, vms, sources, rnd, device, common
+            )
         records += case_records
         failures += case_failures
+        anchor_errors += case_anchor_errors
         # Cases differ in size: hand both caching allocators' memory back before the next one.
         del vms
         release_memory()
         if device == "cuda":
             torch.cuda.empty_cache()
     meta = {"suite": SUITE, "manifest": str(manifest), "target": target, "arch": raw.get("arch"),
-            "ptx": bool(raw.get("ptx")), "failures": failures}
+            "ptx": bool(raw.get("ptx")), "failures": failures, "anchor_errors": anchor_errors}
     written = records
     if out_json:
         out_json = Path(out_json)
@@ -434,5 +488,9 @@ def run_suite(
     print(text_table(records))
     for failure in failures:
         print(f"MISMATCH {failure}")
-    print(f"{len(records)} measurements, {len(failures)} above tolerance; results: {out_json}", flush=True)
+    print(
+        f"{len(records)} measurements, {len(failures)} above tolerance, {len(anchor_errors)} anchors not run; "
+        f"results: {out_json}",
+        flush=True,
+    )
     return records

@@ -3,10 +3,11 @@
 File: ``{"format": 1, "meta": {...}, "records": [record, ...]}``. A record names the suite, case,
 shape point and implementation, and holds the timing (median/p10/p90 in microseconds), the bytes
 and flops the measurement moves and computes (for GB/s and TFLOP/s), the relative error against a
-float64 reference (null where none was checked), and where it ran. ``metric`` says how the report
-presents it. Compiled impls' records (baseline, fuselight, mlc, mlc+fuselight) also say where the
-MLC passes came from. ``meta.measured_at`` (UTC, ISO 8601) says when the file was written; the report
-takes the newest measurement of a point by it, not by git.
+float64 reference (null where none was checked), and where it ran; an optional ``note`` says what a
+reader must know of the measurement. ``metric`` says how the report presents it. Compiled impls'
+records (baseline, fuselight, mlc, mlc+fuselight) also say where the MLC passes came from.
+``meta.measured_at`` (UTC, ISO 8601) says when the file was written; the report takes the newest
+measurement of a point by it, not by git.
 
 Where results go by default: ``bench/results/<device folder>/<suite name>.json``, one file per device
 and suite, overwritten by each run (history is git's); the device folder is the device description's
@@ -32,7 +33,10 @@ from ..paths import results_dir
 FORMAT = 1
 # MLC-LLM's own models compiled by MLC's pipeline, and with fuselight in it (``fuselight mlc compile``).
 MLC_IMPLS = ("mlc", "mlc+fuselight")
-IMPLS = (*PIPELINES, "torch", *MLC_IMPLS)
+# PyTorch's int4 weight-only matmul (``_weight_int4pack_mm``, tinygemm on CUDA): the kernel suite's
+# second anchor for 4-bit weights, timed only (another packing and precision), so its relerr is null.
+TORCH_INT4PACK = "torch-int4pack"
+IMPLS = (*PIPELINES, "torch", TORCH_INT4PACK, *MLC_IMPLS)
 METRICS = ("tflops", "gbps", "tokens_per_s", "ms_per_token")
 # Compiled impls: their records carry ``baseline_source`` (where the MLC passes came from).
 COMPILED_IMPLS = (*PIPELINES, *MLC_IMPLS)
@@ -107,6 +111,8 @@ def validate_record(record: Any, where: str) -> None:
         raise FuselightError(f"{label}: field 'shape' needs 'tokens' for metric 'tokens_per_s'")
     if record["impl"] in COMPILED_IMPLS and not _text(record.get("baseline_source")):
         raise FuselightError(f"{label}: missing field 'baseline_source' (required for impl {record['impl']!r})")
+    if "note" in record and not _text(record["note"]):
+        raise FuselightError(f"{label}: field 'note' must be a non-empty string, got {record['note']!r}")
 
 
 def default_path(device: str, name: str) -> Path:
@@ -160,7 +166,7 @@ def make_record(
     *,
     suite: str,
     case: str,
-    shape: dict[str, int],
+    shape: dict[str, int | str],
     impl: str,
     metric: str,
     stats: Any,
@@ -171,8 +177,10 @@ def make_record(
     tvm_version: str,
     git_commit: str,
     baseline_source: str | None = None,
+    note: str | None = None,
 ) -> dict[str, Any]:
-    """One validated record; ``stats`` is a ``timing.Stats``."""
+    """One validated record; ``stats`` is a ``timing.Stats``; ``note`` says what a reader must know
+    of the measurement (e.g. that it was timed only)."""
     record = {
         "suite": suite,
         "case": case,
@@ -192,5 +200,7 @@ def make_record(
     }
     if impl in COMPILED_IMPLS:
         record["baseline_source"] = baseline_source
+    if note is not None:
+        record["note"] = note
     validate_record(record, f"new record for case {case!r}")
     return record

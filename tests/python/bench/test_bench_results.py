@@ -37,6 +37,9 @@ def _record(**over):
 
 def test_results_round_trip(tmp_path):
     recs = [_record(), _record(impl="torch", relerr=None), _record(impl="baseline", relerr=float("nan"))]
+    # A 4-bit point: its scheme in the shape; PyTorch's int4 matmul, timed only, says so in a note.
+    q4 = {"m": 4, "n": 4096, "k": 4096, "quantization": "q4f16_1"}
+    recs.append(_record(impl=results.TORCH_INT4PACK, shape=q4, relerr=None, note="timed only"))
     path = results.write_results(tmp_path / "r" / "out.json", recs, {"suite": "kernels"})
     back = results.read_results(path)
     assert set(back.meta) == {"suite", "measured_at"} and back.meta["suite"] == "kernels"
@@ -47,6 +50,7 @@ def test_results_round_trip(tmp_path):
     assert back.records[:2] == recs[:2]
     assert "baseline_source" not in back.records[1]  # torch records carry none
     assert math.isnan(back.records[2]["relerr"])  # a NaN output stays visible, not 'unchecked'
+    assert back.records[3] == recs[3] and "baseline_source" not in recs[3] and "note" not in recs[0]
 
 
 @pytest.mark.parametrize(
@@ -59,6 +63,8 @@ def test_results_round_trip(tmp_path):
         ("relerr", -0.1, "field 'relerr' must be a non-negative number or null"),
         ("baseline_source", None, "missing field 'baseline_source'"),
         ("git_commit", None, "missing field 'git_commit'"),
+        ("note", "", "field 'note' must be a non-empty string"),
+        ("shape", {"m": 4, "quantization": ""}, "field 'shape' must be an object of non-negative integers"),
     ],
 )
 def test_bad_record_names_record_and_field(tmp_path, field, value, message):
@@ -187,6 +193,23 @@ def test_full_suite_matches_llama_shapes():
     assert fused.cost(16)[0] == (16 * 4096 + 28672 * 4096 + 16 * 14336) * 2
 
 
+def test_full_suite_has_q4_cases_on_the_fp16_shapes():
+    """Issue 24: q4f16_1 GEMMs on the same weights over the same M sweep as fp16, and decode's gate+up
+    GEMV compiled at M = 1; every record names its scheme in ``shape``."""
+    cases = kernels.load_suite("full")
+    fp16 = {(c.dims["n"], c.dims["k"]): c.sweep for c in cases if c.op == "gemm" and not c.static}
+    q4 = [c for c in cases if c.op == "gemm_q4"]
+    assert all(c.dtype == "float16" and c.quantization == "q4f16_1" for c in q4)
+    assert {(c.dims["n"], c.dims["k"]): c.sweep for c in q4 if not c.static} == fp16
+    [decode] = [c for c in q4 if c.static]
+    assert (decode.name, decode.sweep) == ("gemm-q4-28672x4096-m1", (1,))
+    assert q4[0].shape(7) == {"n": q4[0].dims["n"], "k": q4[0].dims["k"], "m": 7, "quantization": "q4f16_1"}
+    assert "quantization" not in next(c for c in cases if c.op == "gemm").shape(7)
+    # Packed words (8 nibbles a uint32) and an fp16 scale per 32 weights: 4.5 bits a weight.
+    n, k = 28672, 4096
+    assert decode.cost(1) == (2 * (k + n) + n * k // 2 + n * k // 32 * 2, 2 * n * k)
+
+
 def test_static_case_needs_one_sweep_value():
     raw = {"op": "gemm_gate_up_silu", "n": 64, "k": 32, "dtype": "float16", "static": True}
     assert kernels.case_from_dict({**raw, "sweep": [3]}).name == "gemm-gate-up-silu-64x32-m3"
@@ -251,6 +274,7 @@ def test_gpu_suite_covers_every_family_dtype_head_dim_and_group():
             assert any(c.static and c.sweep == (1,) for c in cases if (c.op, c.dtype) == (op, dt))
             swept = set().union(*(c.sweep for c in cases if (c.op, c.dtype) == (op, dt) and not c.static))
             assert {1, 7, 16, 33, 63, 127, 1000, 4095} <= swept, (op, dt)
+    assert all(c.quantization == {"float16": "q4f16_1", "bfloat16": "q4bf16_1"}[c.dtype] for c in cases if c.op == "gemm_q4")
     # A static M of 16 over 6144 x 4096 is the Matmul rule's (min_static_m) and its mma.sync plan.
     assert {c.dtype for c in cases if c.op == "gemm" and c.static and c.sweep == (16,)} == dtypes
 
@@ -273,14 +297,46 @@ def test_kernel_suite_on_llvm(small_suite):
         for lib in entry["libraries"].values():
             assert (manifest.parent / lib).is_file() and (manifest.parent / (lib + ".json")).is_file()
     by_name = {c.name: c for c in cases}
+    checked = [r for r in records if r["impl"] != results.TORCH_INT4PACK]  # timed only: test_q4_anchors
     expected = [(c.name, n, impl) for c in cases for n in c.sweep for impl in ("baseline", "fuselight", "torch")]
-    assert [(r["case"], r["shape"][by_name[r["case"]].spec.sweep_var], r["impl"]) for r in records] == expected
+    assert [(r["case"], r["shape"][by_name[r["case"]].spec.sweep_var], r["impl"]) for r in checked] == expected
     tolerance = 0.02
-    assert all(r["relerr"] < tolerance for r in records), [(r["case"], r["impl"], r["relerr"]) for r in records]
+    assert all(r["relerr"] < tolerance for r in checked), [(r["case"], r["impl"], r["relerr"]) for r in checked]
     back = results.read_results(manifest.parent / "results.json")
     assert back.records == records and back.meta["failures"] == []
     gemm = next(r for r in records if r["case"] == "gemm-48x64" and r["shape"]["m"] == 33)
     assert (gemm["bytes"], gemm["flops"]) == ((33 * 64 + 48 * 64 + 33 * 48) * 2, 2 * 33 * 48 * 64)
+
+
+def test_q4_anchors(small_suite):
+    """A 4-bit case: every record names its scheme; torch's anchor is its fp16 GEMM on the dequantized
+    weight, checked against float64 as the compiled libraries are; ``_weight_int4pack_mm`` is timed only."""
+    manifest, records = small_suite
+    q4 = [r for r in records if r["case"] == "gemm-q4-48x64"]
+    assert q4 and all(r["shape"]["quantization"] == "q4f16_1" for r in q4)
+    torch16 = [r for r in q4 if r["impl"] == "torch"]
+    assert [r["shape"]["m"] for r in torch16] == [1, 5] and all(0 < r["relerr"] < 2e-3 for r in torch16)
+    errors = results.read_results(manifest.parent / "results.json").meta["anchor_errors"]
+    if errors:
+        pytest.skip(f"this torch has no int4 matmul on the CPU: {errors[0]}")
+    int4 = [r for r in q4 if r["impl"] == results.TORCH_INT4PACK]
+    assert [r["shape"]["m"] for r in int4] == [1, 5]
+    assert all(r["relerr"] is None and r["note"] == kernels_run.INT4PACK_NOTE and r["median_us"] > 0 for r in int4)
+    # Only the 4-bit case gets the anchor.
+    assert {r["case"] for r in records if r["impl"] == results.TORCH_INT4PACK} == {"gemm-q4-48x64"}
+
+
+def test_q4_anchor_missing_is_recorded(small_suite, tmp_path, monkeypatch):
+    """An int4 matmul this torch lacks is named in meta.anchor_errors at each point; the rest still runs."""
+    manifest, _ = small_suite
+    monkeypatch.setitem(kernels_run._INT4PACK_OPS, "cpu", ("_no_such_pack", 1, "_no_such_matmul"))
+    records = kernels_run.run_suite(manifest, tmp_path / "r.json", cases=["gemm-q4-48x64"], sweep=[3, 7])
+    assert [(r["shape"]["m"], r["impl"]) for r in records] == [
+        (m, impl) for m in (3, 7) for impl in ("baseline", "fuselight", "torch")
+    ]
+    meta = results.read_results(tmp_path / "r.json").meta
+    assert meta["failures"] == [] and len(meta["anchor_errors"]) == 2
+    assert meta["anchor_errors"][0].startswith("gemm-q4-48x64 m=3 torch-int4pack: ")
 
 
 def test_kernel_suite_sweep_override(small_suite, tmp_path):
