@@ -143,6 +143,8 @@ def check_gemv_config(cfg: GemvConfig, where: str = "GEMV config") -> None:
             raise FuselightError(f"{where}: field {field!r} must be a positive integer or absent, got {getattr(cfg, field)}")
     if cfg.rows_per_warp is not None and cfg.max_m != 1:
         raise FuselightError(f"{where}: field 'rows_per_warp' (the row-streaming template) needs max_m 1, got {cfg.max_m}")
+    if cfg.double_buffer and cfg.rows_per_warp is None:
+        raise FuselightError(f"{where}: field 'double_buffer' needs rows_per_warp (the row template)")
     if cfg.prefetch_l2_percent is not None and (cfg.rows_per_warp is None or cfg.prefetch_l2_percent > 100):
         raise FuselightError(f"{where}: field 'prefetch_l2_percent' must be 1..100 and needs rows_per_warp, "
                              f"got {cfg.prefetch_l2_percent}")

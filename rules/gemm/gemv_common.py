@@ -49,6 +49,9 @@ class GemvConfig:
     # launch early and leaves memory idle meanwhile (the decode attention's merge, before o_proj);
     # elsewhere it duplicates the first loads. None: no prefetch, and the wait is the pipeline's.
     prefetch_l2_percent: int | None = None
+    # Row template: a warp issues K round r + 1's loads before computing round r (twice the weight
+    # registers), so its loads and arithmetic overlap where K takes more than one round.
+    double_buffer: bool = False
 
     @property
     def token_tiles(self) -> int:

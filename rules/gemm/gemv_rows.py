@@ -136,6 +136,7 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     pieces = k // piece_k  # 16-byte pieces of a row
     rounds = -(-pieces // (WARP * unroll))
     ragged = pieces % (WARP * unroll) != 0
+    double_buffer = cfg.double_buffer and rounds > 1
     blocks = rows_grid_blocks(ops, cfg)
     out_n = ops.out_n if isinstance(ops.out_n, int) else T.Cast("int32", ops.out_n)
     last = n - 1 if isinstance(n, int) else T.Cast("int32", n) - 1
@@ -190,6 +191,10 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                         sc = T.sblock_alloc_buffer((rows_w * unroll,), dtype, scope="local")
                         xp = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
                         xf = T.sblock_alloc_buffer((Q4_PIECE,), "float32", scope="local")
+                    if double_buffer:
+                        wn = T.sblock_alloc_buffer((rows_w * unroll * w_vec,), w_dtype, scope="local")
+                        if deq is not None:
+                            scn = T.sblock_alloc_buffer((rows_w * unroll,), dtype, scope="local")
                     xv = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
                     acc = T.sblock_alloc_buffer((rows_w,), "float32", scope="local")
                     xs = T.sblock_alloc_buffer((k,), dtype, scope="shared")
@@ -228,7 +233,14 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                     for j in T.unroll(rows_w):
                         acc[j] = T.float32(0)
                     for r in T.serial(rounds):
-                        if r > 0:
+                        if double_buffer:
+                            # Round r + 1's loads are in flight while round r is computed.
+                            if r + 1 < rounds:
+                                if deq is None:
+                                    load_round(wn, wn, W, W, col0, lane, r + 1)
+                                else:
+                                    load_round(wn, scn, W, S, col0, lane, r + 1)
+                        elif r > 0:
                             if deq is None:
                                 load_round(w, w, W, W, col0, lane, r)
                             else:
@@ -255,6 +267,13 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                                             w[(j * unroll + u) * PIECE_WORDS + 2], w[(j * unroll + u) * PIECE_WORDS + 3],
                                             sc[j * unroll + u], xf.access_ptr("r"), acc[j],
                                             source_code=dot_source, return_type="float32")
+                        if double_buffer:
+                            if r + 1 < rounds:
+                                for i in T.unroll(rows_w * unroll * w_vec):
+                                    w[i] = wn[i]
+                                if deq is not None:
+                                    for i in T.unroll(rows_w * unroll):
+                                        sc[i] = scn[i]
                     # Butterfly sums: every lane ends with its warp's row totals.
                     for sh in T.unroll(LOG_WARP):
                         for j in T.unroll(rows_w):

@@ -9,6 +9,7 @@ float64: ``bench/probes/q4_gemv.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -18,6 +19,7 @@ from tir_query import evaluate, kernel
 
 tvm = pytest.importorskip("tvm")
 from cuda_source import kernel_body, kernel_names
+from fuselight.errors import FuselightError
 from fuselight.quant_prim_funcs import q4_linear
 from fuselight.rules.gemm import gemv, gemv_common, gemv_rows
 from fuselight.rules.base import with_kernels
@@ -300,8 +302,9 @@ def test_nvcc_compiles_every_variant(cuda):
     assert {f"{name}_kernel" for name in kernels} <= kernel_names(source)
     assert "fuselight_q4_pair_bf16(" in source and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source
     assert "fuselight_q4_dot32_bf16(" in source and "0x43004300u" in source
-    # down: 448 pieces a row, 14 steps of 32 lanes, so the 4th round of 4 steps has 2 (a mask on r).
-    assert re.search(r"if \(r < 3\)", kernel_body(source, "down_kernel"))
+    # down (the shipped bucket for K > 4096: unroll 2, double-buffered): 448 pieces a row, 7 rounds of
+    # 2 steps of 32 lanes; rounds 0..5 load the next one.
+    assert re.search(r"if \(r < 6\)", kernel_body(source, "down_kernel"))
     assert compile_cuda(source, "sm_90")
 
 
@@ -389,6 +392,70 @@ def test_staged_tokens_meet_their_values():
         for i in range(4):
             units = {((32 * s + l) * 4 + ((i + int(gemv_rows.q4_chunk(32 * s + l, 0))) & 3)) % 8 for l in range(8)}
             assert len(units) == 8
+
+
+def test_m1_buckets_by_grid_and_k(cuda):
+    # Measured on the H100 (docs/experiments/q4-gemv.md, session 18): K of one round a row (4096 with
+    # 8 warps x 2 rows, unroll 4) keeps the single-buffered loads; longer rows (down's 14336: 448
+    # pieces, 7 rounds at unroll 2) double-buffer; o_proj's grid (4096 / 16 = 256 blocks, after the
+    # attention's merge) also asks L2 for a quarter of each row first.
+    from fuselight.rules.gemv import gemv_config
+
+    chosen = {name: gemv_config(analyze_matmul(q4_linear(n, k, m=1), dequant=True).operands, 1, cuda)
+              for name, (n, k) in {"qkv": (6144, 4096), "o_proj": (4096, 4096), "down": (4096, 14336)}.items()}
+    assert [(c.unroll, c.double_buffer, c.prefetch_l2_percent) for c in chosen.values()] == [
+        (4, False, None), (4, False, 25), (2, True, None)]
+
+
+def _ops_in_order(stmt) -> list[str]:
+    """Stores (buffer names) and CUDA device-function calls (their names) of ``stmt``, in program order."""
+    out = []
+
+    def visit(node):
+        if isinstance(node, tirx.BufferStore):
+            out.append(node.buffer.name)
+        elif isinstance(node, tvm.ir.expr.Call) and node.op.name == "tirx.cuda.func_call":
+            out.append(str(node.args[0].value))
+
+    tirx.stmt_functor.post_order_visit(stmt, visit)
+    return out
+
+
+@pytest.mark.parametrize("k,rounds", [(14336, 7), (4128, 3)])
+def test_double_buffer_loads_the_next_round_before_the_dots(k, rounds):
+    # 8 warps x 32 lanes, unroll 2: a round is 64 pieces of 32 values; 14336 / 32 = 448 pieces (7
+    # rounds), 4128 / 32 = 129 (3 rounds, the last ragged). Inside the loop over rounds, the next
+    # round's words and scales are loaded into the second buffers before the first dot, and copied
+    # into the first after the last.
+    cfg = gemv_common.GemvConfig(max_m=1, warps=8, unroll=2, min_blocks_per_sm=2, rows_per_warp=2, double_buffer=True)
+    ops = analyze_matmul(q4_linear(127, k, m=1), dequant=True).operands
+    func = with_kernels(q4_linear(127, k, m=1), gemv.gemv_body(ops, cfg))
+    kern = kernel(func)
+    assert kern.allocs["wn"] == ("local", "uint32", (2 * 2 * 4,)) and kern.allocs["scn"] == ("local", "float16", (2 * 2,))
+    loops = []
+    tirx.stmt_functor.post_order_visit(func.body, lambda n: loops.append(n) if isinstance(n, tirx.For)
+                                       and n.kind == tirx.ForKind.SERIAL and int(n.extent) == rounds else None)
+    assert len(loops) == 1
+    order = _ops_in_order(loops[0].body)
+    dots = [i for i, name in enumerate(order) if name == gemv_rows.Q4_DOT["float16"]]
+    assert dots  # (once in the TIR: the loops over rows and pieces unroll in the CUDA)
+    assert {"wn", "scn"} <= set(order[:dots[0]]) and "w" not in order[:dots[0]]
+    assert {"w", "sc"} <= set(order[dots[-1]:]) and "wn" not in order[dots[-1]:]
+    # One round a row (K 4096 at unroll 2 is 2 rounds; at unroll 4, 1): no second buffer.
+    one_round = with_kernels(q4_linear(127, 4096, m=1), gemv.gemv_body(
+        analyze_matmul(q4_linear(127, 4096, m=1), dequant=True).operands, dataclasses.replace(cfg, unroll=4)))
+    assert "wn" not in kernel(one_round).allocs
+
+
+def test_double_buffer_is_a_row_template_field():
+    from fuselight.rules.arch_config import from_fields
+
+    with pytest.raises(FuselightError, match="double_buffer"):
+        gemv.check_gemv_config(dataclasses.replace(MMA1, double_buffer=True))
+    fields = {"max_m": 1, "warps": 8, "unroll": 2, "min_blocks_per_sm": 2, "rows_per_warp": 2}
+    assert from_fields(gemv_common.GemvConfig, {**fields, "double_buffer": True}, "b").double_buffer is True
+    with pytest.raises(FuselightError, match="'double_buffer' must be true or false, got 1"):
+        from_fields(gemv_common.GemvConfig, {**fields, "double_buffer": 1}, "b")
 
 
 def test_shipped_config_serves_the_llama_shapes(cuda):
