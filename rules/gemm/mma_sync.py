@@ -170,25 +170,46 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
         # reads (same chunk, consecutive rows) land in 8 different bank groups.
         return row * bk + T.bitwise_xor(chunk, (row // rows_per_line) % chunks) * CHUNK
 
+    def cp_async(name, *args):
+        return T.evaluate(cuda_op.cuda_func_call(name, *args, source_code=Q4_CP_ASYNC[name]))
+
+    def cp_async_wait(pending):
+        name, src = cp_async_wait_source(pending)
+        return T.evaluate(cuda_op.cuda_func_call(name, source_code=src))
+
+    def copy_a(smem, offset, src, pred):
+        # 16 bytes of A into the A tile (``pred`` None: the row is below M, else zero-filled where
+        # false): by TVM's cp.async, or with a 4-bit B by the planner-invisible copies its slices use.
+        if deq is not None:
+            if pred is None:
+                return cp_async("fuselight_cp_async_16", smem.data, offset, src)
+            return cp_async("fuselight_cp_async_16_zfill", smem.data, offset, src, pred)
+        if pred is None:
+            return T.evaluate(T.ptx.cp_async(smem.access_ptr("w", offset=offset), src, 16))
+        return T.evaluate(
+            T.ptx.cp_async(smem.access_ptr("w", offset=offset), src, 16, predicate=pred, fill_mode="zero")
+        )
+
     @T.macro
-    def load_slice(smem, slot, k0, row0, col0, tid):
+    def load_a(smem, slot, k0, row0, tid):
         for it in T.unroll(a_loads):
             row = (it * threads + tid) // chunks
             c = (it * threads + tid) % chunks
             if predicated:
-                T.ptx.cp_async(
-                    smem.access_ptr("w", offset=slot * a_stage + swz(row, c)),
+                copy_a(
+                    smem, slot * a_stage + swz(row, c),
                     ops.a.access_ptr("r", offset=ops.a_offset(wide(T.min(row0 + row, m - 1)), k0 + c * CHUNK)),
-                    16,
-                    predicate=row0 + row < m,
-                    fill_mode="zero",
-                )
+                    row0 + row < m,
+                )  # fmt: skip
             else:
-                T.ptx.cp_async(
-                    smem.access_ptr("w", offset=slot * a_stage + swz(row, c)),
-                    ops.a.access_ptr("r", offset=ops.a_offset(wide(row0 + row), k0 + c * CHUNK)),
-                    16,
-                )
+                copy_a(
+                    smem, slot * a_stage + swz(row, c),
+                    ops.a.access_ptr("r", offset=ops.a_offset(wide(row0 + row), k0 + c * CHUNK)), None,
+                )  # fmt: skip
+
+    @T.macro
+    def load_slice(smem, slot, k0, row0, col0, tid):
+        load_a(smem, slot, k0, row0, tid)
         for it in T.unroll(b_loads):
             row = (it * threads + tid) // chunks
             c = (it * threads + tid) % chunks
@@ -198,32 +219,12 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
                 16,
             )
 
-    def cp_async(name, *args):
-        return T.evaluate(cuda_op.cuda_func_call(name, *args, source_code=Q4_CP_ASYNC[name]))
-
-    def cp_async_wait(pending):
-        name, src = cp_async_wait_source(pending)
-        return T.evaluate(cuda_op.cuda_func_call(name, source_code=src))
-
     @T.macro
     def load_slice_q4(smem, slot, k0, row0, col0, tid):
-        # The A slice as load_slice's; the packed words (a quarter of the fp16 tile's bytes),
-        # unswizzled; for each piece, the aligned pair of scales holding its scale, loaded by the
-        # thread that loads the piece (and dequantizes it). Planner-invisible copies (Q4_CP_ASYNC).
-        for it in T.unroll(a_loads):
-            row = (it * threads + tid) // chunks
-            c = (it * threads + tid) % chunks
-            if predicated:
-                cp_async(
-                    "fuselight_cp_async_16_zfill", smem.data, slot * a_stage + swz(row, c),
-                    ops.a.access_ptr("r", offset=ops.a_offset(wide(T.min(row0 + row, m - 1)), k0 + c * CHUNK)),
-                    row0 + row < m,
-                )  # fmt: skip
-            else:
-                cp_async(
-                    "fuselight_cp_async_16", smem.data, slot * a_stage + swz(row, c),
-                    ops.a.access_ptr("r", offset=ops.a_offset(wide(row0 + row), k0 + c * CHUNK)),
-                )  # fmt: skip
+        # The A slice; the packed words (a quarter of the fp16 tile's bytes), unswizzled; for each
+        # piece, the aligned pair of scales holding its scale, loaded by the thread that loads the
+        # piece (and dequantizes it). Planner-invisible copies (Q4_CP_ASYNC).
+        load_a(smem, slot, k0, row0, tid)
         for it in T.unroll(p_loads):
             row = (it * threads + tid) // pieces_row
             c = (it * threads + tid) % pieces_row
