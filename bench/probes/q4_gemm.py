@@ -35,7 +35,6 @@ records ``dlight_error`` for the case and the run reports DLight's kernel as mis
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import sys
@@ -43,21 +42,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from q4_common import rel_error, tensor_to_tvm  # beside this script (its folder is on sys.path)
+# beside this script (its folder is on sys.path)
+from q4_common import CASES, command_line, kernel_args, linear_args, q4_tokens, q4_weights, rel_error, tensor_to_tvm
 
 M_VALUES = (17, 128, 512, 1000, 1024, 2048, 4095)
-
-# name -> q4_linear arguments (n None: symbolic, run at ``vocab``); m is always symbolic
-CASES: dict[str, dict[str, Any]] = {
-    "qkv": dict(n=6144, k=4096),
-    "o_proj": dict(n=4096, k=4096, epilogue="residual"),
-    "gate_up": dict(n=28672, k=4096),
-    "down": dict(n=4096, k=14336, epilogue="residual"),
-    "lm_head": dict(n=None, k=4096, epilogue="cast_fp32", vocab=128256),
-    "o_proj_bf16": dict(n=4096, k=4096, dtype="bfloat16"),
-    "o_proj_g128": dict(n=4096, k=4096, group=128),
-}
-
 
 # Config sweep of the 4-bit plans at prefill M (the lead's GPU run picks the best plan per M range
 # for configs/gemm/mma_sync_q4.json): every tile below on the static-N Llama shapes (fp16, group
@@ -88,10 +76,6 @@ SWEEP_SPLIT_N = 6144  # split-K 2 is swept where N is at most this, for these ti
 SWEEP_SPLIT_TILES = ((128, 256, 64, 2, 4, 4), (256, 2, 3, 4), (128, 2, 5, 5))
 
 
-def _args(case: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in case.items() if k != "vocab"}
-
-
 def _fp16_name(n: int, k: int, dtype: str) -> str:
     return f"fp16_gemm_{n}x{k}_{dtype}"
 
@@ -116,7 +100,7 @@ def build(out: Path, sweep: bool = True) -> None:
     target = to_tvm(spec)
     ours, base, fp16, manifest = {}, {}, {}, {"cases": {}, "target": spec.options, "m": list(M_VALUES)}
     for name, case in CASES.items():
-        func = q4_linear(**_args(case), m=None, prefill=True).with_attr("target", target)
+        func = q4_linear(**linear_args(case), m=None, prefill=True).with_attr("target", target)
         sch = Matmul().apply(func, target, False)
         if sch is None:
             raise SystemExit(f"{name}: the Matmul rule does not take it")
@@ -228,7 +212,7 @@ def _sweep(target: Any, manifest: dict[str, Any]) -> dict[str, Any]:
     manifest["sweep"] = {"m": list(SWEEP_M), "cases": {}}
     for name in SWEEP_CASES:
         case = CASES[name]
-        func = q4_linear(**_args(case), m=None, prefill=True)
+        func = q4_linear(**linear_args(case), m=None, prefill=True)
         ops = analyze_matmul(func, dequant=True).operands
         plans = []
         for fields in SWEEP_TILES + SWEEP_WGMMA_TILES:
@@ -276,33 +260,6 @@ def _q4_name(plan: Any) -> str:
 # ---- run --------------------------------------------------------------------------------------
 
 
-def _data(case: dict[str, Any], m: int, torch: Any, seed: int) -> dict[str, Any]:
-    """Random inputs (never zeros), the float64 reference and the dequantized weight for torch."""
-    n, k = case["n"] or case["vocab"], case["k"]
-    dtype = getattr(torch, case.get("dtype", "float16"))
-    group = case.get("group", 32)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda", generator=g)
-    q[q == 0] = 0x12345678
-    scale = (torch.rand((n, k // group), device="cuda", generator=g) * 0.018 + 0.002).to(dtype)
-    x = torch.randn((1, m, k), device="cuda", generator=g).to(dtype)
-    shifts = torch.arange(0, 32, 4, device="cuda", dtype=torch.int32)
-    values = ((q[:, :, None] >> shifts) & 15).reshape(n, k)  # element e of a word in bits 4e..4e+3
-    # The function's weight: (dtype(e) - dtype(7)) * scale, each op rounded in dtype.
-    w = (values.to(dtype) - torch.tensor(7, dtype=dtype, device="cuda")) * scale.repeat_interleave(group, dim=1)
-    del values
-    ref = (x.reshape(m, k).double() @ w.double().T).reshape(1, m, n)
-    data = {"q": q.view(torch.uint32), "scale": scale, "x": x, "w": w,
-            "ref": ref, "n": n, "k": k}
-    epilogue = case.get("epilogue", "cast")
-    if epilogue == "residual":
-        r = torch.randn((1, m, n), device="cuda", generator=g).to(dtype)
-        data["r"] = r
-        data["ref"] = ref.to(dtype).double() + r.double()
-    data["out_dtype"] = torch.float32 if epilogue == "cast_fp32" else dtype
-    return data
-
-
 def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[int] | None) -> None:
     import torch
     from fuselight.bench.timing import device_name, time_fn
@@ -325,8 +282,9 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
         tolerance = 1e-3 if dtype == "float16" else 8e-3
         results["cases"][name] = {"ranges": case["ranges"], "by_m": {}}
         for m in ms or manifest["m"]:
-            data = _data(case, m, torch, seed=1234 + idx * 10007 + m)
-            n, k = data["n"], data["k"]
+            wd = q4_weights(case, torch, seed=1234 + idx * 10007 + m)
+            data = q4_tokens(case, wd, (1, m), torch)
+            n, k = wd["n"], wd["k"]
             flop = 2 * m * n * k
             rec: dict[str, Any] = {"shape": {"m": m, "n": n, "k": k, "dtype": dtype, "group": case.get("group", 32),
                                              "epilogue": case.get("epilogue", "cast")}, "kernels": {}}
@@ -348,8 +306,7 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
 
             def q4_kernel(lib_key: str) -> tuple[Any, Any]:
                 out = torch.full((1, m, n), float("nan"), dtype=data["out_dtype"], device="cuda")
-                by_name = {"q_weight": data["q"], "q_scale": data["scale"], "x": data["x"], "r": data.get("r")}
-                args = [to_tvm(by_name[p]) for p in case["params"][:-1]] + [to_tvm(out)]
+                args = kernel_args(case["params"], wd, data, out, tvm, torch)
                 f = libs[lib_key + ("" if lib_key == "dlight" else case.get("suffix", ""))][case["function"]]
                 return (lambda: f(*args)), out
 
@@ -364,7 +321,7 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
             if "error" not in rec["kernels"]["dlight"]:
                 rec["kernels"]["dlight"]["rel_to_fuselight"] = rel_error(ours_out, out)
             # Our fp16 GEMM on the dequantized weight (its numerics: against the same reference, before the epilogue).
-            w16 = data["w"]
+            w16 = wd["w"]
             x3 = data["x"].reshape(1, m, k)
             o16 = torch.full((1, m, n), float("nan"), dtype=w16.dtype, device="cuda")
             f16 = libs["fp16" + case.get("suffix", "")][case["fp16_function"]]
@@ -372,7 +329,7 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
             measure("fuselight_fp16_gemm", lambda: f16(*a16), o16, check=False)
             x2 = data["x"].reshape(m, k)
             measure("torch_fp16_linear", lambda: torch.nn.functional.linear(x2, w16), None)
-            del data, w16, o16, a16
+            del wd, data, w16, o16, a16
             torch.cuda.empty_cache()
             ours, f16e = rec["kernels"]["fuselight"], rec["kernels"]["fuselight_fp16_gemm"]
             if "tflops" in ours and "tflops" in f16e:
@@ -419,18 +376,18 @@ def run_sweep(manifest_path: Path, out_json: Path, only: list[str] | None, ms: l
         case = manifest["cases"][name]
         results["cases"][name] = {}
         for m in ms or manifest["sweep"]["m"]:
-            data = _data(case, m, torch, seed=4321 + idx * 10007 + m)
-            n, k = data["n"], data["k"]
+            wd = q4_weights(case, torch, seed=4321 + idx * 10007 + m)
+            data = q4_tokens(case, wd, (1, m), torch)
+            n, k = wd["n"], wd["k"]
             flop = 2 * m * n * k
-            by_name = {"q_weight": data["q"], "q_scale": data["scale"], "x": data["x"], "r": data.get("r")}
-            o16 = torch.empty((1, m, n), dtype=data["w"].dtype, device="cuda")
+            o16 = torch.empty((1, m, n), dtype=wd["w"].dtype, device="cuda")
             f16 = fp16[case["fp16_function"]]
-            a16 = [to_tvm(data["x"].reshape(1, m, k)), to_tvm(data["w"]), to_tvm(o16)]
+            a16 = [to_tvm(data["x"].reshape(1, m, k)), to_tvm(wd["w"]), to_tvm(o16)]
             f16_us = time_fn(lambda: f16(*a16)).median_us
             rows = []
             for entry in entries:
                 out = torch.full((1, m, n), float("nan"), dtype=data["out_dtype"], device="cuda")
-                args = [to_tvm(by_name[p]) for p in case["params"][:-1]] + [to_tvm(out)]
+                args = kernel_args(case["params"], wd, data, out, tvm, torch)
                 f = lib[entry["function"]]
                 rec: dict[str, Any] = {"plan": entry["plan"]}
                 try:
@@ -454,7 +411,7 @@ def run_sweep(manifest_path: Path, out_json: Path, only: list[str] | None, ms: l
                 else:
                     lines.append(f"{name:<8} {m:>5} {r['plan']:<26}{mark}{r['median_us']:9.2f} {r['tflops']:7.1f} "
                                  f"{r['over_fp16']:6.2f} {r['rel_err']:9.2e}{'' if r['correct'] else ' WRONG'}")
-            del data, o16, a16
+            del wd, data, o16, a16
             torch.cuda.empty_cache()
             print(f"sweep {name} m={m} done", file=sys.stderr, flush=True)
     print(f"{'case':<8} {'m':>5} {'plan':<26} {'us':>9} {'TFLOP/s':>7} {'/fp16':>6} {'rel_err':>9}   (* best correct)")
@@ -464,15 +421,7 @@ def run_sweep(manifest_path: Path, out_json: Path, only: list[str] | None, ms: l
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build")
-    b.add_argument("out", type=Path)
-    b.add_argument("--no-sweep", action="store_true", help="leave out the config sweep (sweep.so)")
-    r = sub.add_parser("run")
-    r.add_argument("manifest", type=Path)
-    r.add_argument("-o", "--output", type=Path, required=True)
-    r.add_argument("--cases", nargs="*")
+    ap, r = command_line(__doc__, "leave out the config sweep (sweep.so)")
     r.add_argument("--m", nargs="*", type=int)
     r.add_argument("--sweep", action="store_true", help="time the config sweep (sweep.so) instead")
     a = ap.parse_args()

@@ -26,14 +26,14 @@ the LM head the second cast to float32 and a symbolic vocabulary, run at 128256)
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from q4_common import rel_error, tensor_to_tvm  # beside this script (its folder is on sys.path)
+# beside this script (its folder is on sys.path)
+from q4_common import CASES, command_line, kernel_args, linear_args, q4_tokens, q4_weights, rel_error
 
 COPY_RATE_GBPS = 3000.0  # H100 device-to-device copy (bytes read + written), shared/device/README.md
 TARGET = {"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024, "max_shared_memory_per_block": 49152,
@@ -41,16 +41,6 @@ TARGET = {"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024, "max_s
 # Token rows timed: decode (1) and batch decode up to the GEMV buckets' 16.
 MS = (1, 2, 3, 4, 5, 7, 8, 11, 13, 16)
 
-# name -> q4_linear arguments (n None: symbolic, run at ``vocab``)
-CASES: dict[str, dict[str, Any]] = {
-    "qkv": dict(n=6144, k=4096),
-    "o_proj": dict(n=4096, k=4096, epilogue="residual"),
-    "gate_up": dict(n=28672, k=4096),
-    "down": dict(n=4096, k=14336, epilogue="residual"),
-    "lm_head": dict(n=None, k=4096, epilogue="cast_fp32", vocab=128256),
-    "o_proj_bf16": dict(n=4096, k=4096, dtype="bfloat16"),
-    "o_proj_g128": dict(n=4096, k=4096, group=128),
-}
 SWEPT = ("qkv", "o_proj", "gate_up", "down", "lm_head")
 # Configs tried besides the shipped ones, by M: (warps, rows_per_warp or None for the mma template,
 # unroll, min_blocks_per_sm, lane_run).
@@ -61,10 +51,6 @@ SWEEP = {
     **{m: [(4, None, 2, 4, 2), (8, None, 2, 2, 2), (16, None, 2, 1, 2), (8, None, 1, 2, 1), (4, None, 4, 2, 2),
            (8, None, 4, 1, 2)] for m in (2, 4, 8, 16)},
 }
-
-
-def _args(case: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in case.items() if k != "vocab"}
 
 
 def _cfg_dict(cfg: Any) -> dict[str, Any]:
@@ -128,7 +114,7 @@ def build(out: Path, sweep: bool) -> None:
     ours, base, base_batch, manifest = {}, {}, {}, {"cases": {}, "target": TARGET, "ms": list(MS)}
     for name, case in CASES.items():
         entry: dict[str, Any] = {**case, "functions": {"decode": f"{name}__m1", "batch": f"{name}__batch"}, "variants": {}}
-        funcs = {m: q4_linear(**_args(case), m=m).with_attr("target", target) for m in (1, None)}
+        funcs = {m: q4_linear(**linear_args(case), m=m).with_attr("target", target) for m in (1, None)}
         for m, fname in ((1, f"{name}__m1"), (None, f"{name}__batch")):
             sch = Gemv().apply(funcs[m], target, False)
             if sch is None:
@@ -141,7 +127,7 @@ def build(out: Path, sweep: bool) -> None:
         entry["batch_buckets"] = {str(top): _cfg_dict(c) for top, c in symbolic_m_buckets(ops_b, target)}
         if sweep and name in SWEPT:
             for m, configs in SWEEP.items():
-                f = funcs[1] if m == 1 else q4_linear(**_args(case), m=m).with_attr("target", target)
+                f = funcs[1] if m == 1 else q4_linear(**linear_args(case), m=m).with_attr("target", target)
                 ops = analyze_matmul(f, dequant=True).operands
                 shipped = gemv_config(ops, m, target)
                 for w, r, u, b, lr in configs:
@@ -181,37 +167,6 @@ def build(out: Path, sweep: bool) -> None:
 # ---- run --------------------------------------------------------------------------------------
 
 
-def _weights(case: dict[str, Any], torch: Any, seed: int) -> dict[str, Any]:
-    """Random packed words and scales (never zeros) and the function's fp16/bf16 weight."""
-    n, k = case["n"] or case["vocab"], case["k"]
-    dtype = getattr(torch, case.get("dtype", "float16"))
-    group = case.get("group", 32)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda", generator=g)
-    scale = (torch.rand((n, k // group), device="cuda", generator=g) * 0.018 + 0.002).to(dtype)
-    shifts = torch.arange(0, 32, 4, device="cuda", dtype=torch.int32)
-    values = ((q[:, :, None] >> shifts) & 15).reshape(n, k)  # element e of a word in bits 4e..4e+3
-    # The function's weight: (dtype(e) - dtype(7)) * scale, each op rounded in dtype (torch rounds
-    # half/bfloat16 arithmetic once per op, as the CUDA of the dequantize does).
-    w = (values.to(dtype) - torch.tensor(7, dtype=dtype, device="cuda")) * scale.repeat_interleave(group, dim=1)
-    return {"q": q.view(torch.uint32), "scale": scale, "w": w, "n": n, "k": k, "dtype": dtype, "gen": g}
-
-
-def _tokens(case: dict[str, Any], wd: dict[str, Any], m: int, torch: Any) -> dict[str, Any]:
-    """M token rows, the residual where the epilogue adds one, and the float64 reference."""
-    n, k, dtype, g = wd["n"], wd["k"], wd["dtype"], wd["gen"]
-    x = torch.randn((m, 1, k), device="cuda", generator=g).to(dtype)
-    ref = (x.reshape(m, k).double() @ wd["w"].double().T).reshape(m, 1, n)
-    data = {"x": x, "ref": ref, "m": m}
-    epilogue = case.get("epilogue", "cast")
-    if epilogue == "residual":
-        r = torch.randn((m, 1, n), device="cuda", generator=g).to(dtype)
-        data["r"] = r
-        data["ref"] = ref.to(dtype).double() + r.double()  # cast, then the add in dtype (ref: exact add)
-    data["out_dtype"] = torch.float32 if epilogue == "cast_fp32" else dtype
-    return data
-
-
 def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[int] | None) -> None:
     import torch
     from fuselight.bench.timing import device_name, time_fn
@@ -222,16 +177,13 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
     libs = {key: load_module(root / name)[0] for key, name in manifest["libraries"].items()}
     import tvm
 
-    def to_tvm(t: Any) -> Any:
-        return tensor_to_tvm(tvm, torch, t)
-
     results = {"device": device_name("cuda"), "torch": torch.__version__, "manifest": str(manifest_path),
                "copy_rate_gbps": COPY_RATE_GBPS, "cases": {}}
     rows = []
     for idx, (name, case) in enumerate(manifest["cases"].items()):
         if only and name not in only:
             continue
-        wd = _weights(case, torch, seed=1234 + idx)
+        wd = q4_weights(case, torch, seed=1234 + idx)
         n, k = wd["n"], wd["k"]
         group = case.get("group", 32)
         weight_bytes = n * k // 2 + n * (k // group) * 2  # packed words + scales
@@ -250,7 +202,7 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
         except Exception as err:  # noqa: BLE001
             w4 = err
         for m in ms or manifest.get("ms", [1]):
-            data = _tokens(case, wd, m, torch)
+            data = q4_tokens(case, wd, (m, 1), torch)
             mrec: dict[str, Any] = {"shape": {"n": n, "k": k, "m": m, "quantization": quant}, "kernels": {}}
 
             def measure(label: str, fn: Any, out: Any | None) -> None:
@@ -272,8 +224,7 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
             def tvm_kernel(lib_key: str, fname: str) -> tuple[Any, Any]:
                 out = torch.full((m, 1, n), float("nan"), dtype=data["out_dtype"], device="cuda")
                 f = libs[lib_key][fname]
-                by_name = {"q_weight": wd["q"], "q_scale": wd["scale"], "x": data["x"], "r": data.get("r")}
-                args = [to_tvm(by_name[p]) for p in case["params"][:-1]] + [to_tvm(out)]
+                args = kernel_args(case["params"], wd, data, out, tvm, torch)
                 return (lambda: f(*args)), out
 
             kinds = [("fuselight", "batch"), ("dlight", "batch")]
@@ -339,15 +290,7 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build")
-    b.add_argument("out", type=Path)
-    b.add_argument("--no-sweep", action="store_true")
-    r = sub.add_parser("run")
-    r.add_argument("manifest", type=Path)
-    r.add_argument("-o", "--output", type=Path, required=True)
-    r.add_argument("--cases", nargs="*")
+    ap, r = command_line(__doc__, "leave out the config sweep")
     r.add_argument("--ms", nargs="*", type=int, help=f"token rows to time (default: the manifest's, {MS})")
     a = ap.parse_args()
     if a.cmd == "build":

@@ -170,25 +170,46 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
         # reads (same chunk, consecutive rows) land in 8 different bank groups.
         return row * bk + T.bitwise_xor(chunk, (row // rows_per_line) % chunks) * CHUNK
 
+    def cp_async(name, *args):
+        return T.evaluate(cuda_op.cuda_func_call(name, *args, source_code=Q4_CP_ASYNC[name]))
+
+    def cp_async_wait(pending):
+        name, src = cp_async_wait_source(pending)
+        return T.evaluate(cuda_op.cuda_func_call(name, source_code=src))
+
+    def copy_a(smem, offset, src, pred):
+        # 16 bytes of A into the A tile (``pred`` None: the row is below M, else zero-filled where
+        # false): by TVM's cp.async, or with a 4-bit B by the planner-invisible copies its slices use.
+        if deq is not None:
+            if pred is None:
+                return cp_async("fuselight_cp_async_16", smem.data, offset, src)
+            return cp_async("fuselight_cp_async_16_zfill", smem.data, offset, src, pred)
+        if pred is None:
+            return T.evaluate(T.ptx.cp_async(smem.access_ptr("w", offset=offset), src, 16))
+        return T.evaluate(
+            T.ptx.cp_async(smem.access_ptr("w", offset=offset), src, 16, predicate=pred, fill_mode="zero")
+        )
+
     @T.macro
-    def load_slice(smem, slot, k0, row0, col0, tid):
+    def load_a(smem, slot, k0, row0, tid):
         for it in T.unroll(a_loads):
             row = (it * threads + tid) // chunks
             c = (it * threads + tid) % chunks
             if predicated:
-                T.ptx.cp_async(
-                    smem.access_ptr("w", offset=slot * a_stage + swz(row, c)),
+                copy_a(
+                    smem, slot * a_stage + swz(row, c),
                     ops.a.access_ptr("r", offset=ops.a_offset(wide(T.min(row0 + row, m - 1)), k0 + c * CHUNK)),
-                    16,
-                    predicate=row0 + row < m,
-                    fill_mode="zero",
-                )
+                    row0 + row < m,
+                )  # fmt: skip
             else:
-                T.ptx.cp_async(
-                    smem.access_ptr("w", offset=slot * a_stage + swz(row, c)),
-                    ops.a.access_ptr("r", offset=ops.a_offset(wide(row0 + row), k0 + c * CHUNK)),
-                    16,
-                )
+                copy_a(
+                    smem, slot * a_stage + swz(row, c),
+                    ops.a.access_ptr("r", offset=ops.a_offset(wide(row0 + row), k0 + c * CHUNK)), None,
+                )  # fmt: skip
+
+    @T.macro
+    def load_slice(smem, slot, k0, row0, col0, tid):
+        load_a(smem, slot, k0, row0, tid)
         for it in T.unroll(b_loads):
             row = (it * threads + tid) // chunks
             c = (it * threads + tid) % chunks
@@ -198,32 +219,12 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
                 16,
             )
 
-    def cp_async(name, *args):
-        return T.evaluate(cuda_op.cuda_func_call(name, *args, source_code=Q4_CP_ASYNC[name]))
-
-    def cp_async_wait(pending):
-        name, src = cp_async_wait_source(pending)
-        return T.evaluate(cuda_op.cuda_func_call(name, source_code=src))
-
     @T.macro
     def load_slice_q4(smem, slot, k0, row0, col0, tid):
-        # The A slice as load_slice's; the packed words (a quarter of the fp16 tile's bytes),
-        # unswizzled; for each piece, the aligned pair of scales holding its scale, loaded by the
-        # thread that loads the piece (and dequantizes it). Planner-invisible copies (Q4_CP_ASYNC).
-        for it in T.unroll(a_loads):
-            row = (it * threads + tid) // chunks
-            c = (it * threads + tid) % chunks
-            if predicated:
-                cp_async(
-                    "fuselight_cp_async_16_zfill", smem.data, slot * a_stage + swz(row, c),
-                    ops.a.access_ptr("r", offset=ops.a_offset(wide(T.min(row0 + row, m - 1)), k0 + c * CHUNK)),
-                    row0 + row < m,
-                )  # fmt: skip
-            else:
-                cp_async(
-                    "fuselight_cp_async_16", smem.data, slot * a_stage + swz(row, c),
-                    ops.a.access_ptr("r", offset=ops.a_offset(wide(row0 + row), k0 + c * CHUNK)),
-                )  # fmt: skip
+        # The A slice; the packed words (a quarter of the fp16 tile's bytes), unswizzled; for each
+        # piece, the aligned pair of scales holding its scale, loaded by the thread that loads the
+        # piece (and dequantizes it). Planner-invisible copies (Q4_CP_ASYNC).
+        load_a(smem, slot, k0, row0, tid)
         for it in T.unroll(p_loads):
             row = (it * threads + tid) // pieces_row
             c = (it * threads + tid) % pieces_row
@@ -298,6 +299,18 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
                         C_smem[(warp_row + i * MMA_M + lane // 4 + h * 8) * ld_c + warp_col + j * MMA_N + (lane % 4) * 2 + e] = acc[(i * nj + j) * 4 + h * 2 + e]  # fmt: skip
         T.tvm_storage_sync("shared")
 
+    # One pipeline for both B operands, the 4-bit one's differences chosen when the macro is parsed.
+    # 4-bit B: dequantized in the kernel, software-pipelined with one barrier a slice. Iteration kt:
+    # (k step 0) refill the buffers of slice kt - 1 with slice kt + stages - 1; multiply slice kt
+    # from B tile kt % 2 while, between the k steps' mmas, each thread waits for its own copies of
+    # slice kt + 1 (cp.async.wait_group: visible to the thread itself, no barrier needed) and
+    # dequantizes its pieces of it into B tile (kt + 1) % 2, which every warp finished reading
+    # before the barrier of iteration kt - 1; (last k step) the one barrier: slice kt + 1's A and
+    # dequantized B are visible to all, slice kt's buffers are free.
+    q4_b = deq is not None
+    load = load_slice_q4 if q4_b else load_slice
+    b_tiles = 2 if q4_b else stages  # the B tiles ldmatrix reads: the two dequantized ones, or each stage's
+
     @T.macro
     def compute(smem, Af, Bf, acc, row0, col0, k_begin, tid):
         # acc = this warp's piece of A[row0:, k range] x B[col0:, k range]^T, staged in shared memory.
@@ -310,9 +323,14 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
         # Always stages - 1 groups (empty past the last slice): the waits below count on it.
         for s in T.unroll(stages - 1):
             if s < k_tiles:
-                load_slice(smem, s, k_begin + s * bk, row0, col0, tid)
+                load(smem, s, k_begin + s * bk, row0, col0, tid)
             T.ptx.cp_async.commit_group()
-        T.ptx.cp_async.wait_group(stages - 2)
+        if q4_b:
+            cp_async_wait(stages - 2)
+            for it in T.unroll(p_loads):
+                dequant_piece(smem, 0, 0, k_begin, tid, it)
+        else:
+            T.ptx.cp_async.wait_group(stages - 2)
         T.tvm_storage_sync("shared")
         load_fragments(smem, 0, 0, 0, Af, Bf, 0, warp_row, warp_col, lane)
         for kt in T.serial(k_tiles):
@@ -321,74 +339,37 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
                     # Every warp is past the barrier that followed its last read of slice kt - 1:
                     # refill that buffer. (An empty group keeps the count wait_group relies on.)
                     if kt + (stages - 1) < k_tiles:
-                        load_slice(
+                        load(
                             smem, (kt + (stages - 1)) % stages, k_begin + (kt + (stages - 1)) * bk, row0, col0, tid
                         )
                     T.ptx.cp_async.commit_group()
                 if kk == k_steps - 1:
-                    # Slice kt + 1 has landed and is visible to all warps.
-                    T.ptx.cp_async.wait_group(stages - 2)
+                    # Slice kt + 1 has landed (4-bit B: each thread waited for its own copies
+                    # below) and is visible to all warps.
+                    if not q4_b:
+                        T.ptx.cp_async.wait_group(stages - 2)
                     T.tvm_storage_sync("shared")
                 # Operands of the next k step (the next slice's first) load while this one multiplies.
                 if kk + 1 < k_steps:
-                    load_fragments(smem, kt % stages, kt % stages, kk + 1, Af, Bf, (kk + 1) % 2, warp_row, warp_col, lane)
+                    load_fragments(
+                        smem, kt % stages, kt % b_tiles, kk + 1, Af, Bf, (kk + 1) % 2, warp_row, warp_col, lane
+                    )
                 elif kt + 1 < k_tiles:
                     load_fragments(
-                        smem, (kt + 1) % stages, (kt + 1) % stages, 0, Af, Bf, (kk + 1) % 2, warp_row, warp_col, lane
+                        smem, (kt + 1) % stages, (kt + 1) % b_tiles, 0, Af, Bf, (kk + 1) % 2, warp_row, warp_col, lane
                     )
                 mma_step(Af, Bf, acc, kk)
-        T.ptx.cp_async.wait_group(0)
-        T.tvm_storage_sync("shared")
-        stage_accumulators(smem, acc, warp_row, warp_col, lane)
-
-    @T.macro
-    def compute_q4(smem, Af, Bf, acc, row0, col0, k_begin, tid):
-        # ``compute`` with B dequantized in the kernel, software-pipelined with one barrier a slice.
-        # Iteration kt: (k step 0) refill the buffers of slice kt - 1 with slice kt + stages - 1;
-        # multiply slice kt from B tile kt % 2 while, between the k steps' mmas, each thread waits
-        # for its own copies of slice kt + 1 (cp.async.wait_group: visible to the thread itself, no
-        # barrier needed) and dequantizes its pieces of it into B tile (kt + 1) % 2, which every warp
-        # finished reading before the barrier of iteration kt - 1; (last k step) the one barrier:
-        # slice kt + 1's A and dequantized B are visible to all, slice kt's buffers are free.
-        warp: T.let[T.int32] = tid // WARP
-        lane: T.let[T.int32] = tid % WARP
-        warp_row: T.let[T.int32] = warp // tile.warps_n * wm
-        warp_col: T.let[T.int32] = warp % tile.warps_n * wn
-        for i in T.unroll(mi * nj * 4):
-            acc[i] = T.float32(0)
-        # Always stages - 1 groups (empty past the last slice): the waits below count on it.
-        for s in T.unroll(stages - 1):
-            if s < k_tiles:
-                load_slice_q4(smem, s, k_begin + s * bk, row0, col0, tid)
-            T.ptx.cp_async.commit_group()
-        cp_async_wait(stages - 2)
-        for it in T.unroll(p_loads):
-            dequant_piece(smem, 0, 0, k_begin, tid, it)
-        T.tvm_storage_sync("shared")
-        load_fragments(smem, 0, 0, 0, Af, Bf, 0, warp_row, warp_col, lane)
-        for kt in T.serial(k_tiles):
-            for kk in T.unroll(k_steps):
-                if kk == 0:
-                    if kt + (stages - 1) < k_tiles:
-                        load_slice_q4(
-                            smem, (kt + (stages - 1)) % stages, k_begin + (kt + (stages - 1)) * bk, row0, col0, tid
-                        )
-                    T.ptx.cp_async.commit_group()
-                if kk == k_steps - 1:
-                    T.tvm_storage_sync("shared")
-                if kk + 1 < k_steps:
-                    load_fragments(smem, kt % stages, kt % 2, kk + 1, Af, Bf, (kk + 1) % 2, warp_row, warp_col, lane)
-                elif kt + 1 < k_tiles:
-                    load_fragments(smem, (kt + 1) % stages, (kt + 1) % 2, 0, Af, Bf, (kk + 1) % 2, warp_row, warp_col, lane)
-                # The tensor cores get this step's mmas before the thread waits and converts.
-                mma_step(Af, Bf, acc, kk)
-                if kk == 0:
-                    cp_async_wait(stages - 2)  # this thread's copies of slice kt + 1 have landed
-                if kk + 1 < k_steps:
-                    if kt + 1 < k_tiles:
-                        for it in T.unroll(p_loads):
-                            if it % (k_steps - 1) == kk:
-                                dequant_piece(smem, (kt + 1) % stages, (kt + 1) % 2, k_begin + (kt + 1) * bk, tid, it)
+                if q4_b:
+                    # The tensor cores get this step's mmas before the thread waits and converts.
+                    if kk == 0:
+                        cp_async_wait(stages - 2)  # this thread's copies of slice kt + 1 have landed
+                    if kk + 1 < k_steps:
+                        if kt + 1 < k_tiles:
+                            for it in T.unroll(p_loads):
+                                if it % (k_steps - 1) == kk:
+                                    dequant_piece(
+                                        smem, (kt + 1) % stages, (kt + 1) % 2, k_begin + (kt + 1) * bk, tid, it
+                                    )
         T.ptx.cp_async.wait_group(0)
         T.tvm_storage_sync("shared")
         stage_accumulators(smem, acc, warp_row, warp_col, lane)
@@ -430,7 +411,7 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
                 for e in T.vectorized(CHUNK):
                     part[wide(split * m + row0 + row) * n + col0 + col + e] = C_smem[row * ld_c + col + e]
 
-    return (compute if deq is None else compute_q4), store, store_partial
+    return compute, store, store_partial
 
 
 def _fragments(tile: GemmTile, dtype: str):
