@@ -25,6 +25,7 @@ from fuselight.paths import config_dir
 
 C = TypeVar("C")
 ANALYTIC = "analytic"  # the key of a config file's arch-independent choices
+PER_SM = "per_sm"  # a count written {"per_sm": k}: k x the device's SM count
 Analytic = Callable[[DeviceModel, Any], Any]  # (device, the file's "analytic" entry) -> the arch's entry
 TileBytes = Callable[[dict[str, int]], int]
 
@@ -34,17 +35,37 @@ def arch_entry(path: Path, arch: str, analytic: Analytic) -> tuple[Any, str]:
     ``analytic(device, template)`` of the file's ``analytic`` entry (the arch-independent choices),
     with where it came from (for errors); FuselightError for an undescribed arch."""
     node: Any = read_json_object(path, missing=f"config not found: {path}")
-    if arch in node:
-        return node[arch], f"{path}[{arch!r}]"
     device = device_model(arch)
+    if arch in node:
+        where = f"{path}[{arch!r}]"
+        return per_sm_counts(device, node[arch], where), where
     if device is None:
         raise FuselightError(f"{path}: no entry {arch!r} and no device description of it (unsupported target arch)")
     if not isinstance(node.get(ANALYTIC), dict):
         raise FuselightError(f"{path}: no entry {arch!r} and no {ANALYTIC!r} entry to derive one from")
+    where = f"{path}[{ANALYTIC!r}]"
     try:
-        return analytic(device, node[ANALYTIC]), f"{path}[{ANALYTIC!r}] for {arch}"
+        entry = analytic(device, node[ANALYTIC])
     except (KeyError, TypeError, ValueError) as err:
-        raise FuselightError(f"{path}[{ANALYTIC!r}]: malformed ({err!r})") from None
+        raise FuselightError(f"{where}: malformed ({err!r})") from None
+    return per_sm_counts(device, entry, where), f"{where} for {arch}"
+
+
+def per_sm_counts(device: DeviceModel | None, node: Any, where: str) -> Any:
+    """``node`` (a config entry) with every ``{"per_sm": k}`` in it replaced by k x the device's SM
+    count; FuselightError naming the entry for a bad k or where there is no device description."""
+    if isinstance(node, list):
+        return [per_sm_counts(device, v, f"{where}[{i}]") for i, v in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    if set(node) != {PER_SM}:
+        return {k: per_sm_counts(device, v, f"{where}[{k!r}]") for k, v in node.items()}
+    k = node[PER_SM]
+    if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
+        raise FuselightError(f"{where}: {PER_SM!r} must be a positive integer, got {k!r}")
+    if device is None:
+        raise FuselightError(f"{where}: a count per SM, and no device description to resolve it")
+    return k * device.sms
 
 
 def load_arch_config(family: str, name: str, arch: str, cls: type[C], *keys: str, analytic: Analytic) -> C:
@@ -98,10 +119,11 @@ def prefill(device: DeviceModel, t: dict, head_dims: tuple[int, ...], smem: Call
     return out
 
 
-def decode(device: DeviceModel, t: dict) -> dict:
-    """Split-KV decode: split until ``blocks_per_sm`` blocks an SM."""
-    fields = _plain(t)
-    return {**fields, "target_blocks": fields.pop("blocks_per_sm") * device.sms}
+def as_written(device: DeviceModel, t: dict) -> dict:
+    """The ``analytic`` entry as written (split-KV decode, the 4-bit GEMV buckets): no field depends
+    on the device but its counts per SM (``per_sm_counts``)."""
+    del device
+    return _plain(t)
 
 
 def rope_append(device: DeviceModel, t: dict) -> dict:
@@ -110,36 +132,20 @@ def rope_append(device: DeviceModel, t: dict) -> dict:
 
 
 def rowwise(device: DeviceModel, t: dict) -> dict:
-    """Row reductions: block sizes in warps; rows split while fewer than ``below_rows_per_sm`` an
-    SM, until ``blocks_per_sm`` blocks an SM."""
+    """Row reductions: block sizes in warps."""
     row, split = _plain(t["row"]), _plain(t["split"])
     return {
         "row": {**row, "block_threads": row.pop("block_warps") * device.warp_size},
-        "split": {**split, "split_threads": split.pop("split_warps") * device.warp_size,
-                  "below_rows": split.pop("below_rows_per_sm") * device.sms,
-                  "target_blocks": split.pop("blocks_per_sm") * device.sms},
+        "split": {**split, "split_threads": split.pop("split_warps") * device.warp_size},
     }
 
 
 def gemv(device: DeviceModel, t: dict) -> dict:
-    """GEMV buckets: ``max_blocks_per_sm`` x the SMs; the L2 prefetch ahead of the grid wait (TMA's
-    bulk prefetch, then griddepcontrol.wait) only where the device has both."""
+    """GEMV buckets: the L2 prefetch ahead of the grid wait (TMA's bulk prefetch, then
+    griddepcontrol.wait) only where the device has both."""
     prefetch = device.has("tma") and device.has("griddepcontrol")
-    buckets = {}
-    for name, fields in _plain(t).items():
-        b = dict(fields)
-        if "max_blocks_per_sm" in b:
-            b["max_blocks"] = b.pop("max_blocks_per_sm") * device.sms
-        if not prefetch:
-            b.pop("prefetch_l2_percent", None)
-        buckets[name] = b
-    return buckets
-
-
-def gemv_q4(device: DeviceModel, t: dict) -> dict:
-    """GEMV buckets for 4-bit weights: no field depends on the device."""
-    del device
-    return _plain(t)
+    drop = () if prefetch else ("prefetch_l2_percent",)
+    return {name: {k: v for k, v in fields.items() if k not in drop} for name, fields in _plain(t).items()}
 
 
 def tile_name(t: dict[str, int], prefix: str = "") -> str:
@@ -185,7 +191,7 @@ def dispatch(device: DeviceModel, t: dict, measured_efficiency: dict[str, float]
 
 def mma_sync_q4(device: DeviceModel, t: dict, tile_bytes: TileBytes) -> dict:
     """The 4-bit GEMM: ``t``'s tiles fitted (``fitted_tiles``); each range keeps the plans whose
-    tiles (named without stages, ``main+rest``) all fit; ``min_blocks`` = ``blocks_per_sm`` x the SMs."""
+    tiles (named without stages, ``main+rest``) all fit."""
     tiles = fitted_tiles(device, t["tiles"], tile_bytes, prefix="q4-")
     by_shape = {_shape(name): name for name in tiles}
 
@@ -195,4 +201,4 @@ def mma_sync_q4(device: DeviceModel, t: dict, tile_bytes: TileBytes) -> dict:
 
     ranges = [[upper, [f for f in map(fitted, plans) if f is not None]] for upper, plans in t["ranges"]]
     return {"tiles": tiles, "ranges": [r for r in ranges if r[1]], "split_k": t["split_k"],
-            "min_blocks": t["blocks_per_sm"] * device.sms}
+            "min_blocks": t["min_blocks"]}

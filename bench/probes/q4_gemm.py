@@ -63,7 +63,7 @@ SWEEP_TILES = (
     (64, 256, 64, 2, 4, 4),
 )
 SWEEP_WGMMA_TILES = (
-    # wgmma: block_n, warpgroups, stages, q4_staging (group_m 8, 132 persistent blocks)
+    # wgmma: block_n, warpgroups, stages, q4_staging (group_m 8, a persistent block on each SM)
     (256, 2, 3, 3),
     (256, 2, 3, 4),
     (128, 2, 5, 3),
@@ -201,6 +201,7 @@ def _ptxas_report(source: str, path: Path) -> None:
 
 def _sweep(target: Any, manifest: dict[str, Any]) -> dict[str, Any]:
     """The sweep's functions (one plan each, no GEMV buckets, no M ranges), recorded in ``manifest``."""
+    from fuselight.device import require_device
     from fuselight.quant_prim_funcs import q4_linear
     from fuselight.rules.base import host_branch, with_kernels
     from fuselight.rules.gemm import gemm_body
@@ -208,6 +209,7 @@ def _sweep(target: Any, manifest: dict[str, Any]) -> dict[str, Any]:
     from fuselight.rules.gemm.plan import GemmPlan, GemmTile, check_plan
     from fuselight.rules.gemm.wgmma import WgmmaPlan, WgmmaTile, check_tile
 
+    sms = require_device("sm_90").sms  # one persistent wgmma block on each SM, as configs/gemm/wgmma.json
     funcs: dict[str, Any] = {}
     manifest["sweep"] = {"m": list(SWEEP_M), "cases": {}}
     for name in SWEEP_CASES:
@@ -221,7 +223,7 @@ def _sweep(target: Any, manifest: dict[str, Any]) -> dict[str, Any]:
                     continue
                 if len(fields) == 4:
                     bn, wg, stages, staging = fields
-                    plan = WgmmaPlan(WgmmaTile(bn, wg, stages, group_m=8, max_blocks=132, q4_staging=staging), split)
+                    plan = WgmmaPlan(WgmmaTile(bn, wg, stages, group_m=8, max_blocks=sms, q4_staging=staging), split)
                 else:
                     plan = GemmPlan(main=GemmTile(*fields), split_k=split)
                 try:

@@ -67,7 +67,7 @@ class DecodeConfig:
 
 
 def load_decode_config(arch: str) -> DecodeConfig:
-    cfg = load_arch_config("attention", "decode", arch, DecodeConfig, analytic=arch_config.decode)
+    cfg = load_arch_config("attention", "decode", arch, DecodeConfig, analytic=arch_config.as_written)
     return dataclasses.replace(cfg, griddepcontrol=require_device(arch).has("griddepcontrol"))
 
 

@@ -157,7 +157,7 @@ def load_gemv_configs(arch: str, quantized: bool = False) -> list[GemvConfig]:
     name = CONFIG_NAME_Q4 if quantized else CONFIG_NAME
     device = require_device(arch)
     node, where = arch_entry(config_dir() / CONFIG_FAMILY / f"{name}.json", arch,
-                             arch_config.gemv_q4 if quantized else arch_config.gemv)
+                             arch_config.as_written if quantized else arch_config.gemv)
     if not isinstance(node, dict):
         raise FuselightError(f"{where}: must be an object of M buckets")
     configs = []

@@ -47,7 +47,7 @@ from fuselight.paths import config_dir
 
 from fuselight.device import most, require_device, warp_size
 
-from ..arch_config import from_fields
+from ..arch_config import from_fields, per_sm_counts
 from .operands import B_LAYOUTS, DTYPES, GemmOperands
 from .split_k import reduction
 
@@ -182,23 +182,24 @@ class WgmmaPlan:
 
 
 def load_wgmma_tiles(arch: str) -> dict[str, WgmmaTile]:
-    """The named tiles for ``arch`` (e.g. ``sm_90``) from ``configs/gemm/wgmma.json``."""
-    load_wgmma_tile(arch)  # names the problem if the file, the arch or its default tile is missing
-    path = config_dir() / "gemm" / "wgmma.json"
-    names = read_json_object(path, missing=f"gemm config not found: {path}")[arch]
-    return {name: from_fields(WgmmaTile, names[name], f"{path}[{arch!r}][{name!r}]") for name in names}
-
-
-def load_wgmma_tile(arch: str) -> WgmmaTile:
-    """The default (large-M) tile for ``arch`` from ``configs/gemm/wgmma.json``: measured only (no
-    analytic tiles), and only for a device with wgmma."""
-    if not require_device(arch).has("wgmma"):
+    """The named tiles for ``arch`` (e.g. ``sm_90``) from ``configs/gemm/wgmma.json``: measured only
+    (no analytic tiles), and only for a device with wgmma; FuselightError if the arch has no
+    ``default`` (large-M) tile."""
+    device = require_device(arch)
+    if not device.has("wgmma"):
         raise FuselightError(f"wgmma gemm: {arch} has no wgmma (configs/targets/devices.json)")
     path = config_dir() / "gemm" / "wgmma.json"
     node = read_json_object(path, missing=f"gemm config not found: {path}")
     if DEFAULT_TILE not in node.get(arch, {}):
         raise FuselightError(f"{path}: no entry {arch!r} with a {DEFAULT_TILE!r} tile (no measured wgmma tiles)")
-    return from_fields(WgmmaTile, node[arch][DEFAULT_TILE], f"{path}[{arch!r}][{DEFAULT_TILE!r}]")
+    where = f"{path}[{arch!r}]"
+    names = per_sm_counts(device, node[arch], where)
+    return {name: from_fields(WgmmaTile, names[name], f"{where}[{name!r}]") for name in names}
+
+
+def load_wgmma_tile(arch: str) -> WgmmaTile:
+    """The default (large-M) tile for ``arch`` (``load_wgmma_tiles``)."""
+    return load_wgmma_tiles(arch)[DEFAULT_TILE]
 
 
 def check_tile(tile: WgmmaTile, ops: GemmOperands, split_k: int = 1) -> None:

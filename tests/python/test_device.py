@@ -1,11 +1,14 @@
 """The device model (``fuselight.device``, ``configs/targets/devices.json``): its descriptions, and
-that no code restates one of its facts."""
+that no code or config restates one of its facts."""
 
 from __future__ import annotations
 
 import ast
 import json
+import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fuselight import device as dm
@@ -14,6 +17,11 @@ from fuselight.paths import config_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 CODE = [ROOT / "rules", ROOT / "passes", ROOT / "python" / "fuselight"]
+# Configs not scanned: the device model itself, the models' shapes (a vocabulary of 49152 is no
+# shared-memory size) and the trained GEMM cost model (tree ids and split thresholds).
+CONFIG_SKIP = ("targets", "models")
+TRAINED = re.compile(r"cost-model-")
+ARCH = re.compile(r"sm_\d+")
 # Facts distinctive enough that a literal equal to one is a copy (a warp of 32 or 1024 threads is
 # not: those numbers mean many other things).
 FACTS = ("sms", "smem_per_block", "smem_per_block_optin", "smem_per_sm", "l2_bytes", "regs_per_sm",
@@ -39,6 +47,49 @@ def restated_facts(source: str, facts: dict[float, str]) -> list[tuple[int, str]
         if value is not None and float(value) in facts:
             found.append((node.lineno, facts[float(value)]))
     return found
+
+
+def restated_in_config(node: Any, facts: dict[float, str], arch: str | None = None, where: str = "") -> Iterator[str]:
+    """``where: fact`` for each number of a config (not its ``_doc`` strings) equal to a fact, or, in
+    an arch's entry (``arch``, or a key ``sm_NN``), a multiple of that arch's SM count: a grid size
+    the config should write as ``{"per_sm": k}``."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if not key.startswith("_"):
+                inner = key if ARCH.fullmatch(key) else arch
+                yield from restated_in_config(value, facts, inner, f"{where}[{key!r}]")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from restated_in_config(value, facts, arch, f"{where}[{i}]")
+    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+        device = dm.device_model(arch)
+        if float(node) in facts:
+            yield f"{where}: {facts[float(node)]}"
+        elif device is not None and node > 0 and node % device.sms == 0:
+            yield f"{where}: {node // device.sms} x {arch}.sms"
+
+
+def test_no_config_restates_a_device_fact():
+    facts = device_facts()
+    offenders = []
+    for path in sorted(config_dir().rglob("*.json")):
+        rel = path.relative_to(config_dir())
+        if rel.parts[0] in CONFIG_SKIP or TRAINED.match(path.name):
+            continue
+        arch = ARCH.search(path.stem)  # a measured table of one arch (measured-sm_90.json)
+        found = restated_in_config(json.loads(path.read_text()), facts, arch and arch.group())
+        offenders += [f"{rel}{f}" for f in found]
+    assert offenders == []
+
+
+def test_the_config_check_finds_a_restated_fact():
+    facts = device_facts()
+    config = {"_doc": "132 SMs", "analytic": {"smem": 232448, "warps": 4},
+              "sm_90": {"max_blocks": 264, "target_blocks": {"per_sm": 2}, "rows": [256, 1056]}}
+    assert list(restated_in_config(config, facts)) == [
+        "['analytic']['smem']: sm_90.smem_per_block_optin", "['sm_90']['max_blocks']: 2 x sm_90.sms",
+        "['sm_90']['rows'][1]: 8 x sm_90.sms"]
+    assert list(restated_in_config([216, 256], facts, "sm_80")) == ["[0]: 2 x sm_80.sms"]
 
 
 def test_no_code_restates_a_device_fact():

@@ -26,6 +26,7 @@ from fuselight.model.llama import export_module
 from fuselight.model.weights import hf_config
 from fuselight.paths import config_dir
 from fuselight.rules import fuselight_rules
+from fuselight.rules.arch_config import arch_entry, per_sm_counts
 from fuselight.rules.flash_attention import FlashAttention
 from fuselight.rules.flash.decode import load_decode_config
 from fuselight.rules.flash.prefill import load_prefill_config
@@ -34,6 +35,7 @@ from fuselight.rules.gemm import dispatch, estimate
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemm.gemv import load_gemv_configs
 from fuselight.rules.gemm.plan import load_tiles
+from fuselight.rules.gemm.wgmma import load_wgmma_tiles
 from fuselight.rules.reduce.rowwise import load_split_config
 from fuselight.target import resolve, to_tvm
 from tvm import tirx
@@ -177,6 +179,27 @@ def test_measured_arch_keeps_its_table_and_others_get_analytic_configs():
         assert d.cost_model == "analytic" and d.wgmma == {} and d.measured == {}
         assert not load_decode_config(arch).griddepcontrol
     assert load_decode_config("sm_90").griddepcontrol
+
+
+def test_sm90s_grid_sizes_written_per_sm_resolve_to_its_measured_numbers():
+    """The measured sm_90 entries write grid sizes as {"per_sm": k}; over its 132 SMs they are the
+    numbers measured: one persistent wgmma block an SM, 8 x 132 decode blocks, 2 x 132 split blocks."""
+    assert {t.max_blocks for t in load_wgmma_tiles("sm_90").values()} == {132}
+    assert load_decode_config("sm_90").target_blocks == 1056
+    split = load_split_config("sm_90")
+    assert (split.target_blocks, split.below_rows) == (264, 256)
+    m1 = sorted(c.max_blocks for c in load_gemv_configs("sm_90") if c.max_m == 1 and c.max_blocks is not None)
+    assert m1 == [256, 256, 528]
+    q4, _ = arch_entry(config_dir() / "gemm" / "mma_sync_q4.json", "sm_90", lambda d, t: pytest.fail("measured"))
+    assert q4["min_blocks"] == 132 and {t["max_blocks"] for t in q4["wgmma_tiles"].values()} == {132}
+
+
+def test_a_count_per_sm_needs_a_positive_k_and_a_device():
+    assert per_sm_counts(device_model("sm_86"), [{"a": {"per_sm": 3}, "b": 5}], "x") == [{"a": 216, "b": 5}]
+    with pytest.raises(FuselightError, match=r"x\[0\]\['a'\]: 'per_sm' must be a positive integer, got 0"):
+        per_sm_counts(device_model("sm_86"), [{"a": {"per_sm": 0}}], "x")
+    with pytest.raises(FuselightError, match="no device description"):
+        per_sm_counts(None, {"a": {"per_sm": 1}}, "x")
 
 
 @pytest.mark.parametrize("arch,sms,optin_kib", [("sm_80", 108, 163), ("sm_86", 72, 99), ("sm_89", 142, 99)])

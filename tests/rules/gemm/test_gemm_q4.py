@@ -20,7 +20,9 @@ from tir_query import evaluate, kernels
 from fuselight.paths import config_dir
 
 tvm = pytest.importorskip("tvm")
+from fuselight.device import device_model
 from fuselight.quant_prim_funcs import q4_linear
+from fuselight.rules.arch_config import per_sm_counts
 from fuselight.rules.gemm import dispatch
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemm.mma_sync import Q4_DEQUANT, mma_sync_gemm, q4_dequant_source
@@ -265,7 +267,8 @@ def test_plan_checks_name_the_problem():
     with pytest.raises(Exception, match="split_k needs a static n"):
         check_plan(GemmPlan(tile, split_k=2), head)
     # A wgmma tile of the config whose block_n divides 4096.
-    raw = json.loads((config_dir() / "gemm" / "mma_sync_q4.json").read_text())["sm_90"]["wgmma_tiles"]
+    raw = per_sm_counts(device_model("sm_90"),
+                        json.loads((config_dir() / "gemm" / "mma_sync_q4.json").read_text())["sm_90"]["wgmma_tiles"], "q4")
     wg = next(t for t in (WgmmaTile(**fields) for fields in raw.values()) if 4096 % t.block_n == 0)
     with pytest.raises(Exception, match="not a multiple of block_n"):
         check_tile(dataclasses.replace(wg, block_n=192), ops)

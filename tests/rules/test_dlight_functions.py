@@ -1,0 +1,70 @@
+"""TVM's DLight test functions (``dlight_functions``: PrimFuncs nobody on this project wrote): what
+fuselight's rules claim of them on sm_90 they claim on every described arch, and what they claim
+builds for the arch (TVM's build to CUDA source, a kernel for each the TIR launches; nvcc is
+test_arch_config's, over the same rule families).
+
+The rules are tried in ``fuselight.rules.default``'s order, the first that schedules a function
+claiming it, as DLight's ApplyDefaultSchedule does. One scheduling pass and one build per arch.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+import tvm
+from dlight_functions import FUNCTIONS
+from fuselight import tir_pipeline
+from fuselight.rules import fuselight_rules
+from fuselight.target import resolve, to_tvm
+from tir_query import kernels
+
+UNMEASURED = ("sm_80", "sm_86", "sm_89")
+KERNEL = re.compile(r"__global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(")  # its declaration and definition
+# Claimed on sm_90 at this commit: the 32000-wide softmax and three RMS norms (row_reduction), three
+# fp16 matmuls and two 4-bit ones (matmul), the one-output GEMV (gemv); the rest stay DLight's.
+CLAIMED_ON_SM90 = 10
+
+
+@functools.lru_cache(maxsize=None)
+def _claimed(arch: str) -> dict[str, tuple[str, tvm.tirx.PrimFunc]]:
+    """Function name -> (family of the first rule that schedules it, its scheduled kernel) on ``arch``."""
+    target = to_tvm(resolve("cuda", arch))
+    rules = fuselight_rules()
+    claimed = {}
+    with target:
+        for name, func in FUNCTIONS.items():
+            for rule in rules:
+                sch = rule.apply(func, target, False)
+                if sch is not None:
+                    claimed[name] = (rule.family, sch.mod["main"])
+                    break
+    return claimed
+
+
+def _families(arch: str) -> dict[str, str]:
+    return {name: family for name, (family, _) in _claimed(arch).items()}
+
+
+def test_sm90_claims_dlight_functions_of_each_family():
+    families = _families("sm_90")
+    assert len(families) >= CLAIMED_ON_SM90
+    assert {"matmul", "gemv", "row_reduction"} <= set(families.values())
+
+
+@pytest.mark.parametrize("arch", UNMEASURED)
+def test_what_sm90_claims_every_described_arch_claims(arch):
+    assert _families(arch) == _families("sm_90")
+
+
+@pytest.mark.parametrize("arch", UNMEASURED)
+def test_the_claimed_functions_build_for_the_arch(arch):
+    target = to_tvm(resolve("cuda", arch))
+    funcs = {name: func.with_attr("global_symbol", name).with_attr("target", target)
+             for name, (_, func) in _claimed(arch).items()}
+    every_kernel = tir_pipeline.programmatic_launch_supported("cuda", arch)
+    exe = tvm.compile(tvm.IRModule(funcs), target=target, tir_pipeline=tir_pipeline.register(every_kernel))
+    assert all(exe.mod.implements_function(name) for name in funcs)
+    source = exe.mod.imports[0].inspect_source("cuda")
+    assert len(set(KERNEL.findall(source))) == sum(len(kernels(func)) for func in funcs.values())
