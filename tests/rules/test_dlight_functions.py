@@ -58,7 +58,9 @@ def test_what_sm90_claims_every_described_arch_claims(arch):
     assert _families(arch) == _families("sm_90")
 
 
-@pytest.mark.parametrize("arch", UNMEASURED)
+# One build: sm_80 lacks every Hopper instruction (sm_86/89 differ from it in sizes only, and
+# test_arch_config builds and nvcc-compiles the same rule families for each arch); CI time is tight.
+@pytest.mark.parametrize("arch", ["sm_80"])
 def test_the_claimed_functions_build_for_the_arch(arch):
     target = to_tvm(resolve("cuda", arch))
     funcs = {name: func.with_attr("global_symbol", name).with_attr("target", target)
