@@ -701,6 +701,18 @@ def test_rewrites_of_one_round_keep_dead_what_they_free():
         assert new[0] <= old[0] and new[1] <= old[1], (n, new, old, applied)
 
 
+def test_rewritten_functions_name_bindings_apart():
+    """A rewrite's new bindings come from a fresh BlockBuilder, which names them ``lv`` again: sum(e * 2)
+    with e = exp(x) bound as ``lv`` became sum(e) * 2 with the sum bound as ``lv`` too. The fusion plan
+    names bindings by their vars, so the groups ApplyFusionPlan reported named bindings the rewritten
+    function did not have (issue 28, hypothesis seed 757358387)."""
+    x = _x()
+    after, applied = _rewrite(_module([x], lambda bb, x: O.sum(bb.emit(O.multiply(bb.emit(O.exp(x)), _c(2.0))), axis=[1])))
+    assert applied == {"reduce_of_scaled": 1}
+    assert [b.var.name for block in after["main"].body.blocks for b in block.bindings] == ["lv", "lv_1", "gv"]
+    assert _ops(after) == ["exp", "sum", "multiply"]
+
+
 def test_refusals_are_recorded():
     p = PropertyRewrite()
     after = p(_case("scale_out_costs_more"))
