@@ -623,6 +623,10 @@ CASES = {
     "float16_scale_out_above_one": ([_x((N, 16), "float16"), _x((16, 4), "float16", "w")],
                                     lambda bb, x, w: O.matmul(bb.emit(O.multiply(x, _c(2.0, "float16"))), w),
                                     {"scale_out_of_matmul": 1}, ["matmul", "multiply"]),
+    # Issue 28's minimal graph: m = x * x, m + m. Bytes over [n, 8] float32 (32n a tensor, a tensor
+    # read twice by one op read once): 64n + 64n before; x + x (64n) and x * that (96n) after.
+    "factor_common_costs_more": ([_x()], lambda bb, x: (lambda m: O.add(m, m))(bb.emit(O.multiply(x, x))),
+                                 {}, ["multiply", "add"]),
     "float16_factor": ([_x(dtype="float16"), _x(dtype="float16", name="b"), _x(dtype="float16", name="c")],
                        lambda bb, a, b, c: O.add(bb.emit(O.multiply(a, b)), bb.emit(O.multiply(a, c))), {}, ["multiply", "multiply", "add"]),
     # [n, 4] @ [4, 16]: the output is larger than the input, so the scale stays on the input.
