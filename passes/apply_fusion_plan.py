@@ -32,7 +32,7 @@ import tvm_ffi
 from tvm import relax
 from tvm.relax.expr_functor import mutator
 
-from ..relax_rewrite import FunctionRewriter
+from ..relax_rewrite import FunctionRewriter, unique_binding_names
 from .fusion_plan import Group, YellowHook, plan_fusion
 
 PRIMITIVE_ATTR = "Primitive"
@@ -69,8 +69,13 @@ class ApplyFusionPlan:
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         dims = self.dims if self.dims is not None else _upper_bounds(mod)
-        if any(_duplicate_names(f) for _gv, f in mod.functions_items() if isinstance(f, relax.Function)):
-            mod = _UniqueNames(mod).transform()  # the plan names bindings by their vars
+        # The plan names bindings by their vars. Only a function's own repeats are renamed: the
+        # groups reported name every other function's bindings as the caller's module does.
+        renamed = {gv: unique_binding_names(f) for gv, f in mod.functions_items() if isinstance(f, relax.Function)}
+        if any(not f.same_as(mod[gv]) for gv, f in renamed.items()):
+            mod = mod.clone()
+            for gv, f in renamed.items():
+                mod[gv] = f
         plan = plan_fusion(mod, dims, self.arch, self.decide_yellow)
         self.applied, self.skipped = [], []
         return _Outliner(mod, plan, self.applied, self.skipped).transform()
@@ -82,36 +87,6 @@ def _upper_bounds(mod: tvm.IRModule) -> dict[str, int]:
         if isinstance(func, relax.Function) and func.attrs is not None and "tir_var_upper_bound" in func.attrs:
             bounds.update({str(k): int(v) for k, v in func.attrs["tir_var_upper_bound"].items()})
     return bounds
-
-
-def _duplicate_names(func: relax.Function) -> bool:
-    names = [b.var.name for block in func.body.blocks for b in block.bindings]
-    return len(set(names)) != len(names)
-
-
-@mutator
-class _UniqueNames(FunctionRewriter):
-    """Bindings renamed where a name repeats (earlier passes reuse ``lv``): unique in the module."""
-
-    prune_unused = False
-
-    def __init__(self, mod: tvm.IRModule) -> None:
-        super().__init__(mod)
-        self.seen = {p.name for _gv, f in mod.functions_items() if isinstance(f, relax.Function) for p in f.params}
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        name = binding.var.name
-        if name not in self.seen:
-            self.seen.add(name)
-            super().visit_var_binding_(binding)
-            return
-        k = 1
-        while f"{name}_{k}" in self.seen:
-            k += 1
-        self.seen.add(f"{name}_{k}")
-        var = type(binding.var)(f"{name}_{k}", binding.var.ty)
-        self.builder_.emit_normalized(relax.VarBinding(var, self.visit_expr(binding.value)))
-        self.set_var_remap(binding.var, var)
 
 
 @dataclasses.dataclass

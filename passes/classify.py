@@ -402,6 +402,11 @@ def _tensor_args(args: list[relax.Expr]) -> list[relax.TensorType]:
     return [a.ty for a in args if _is_tensor(a.ty)]
 
 
+def _distinct(args: list[relax.Expr]) -> list[relax.Expr]:
+    """Each argument once: a tensor an op reads twice (x * x) moves once, as ``fusion_plan.estimate`` counts it."""
+    return list({a: None for a in args})
+
+
 def _flops_matmul(_call, args, out, _prim) -> tvm.ir.Expr:
     a = _tensor_args(args)[0]
     return 2 * _elems(out) * _dims(a)[-1]
@@ -477,7 +482,7 @@ _FLOPS: dict[str, Callable[..., tvm.ir.Expr]] = {
 }
 
 _BYTES: dict[str, Callable[..., tuple[tvm.ir.Expr, tvm.ir.Expr]]] = {
-    "io": lambda args, out: (sum((_nbytes(t) for t in _tensor_args(args)), tirx.IntImm("int64", 0)), _nbytes(out)),
+    "io": lambda args, out: (sum((_nbytes(t) for t in _tensor_args(_distinct(args))), tirx.IntImm("int64", 0)), _nbytes(out)),
     "view": lambda args, out: (tirx.IntImm("int64", 0), tirx.IntImm("int64", 0)),
     # Reads the indices and the gathered rows, not the whole table.
     "gather": lambda args, out: (_nbytes(_tensor_args(args)[1]) + _nbytes(out), _nbytes(out)),

@@ -7,7 +7,8 @@ define its arguments, and proposes expressions computing the same value; the pas
 cheapest proposal whose cost, from ``Classify``'s FLOPs and bytes, is provably no greater in both
 FLOPs and bytes for every value of the symbolic dims (from 1 to the function's
 ``tir_var_upper_bound`` where it has one) than the binding plus the bindings it makes dead. Rewrites run to a fixed point (at most ``MAX_ROUNDS`` sweeps per function); bindings
-left unused are removed.
+left unused are removed. A rewritten function's bindings are named apart (``unique_binding_names``):
+the new ones would reuse ``lv``, and the fusion plan names bindings by their vars.
 
 What is provable is rewritten, nothing else:
 
@@ -43,6 +44,7 @@ from tvm import arith, relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..contracts import REWRITES_REFUSED_ATTR as REFUSED_ATTR
+from ..relax_rewrite import unique_binding_names
 from .classify import classify_binding
 
 APPLIED_ATTR = "fuselight.rewrites_applied"
@@ -476,7 +478,8 @@ class PropertyRewrite:
         out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
-                out[gv] = _rewrite_function(func, by_op, self.applied, self.refused)
+                rewritten = _rewrite_function(func, by_op, self.applied, self.refused)
+                out[gv] = rewritten if rewritten.same_as(func) else unique_binding_names(rewritten)
         out = out.with_attr(APPLIED_ATTR, dict(self.applied))
         return out.with_attr(REFUSED_ATTR, dict(self.refused))
 

@@ -8,6 +8,8 @@ rewrite as a subclass that overrides ``visit_*`` methods and carries TVM's ``@mu
 ``rewrite_for_target``: run a rewriter that schedules the kernels it makes for the target in scope.
 
 ``annotate_functions``: set one function attribute on the Relax functions of a module.
+
+``unique_binding_names``: a function with every binding named apart from the others.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import tvm
 from tvm import relax
 from tvm.relax.analysis import remove_all_unused
-from tvm.relax.expr_functor import PyExprMutator
+from tvm.relax.expr_functor import PyExprMutator, mutator
 
 
 class FunctionRewriter(PyExprMutator):
@@ -68,3 +70,35 @@ def annotate_functions(
             if value is not None:
                 mod[gv] = func.with_attr(attr, value)
     return mod
+
+
+def unique_binding_names(func: relax.Function) -> relax.Function:
+    """``func`` with no binding named like a parameter or an earlier binding: such a binding gets the
+    first free ``name_k``; every other name stays. Analyses that name bindings by their vars (the
+    fusion plan) need this; the BlockBuilder of a rewrite names its new bindings ``lv`` again."""
+    names = [p.name for p in func.params] + [b.var.name for block in func.body.blocks for b in block.bindings]
+    if len(set(names)) == len(names):
+        return func
+    return _UniqueNames(set(names), {p.name for p in func.params}).visit_expr(func)
+
+
+@mutator
+class _UniqueNames(PyExprMutator):
+    def __init__(self, taken: set[str], kept: set[str]) -> None:
+        super().__init__()
+        self.taken = taken  # every name of the function: a new one avoids them all
+        self.kept = kept  # names given out so far
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        name = binding.var.name
+        if name not in self.kept:
+            self.kept.add(name)
+            super().visit_var_binding_(binding)
+            return
+        k = 1
+        while f"{name}_{k}" in self.taken:
+            k += 1
+        self.taken.add(f"{name}_{k}")
+        var = type(binding.var)(f"{name}_{k}", binding.var.ty)
+        self.builder_.emit_normalized(relax.VarBinding(var, self.visit_expr(binding.value)))
+        self.set_var_remap(binding.var, var)

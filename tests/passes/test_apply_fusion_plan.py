@@ -8,8 +8,10 @@ import tvm
 import tvm_ffi
 from fuselight import pipeline as pl
 from fuselight.explain import explain_module
-from fuselight.passes import ApplyFusionPlan
+from fuselight.passes import ApplyFusionPlan, cost_model
 from fuselight.passes.apply_fusion_plan import PRIMITIVE_ATTR
+from fuselight.passes.classify import classify_module
+from fuselight.passes.fusion_plan import Estimate, estimate
 from fuselight.target import resolve, to_tvm
 from relax_module import single_function as _module
 from tvm import relax, tirx
@@ -245,3 +247,36 @@ def test_a_groups_parameters_follow_its_calls_reads_so_a_matmuls_operands_come_f
                        and "NT_matmul" in b.value.args[0].name_hint)
     assert [str(a.ty.dtype) for a in kernel_call.args[1].fields][:2] == ["float16", "float16"]
     assert [int(d) for d in kernel_call.args[1].fields[1].ty.shape.values] == [k, k]
+
+
+def test_groups_name_the_functions_own_bindings_beside_one_that_repeats_names():
+    """Issue 28 (the property test, hypothesis seed 757358387). Its minimal graph: x [1, 8] float32,
+    x*x + x*x, which PropertyRewrite's factor_common turns into ``lv = x + x; gv = x * lv``, beside
+    other graphs of the same module, one of which binds a name twice. ApplyFusionPlan renamed every
+    binding of the module to make names unique, so ``applied`` named ``lv_2``, ``gv_1``: bindings
+    ``main`` does not have, and the estimate of ``main`` with those groups was the unfused one. Only
+    a function's own repeats need new names (the plan is per function).
+
+    By hand, 4-byte floats, [1, 8] tensors of 32 bytes: one kernel reads x and writes gv, 64 bytes;
+    unfused, x + x reads x once and writes lv (64), x * lv reads both and writes gv (96): 160."""
+    x = _t("x", [1, 8])
+
+    def make(bb, x):
+        return O.multiply(x, bb.emit(O.add(x, x)))
+
+    mod = _module([x], make)
+    a = _t("a", [1, 8])
+    bb = relax.BlockBuilder()
+    first, second = relax.DataflowVar("lv", a.ty), relax.DataflowVar("lv", a.ty)
+    out = relax.Var("gv", a.ty)
+    block = relax.DataflowBlock([relax.VarBinding(first, bb.normalize(O.exp(a))),
+                                 relax.VarBinding(second, bb.normalize(O.exp(first))), relax.VarBinding(out, second)])
+    mod[tvm.ir.GlobalVar("before")] = relax.Function([a], relax.SeqExpr([block], out), a.ty)  # sorts before main
+    plan = ApplyFusionPlan({}, "sm_90")
+    plan(mod)
+    groups = [g.members for g in plan.applied if g.function == "main"]
+    config = cost_model.load("sm_90")
+    infos = classify_module(mod)["main"]
+    assert estimate(mod["main"], infos, groups, {}, config) == Estimate(kernels=1, bytes=64, recompute_flops=0)
+    assert estimate(mod["main"], infos, [], {}, config) == Estimate(kernels=2, bytes=160, recompute_flops=0)
+    assert groups == [["lv", "gv"]]

@@ -99,6 +99,14 @@ def test_broadcast_binary_is_one_to_one_and_elementwise_flops_count_elements():
     assert ops["relax.multiply"].bytes_read == str(4 * (3 * 127 + 7 * 127))
 
 
+def test_a_tensor_read_twice_by_one_op_is_read_once():
+    """x * x loads x once, as ``fusion_plan.estimate`` counts a kernel's inputs: with x counted twice,
+    PropertyRewrite took x*x + x*x for a tie with x * (x + x), which moves a tensor more (issue 28)."""
+    x = _tensor("x", [5, 127], "float32")
+    ops = _by_op(_module([x], lambda bb, x: bb.emit(O.multiply(x, x))))
+    assert (ops["relax.multiply"].bytes_read, ops["relax.multiply"].bytes_written) == (str(4 * 5 * 127), str(4 * 5 * 127))
+
+
 def test_unknown_ops_are_opaque():
     x = _tensor("x", [7, 127])
 
