@@ -32,7 +32,7 @@ import tvm_ffi
 from tvm import relax
 from tvm.relax.expr_functor import mutator
 
-from ..relax_rewrite import FunctionRewriter, unique_binding_names
+from ..relax_rewrite import FunctionRewriter, module_with_unique_binding_names
 from .fusion_plan import Group, YellowHook, plan_fusion
 
 PRIMITIVE_ATTR = "Primitive"
@@ -71,11 +71,7 @@ class ApplyFusionPlan:
         dims = self.dims if self.dims is not None else _upper_bounds(mod)
         # The plan names bindings by their vars. Only a function's own repeats are renamed: the
         # groups reported name every other function's bindings as the caller's module does.
-        renamed = {gv: unique_binding_names(f) for gv, f in mod.functions_items() if isinstance(f, relax.Function)}
-        if any(not f.same_as(mod[gv]) for gv, f in renamed.items()):
-            mod = mod.clone()
-            for gv, f in renamed.items():
-                mod[gv] = f
+        mod = module_with_unique_binding_names(mod)
         plan = plan_fusion(mod, dims, self.arch, self.decide_yellow)
         self.applied, self.skipped = [], []
         return _Outliner(mod, plan, self.applied, self.skipped).transform()

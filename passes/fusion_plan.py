@@ -42,6 +42,7 @@ import tvm
 from tvm import relax
 
 from ..errors import FuselightError
+from ..relax_rewrite import repeated_binding_name
 from . import cost_model
 from .classify import (
     MAPPINGS,
@@ -122,6 +123,10 @@ def plan_fusion(
     """Fusion groups of every Relax function of ``mod`` (singletons included), costs evaluated with
     the symbolic dims bound to ``dims`` (names missing there make yellow edges red); ``arch``: the
     cost model's (None: the target's in scope, ``cost_model.arch_in_scope``)."""
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function) and (name := repeated_binding_name(func)) is not None:
+            raise FuselightError(f"fusion plan: function {gv.name_hint!r} binds {name!r} twice; the plan names bindings "
+                                 "by their vars (rename with relax_rewrite.module_with_unique_binding_names first)")
     config = cost_model.load(arch)
     return {
         name: _plan(infos, dims, config, decide_yellow) for name, infos in classify_module(mod).items()

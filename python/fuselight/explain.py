@@ -42,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .config import ModelConfig
+from .relax_rewrite import module_with_unique_binding_names
 
 # The model's entry points (``fuselight.model.llama.export_module``); the KV-cache constructor
 # computes nothing per token.
@@ -102,7 +103,7 @@ def explain_module(mod, functions: Sequence[str], prompt_len: int) -> dict[str, 
     )
 
     classified = classify_module(mod)
-    rewritten = PropertyRewrite()(mod)
+    rewritten = module_with_unique_binding_names(PropertyRewrite()(mod))
     classified_after = classify_module(rewritten)
     dims = {KV_LEN.name: prompt_len}
     for name in functions:

@@ -72,13 +72,35 @@ def annotate_functions(
     return mod
 
 
+def repeated_binding_name(func: relax.Function) -> str | None:
+    """A name ``func`` gives to a parameter or binding more than once, or None."""
+    seen: set[str] = set()
+    for name in [p.name for p in func.params] + [b.var.name for block in func.body.blocks for b in block.bindings]:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
+
+
+def module_with_unique_binding_names(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with ``unique_binding_names`` applied to each Relax function that repeats a name (the
+    same module where none does)."""
+    renamed = {gv: unique_binding_names(f) for gv, f in mod.functions_items() if isinstance(f, relax.Function)}
+    if all(f.same_as(mod[gv]) for gv, f in renamed.items()):
+        return mod
+    mod = mod.clone()
+    for gv, f in renamed.items():
+        mod[gv] = f
+    return mod
+
+
 def unique_binding_names(func: relax.Function) -> relax.Function:
     """``func`` with no binding named like a parameter or an earlier binding: such a binding gets the
     first free ``name_k``; every other name stays. Analyses that name bindings by their vars (the
     fusion plan) need this; the BlockBuilder of a rewrite names its new bindings ``lv`` again."""
-    names = [p.name for p in func.params] + [b.var.name for block in func.body.blocks for b in block.bindings]
-    if len(set(names)) == len(names):
+    if repeated_binding_name(func) is None:
         return func
+    names = [p.name for p in func.params] + [b.var.name for block in func.body.blocks for b in block.bindings]
     return _UniqueNames(set(names), {p.name for p in func.params}).visit_expr(func)
 
 

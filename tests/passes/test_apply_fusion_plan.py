@@ -4,6 +4,7 @@ layout changes folded, same results on the CPU; where it sits in the pipeline; w
 that ``explain`` says so."""
 
 import numpy as np
+import pytest
 import tvm
 import tvm_ffi
 from fuselight import pipeline as pl
@@ -11,7 +12,9 @@ from fuselight.explain import explain_module
 from fuselight.passes import ApplyFusionPlan, cost_model
 from fuselight.passes.apply_fusion_plan import PRIMITIVE_ATTR
 from fuselight.passes.classify import classify_module
-from fuselight.passes.fusion_plan import Estimate, estimate
+from fuselight.errors import FuselightError
+from fuselight.passes.fusion_plan import Estimate, estimate, plan_fusion
+from fuselight.relax_rewrite import module_with_unique_binding_names
 from fuselight.target import resolve, to_tvm
 from relax_module import single_function as _module
 from tvm import relax, tirx
@@ -280,3 +283,20 @@ def test_groups_name_the_functions_own_bindings_beside_one_that_repeats_names():
     assert estimate(mod["main"], infos, groups, {}, config) == Estimate(kernels=1, bytes=64, recompute_flops=0)
     assert estimate(mod["main"], infos, [], {}, config) == Estimate(kernels=2, bytes=160, recompute_flops=0)
     assert groups == [["lv", "gv"]]
+
+
+def test_plan_refuses_a_function_that_repeats_a_name():
+    # The plan names bindings by their vars: a function binding "lv" twice would get groups that name
+    # the wrong one, so plan_fusion says so; ApplyFusionPlan (and `fuselight explain`) rename first.
+    a = _t("a", [1, 8])
+    bb = relax.BlockBuilder()
+    first, second = relax.DataflowVar("lv", a.ty), relax.DataflowVar("lv", a.ty)
+    out = relax.Var("gv", a.ty)
+    block = relax.DataflowBlock([relax.VarBinding(first, bb.normalize(O.exp(a))),
+                                 relax.VarBinding(second, bb.normalize(O.exp(first))), relax.VarBinding(out, second)])
+    mod = tvm.IRModule({tvm.ir.GlobalVar("twice"): relax.Function([a], relax.SeqExpr([block], out), a.ty)})
+    with pytest.raises(FuselightError, match="'twice' binds 'lv' twice"):
+        plan_fusion(mod, {}, "sm_90")
+    renamed = module_with_unique_binding_names(mod)
+    assert [b.var.name for b in renamed["twice"].body.blocks[0].bindings] == ["lv", "lv_1", "gv"]
+    assert set(plan_fusion(renamed, {}, "sm_90")) == {"twice"}
