@@ -252,6 +252,17 @@ def test_a_groups_parameters_follow_its_calls_reads_so_a_matmuls_operands_come_f
     assert [int(d) for d in kernel_call.args[1].fields[1].ty.shape.values] == [k, k]
 
 
+def _binds_lv_twice() -> relax.Function:
+    """exp(exp(a)) over a [1, 8] float32, both bindings named ``lv`` (as a BlockBuilder may name them)."""
+    a = _t("a", [1, 8])
+    bb = relax.BlockBuilder()
+    first, second = relax.DataflowVar("lv", a.ty), relax.DataflowVar("lv", a.ty)
+    out = relax.Var("gv", a.ty)
+    block = relax.DataflowBlock([relax.VarBinding(first, bb.normalize(O.exp(a))),
+                                 relax.VarBinding(second, bb.normalize(O.exp(first))), relax.VarBinding(out, second)])
+    return relax.Function([a], relax.SeqExpr([block], out), a.ty)
+
+
 def test_groups_name_the_functions_own_bindings_beside_one_that_repeats_names():
     """Issue 28 (the property test, hypothesis seed 757358387). Its minimal graph: x [1, 8] float32,
     x*x + x*x, which PropertyRewrite's factor_common turns into ``lv = x + x; gv = x * lv``, beside
@@ -268,13 +279,7 @@ def test_groups_name_the_functions_own_bindings_beside_one_that_repeats_names():
         return O.multiply(x, bb.emit(O.add(x, x)))
 
     mod = _module([x], make)
-    a = _t("a", [1, 8])
-    bb = relax.BlockBuilder()
-    first, second = relax.DataflowVar("lv", a.ty), relax.DataflowVar("lv", a.ty)
-    out = relax.Var("gv", a.ty)
-    block = relax.DataflowBlock([relax.VarBinding(first, bb.normalize(O.exp(a))),
-                                 relax.VarBinding(second, bb.normalize(O.exp(first))), relax.VarBinding(out, second)])
-    mod[tvm.ir.GlobalVar("before")] = relax.Function([a], relax.SeqExpr([block], out), a.ty)  # sorts before main
+    mod[tvm.ir.GlobalVar("before")] = _binds_lv_twice()  # sorts before main
     plan = ApplyFusionPlan({}, "sm_90")
     plan(mod)
     groups = [g.members for g in plan.applied if g.function == "main"]
@@ -288,13 +293,7 @@ def test_groups_name_the_functions_own_bindings_beside_one_that_repeats_names():
 def test_plan_refuses_a_function_that_repeats_a_name():
     # The plan names bindings by their vars: a function binding "lv" twice would get groups that name
     # the wrong one, so plan_fusion says so; ApplyFusionPlan (and `fuselight explain`) rename first.
-    a = _t("a", [1, 8])
-    bb = relax.BlockBuilder()
-    first, second = relax.DataflowVar("lv", a.ty), relax.DataflowVar("lv", a.ty)
-    out = relax.Var("gv", a.ty)
-    block = relax.DataflowBlock([relax.VarBinding(first, bb.normalize(O.exp(a))),
-                                 relax.VarBinding(second, bb.normalize(O.exp(first))), relax.VarBinding(out, second)])
-    mod = tvm.IRModule({tvm.ir.GlobalVar("twice"): relax.Function([a], relax.SeqExpr([block], out), a.ty)})
+    mod = tvm.IRModule({tvm.ir.GlobalVar("twice"): _binds_lv_twice()})
     with pytest.raises(FuselightError, match="'twice' binds 'lv' twice"):
         plan_fusion(mod, {}, "sm_90")
     renamed = module_with_unique_binding_names(mod)
