@@ -431,7 +431,10 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                         # The first round's weights are in flight while the rows are normed.
                         for u in T.unroll(unroll):
                             if not ragged or u < steps:
-                                load_weights(w, W, w_lo, w_hi, w, W, s_lo, s_hi, lane, warp, 0, u)
+                                if deq is None:
+                                    load_weights(w, W, w_lo, w_hi, w, W, s_lo, s_hi, lane, warp, 0, u)
+                                else:
+                                    load_weights(w, W, w_lo, w_hi, sc, S, s_lo, s_hi, lane, warp, 0, u)
                         xs = T.sblock_alloc_buffer((rows_p * x_stride * 2,), dtype, scope="shared")
                         X = T.decl_buffer((rows_p * x_stride,), "uint32", data=xs.data, scope="shared")
                         norm_rows(xs, tid, bx)
