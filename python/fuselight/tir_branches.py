@@ -173,7 +173,7 @@ def per_branch(passes: Sequence[Any], name: str = "fuselight.PerBranch") -> Any:
                 continue
             split[gv] = [tvm.ir.GlobalVar(f"{gv.name_hint}.branch{i}") for i in range(count)]
             work.update(zip(split[gv], _copies(func)))
-        lowered = inner(tvm.IRModule(work, attrs=mod.attrs))
+        lowered = inner(tvm.IRModule(work, attrs=mod.attrs, global_infos=mod.global_infos))
         result = {gv: lowered[gv] for gv in mod.functions if gv not in split}
         whole = {}
         for gv, parts in split.items():
@@ -183,7 +183,8 @@ def per_branch(passes: Sequence[Any], name: str = "fuselight.PerBranch") -> Any:
             else:
                 result[gv] = stitched
         if whole:
-            result.update(inner(tvm.IRModule(whole, attrs=mod.attrs)).functions)
-        return tvm.IRModule({gv: result[gv] for gv in mod.functions}, attrs=mod.attrs)
+            result.update(inner(tvm.IRModule(whole, attrs=mod.attrs, global_infos=mod.global_infos)).functions)
+        return tvm.IRModule({gv: result[gv] for gv in mod.functions}, attrs=lowered.attrs,
+                            global_infos=lowered.global_infos)
 
     return run

@@ -17,8 +17,8 @@ from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
 CUDA = to_tvm(resolve("cuda", "sm_90"))
-# Pass names of the containers around the passes (TVM's and ours), not passes that lower.
 _KERNEL = re.compile(r"__global__ void [^;{]*\{")  # a kernel's definition, not its declaration
+# Pass names of the containers around the passes (TVM's and ours), not passes that lower.
 _CONTAINERS = {"sequential", "_pipeline", "fuselight.Lowering", "fuselight.PerBranch", "fuselight.CSEGuardedLowering"}
 
 
@@ -132,8 +132,6 @@ def test_branches_lowered_alone_fit_back_into_the_chain():
     whole, by_branch, seen = _lowered_whole_and_by_branch(passes)
     assert seen == [3]  # one copy per branch, lowered together
     tvm.ir.assert_structural_equal(by_branch, whole)
-    # the three kernels' local buffers compacted, under the conditions of the chain
-    assert by_branch["main"].script().count('scope="local"') == 3
 
 
 def test_a_chain_the_passes_change_per_copy_is_lowered_whole():
