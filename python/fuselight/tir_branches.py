@@ -84,7 +84,9 @@ def _copies(func: tirx.PrimFunc) -> list[tirx.PrimFunc]:
 
     def copy(i: int) -> tirx.PrimFunc:
         def leaf(j: int, stmt: Any) -> Any:
-            return tirx.AttrStmt(tirx.StringImm(_MARK), _MARK, tirx.IntImm("int32", j), stmt) if j == i else _placeholder(j)
+            if j != i:
+                return _placeholder(j)
+            return tirx.AttrStmt(tirx.StringImm(_MARK), _MARK, tirx.IntImm("int32", j), stmt)
 
         return func.with_body(rebuild(_map_leaves(chain, leaf, [0])))
 
