@@ -27,6 +27,9 @@ kernels ill-formed ("cse_v22 has been used before definition": the KV cache's ``
 head-dim-64 models such as Llama-3.2-1B). Where the module fails so, the kernels that fail alone are
 lowered again without it (``tirx.disable_cse_tir``), and every other kernel keeps it. Compile with ``tvm.compile(..., tir_pipeline=register(...))``;
 ``fuselight.compile`` and the benchmarks' builds do.
+
+Both lower with TVM's s_tir passes, running those that decide per statement one host-side branch of a
+function at a time (``fuselight.tir_branches``): the same CUDA, in less time for our dynamic-M kernels.
 """
 
 from __future__ import annotations
@@ -126,6 +129,71 @@ def programmatic_launch_supported(kind: str, arch: str | None) -> bool:
     return device is not None and device.has("griddepcontrol")
 
 
+def _s_tir_lowering() -> Any:
+    """TVM 0.26's s_tir lowering (``tvm/s_tir/pipeline.py``, pass for pass; a test compares the two),
+    with the passes that decide per statement run one host-side branch at a time
+    (``tir_branches.per_branch``): they are superlinear in a function's branches, and our dynamic-M
+    GEMMs carry up to 12. The CUDA they produce is the same."""
+    import tvm
+    from tvm import s_tir, tirx
+
+    from .tir_branches import per_branch
+
+    @tvm.transform.module_pass(opt_level=0, name="fuselight.Lowering")
+    def run(mod: Any, _ctx: Any) -> Any:
+        config = tvm.transform.PassContext.current().config
+
+        def flag(key: str) -> bool:
+            return bool(config.get(key, False))
+
+        before_flatten = [
+            s_tir.transform.CanonicalizeLoop(), s_tir.transform.LowerCrossThreadReduction(),
+            s_tir.transform.LowerInitBlock(), s_tir.transform.PlanAndUpdateBufferAllocationLocation(),
+            s_tir.transform.ConvertBlocksToOpaque(), s_tir.transform.LiftThreadBinding(),
+            s_tir.transform.ManifestSharedMemoryLocalStage(), s_tir.transform.CompactBufferAllocation(),
+            s_tir.transform.LowerAutoCopy(), s_tir.transform.UnifyThreadBinding(),
+            s_tir.transform.LowerMatchBuffer(), tirx.transform.StmtSimplify(),
+            s_tir.transform.InjectPermutedLayout(), s_tir.transform.AnnotateIrregularLoop(),
+            s_tir.transform.InjectSoftwarePipeline(), s_tir.transform.TransformMmaBufferLayout(),
+        ]
+        # Whole functions: NarrowDataType picks one index width and StorageRewrite one vector type of
+        # a buffer for all branches.
+        whole = [
+            s_tir.transform.LowerOpaqueBlock(), tirx.transform.FlattenBuffer(),
+            tirx.transform.BF16ComputeLegalize(), tirx.transform.NarrowDataType(32),
+            s_tir.transform.LoopPartition(), tirx.transform.VectorizeLoop(not flag("tirx.disable_vectorize")),
+            s_tir.transform.InjectVirtualThread(), s_tir.transform.InjectDoubleBuffer(),
+            *([] if flag("tirx.disable_storage_rewrite") else [tirx.transform.StorageRewrite()]),
+            *([s_tir.transform.LowerAsyncDMA()] if flag("tirx.use_async_copy") else []),
+        ]
+        after_storage = [
+            s_tir.transform.HoistIfThenElse(), tirx.transform.UnrollLoop(),
+            s_tir.transform.RenormalizeSplitPattern(), tirx.transform.StmtSimplify(),
+            tirx.transform.RemoveNoOp(), s_tir.transform.RewriteUnsafeSelect(),
+        ]
+        # Whole functions from here: CommonSubexprElim numbers its variables over a function.
+        rest = [
+            *([s_tir.transform.InstrumentBoundCheckers()] if flag("tirx.instrument_bound_checkers") else []),
+            *([s_tir.transform.InjectPTXLDG32(True)] if flag("tirx.ptx.ldg32") else []),
+            *([] if flag(_CSE_CONFIG) else [tirx.transform.CommonSubexprElim()]),
+            *([s_tir.transform.InstrumentProfileIntrinsics()] if flag("tirx.instrument_lwp") else []),
+            tirx.transform.FP8ComputeLegalize(), s_tir.transform.VerifyVTCMLimit(),
+            s_tir.transform.LowerVtcmAlloc(), tirx.transform.VerifyMemory(), tirx.transform.AnnotateEntryFunc(),
+            s_tir.transform.ThreadSync("shared"), s_tir.transform.ThreadSync("shared.dyn"),
+            s_tir.transform.ThreadSync("warp"), s_tir.transform.InferFragment(),
+            s_tir.transform.LowerThreadAllreduce(),
+            *([s_tir.transform.InjectPTXAsyncCopy()] if flag("tirx.use_async_copy") else []),
+            *([s_tir.transform.InjectPTXLDG32()] if flag("tirx.ptx.ldg32") else []),
+            s_tir.transform.MergeSharedMemoryAllocations(), tirx.transform.SplitHostDevice(),
+            tirx.transform.MakePackedAPI(), tirx.transform.FP8StorageLegalize(),
+            tirx.transform.BF16StorageLegalize(),
+        ]
+        return tvm.ir.transform.Sequential(
+            [per_branch(before_flatten), *whole, per_branch(after_storage), *rest])(mod)
+
+    return run
+
+
 _CSE_CONFIG = "tirx.disable_cse_tir"
 _CSE_FAILURE = "has been used before definition"
 
@@ -176,13 +244,13 @@ def register(every_kernel: bool = False) -> str:
         return name
 
     def factory() -> tuple[Any, Any, Any]:
-        pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("default")
+        _, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("default")
 
         def device_passes() -> Any:
             waits = [wait_at_kernel_entry()] if every_kernel else []
             return tvm.ir.transform.Sequential([finalize_device(), *waits, mark_programmatic_launch()])
 
-        return _cse_guarded(pipeline), finalize_host, device_passes
+        return _cse_guarded(_s_tir_lowering()), finalize_host, device_passes
 
     compilation_pipeline.register_tir_pipeline(name, factory)
     return name
