@@ -61,6 +61,12 @@ def _gemm_q4_cost(d: dict[str, int], m: int) -> tuple[int, int]:
     return m * k + n * k // 4 + n * k // 32 + m * n, 2 * m * n * k
 
 
+def _norm_gemm_cost(d: dict[str, int], m: int, weight_elements: int) -> tuple[int, int]:
+    n, k = d["n"], d["k"]
+    # x and the residual read, their sum written, the norm weight; the GEMM's weight and output
+    return 3 * m * k + k + weight_elements + m * n, 5 * m * k + 2 * m * n * k
+
+
 def _add_rmsnorm_cost(d: dict[str, int], m: int) -> tuple[int, int]:
     h = d["hidden"]
     # two rows read, the sum and the normed row written; the add, then the norm's four operations
@@ -101,6 +107,11 @@ OPS: dict[str, OpSpec] = {
     "gemm_gate_up_silu": OpSpec("m", ("n", "k"), "tflops", _gemm_gate_up_silu_cost),
     # A linear layer over 4-bit weights (q4f16_1 / q4bf16_1 by the dtype): the dequantize in the kernel.
     "gemm_q4": OpSpec("m", ("n", "k"), "tflops", _gemm_q4_cost),
+    # The residual add, RMSNorm and the linear layer after it (a decode step's QKV and gate+up): the
+    # norm a prologue of the GEMV. Outputs: the GEMM's and the sum. Float weights, or 4-bit ones.
+    "norm_gemm": OpSpec("m", ("n", "k"), "tflops", lambda d, m: _norm_gemm_cost(d, m, d["n"] * d["k"])),
+    "norm_gemm_q4": OpSpec("m", ("n", "k"), "tflops",
+                           lambda d, m: _norm_gemm_cost(d, m, d["n"] * d["k"] // 4 + d["n"] * d["k"] // 32)),
     "rmsnorm": OpSpec("m", ("hidden",), "gbps", _rmsnorm_cost),
     # The residual add and the next norm: both the sum and the normed row are outputs.
     "add_rmsnorm": OpSpec("m", ("hidden",), "gbps", _add_rmsnorm_cost),
@@ -109,7 +120,7 @@ OPS: dict[str, OpSpec] = {
     "attention_decode": OpSpec("context", _ATTENTION_DIMS, "gbps", _decode_cost),
 }
 # Float attributes some ops take besides their dimensions.
-_FLOAT_ATTRS = {"rmsnorm": ("eps",), "add_rmsnorm": ("eps",)}
+_FLOAT_ATTRS = {"rmsnorm": ("eps",), "add_rmsnorm": ("eps",), "norm_gemm": ("eps",), "norm_gemm_q4": ("eps",)}
 # The 4-bit scheme of a ``gemm_q4`` case's dtype.
 Q4_SCHEMES = {"float16": "q4f16_1", "bfloat16": "q4bf16_1"}
 
@@ -182,8 +193,8 @@ def case_from_dict(raw: Any, sweeps: dict[str, list[int]] | None = None, where: 
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise FuselightError(f"{where}: field {d!r} must be a positive integer, got {v!r}")
         dims[d] = v
-    if op == "gemm_q4" and (dtype not in Q4_SCHEMES or dims["k"] % 32):
-        raise FuselightError(f"{where}: a gemm_q4 case needs dtype float16 or bfloat16 and k a multiple of 32")
+    if op in ("gemm_q4", "norm_gemm_q4") and (dtype not in Q4_SCHEMES or dims["k"] % 32):
+        raise FuselightError(f"{where}: a {op} case needs dtype float16 or bfloat16 and k a multiple of 32")
     if op.startswith("attention") and dims["q_heads"] % dims["kv_heads"]:
         raise FuselightError(f"{where}: kv_heads ({dims['kv_heads']}) must divide q_heads ({dims['q_heads']})")
     attr_source = raw.get("attrs", raw)

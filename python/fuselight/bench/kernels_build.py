@@ -56,19 +56,44 @@ def _gemm_gate_up_silu(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
     return [x, w], body
 
 
-def _gemm_q4(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
-    """``x @ dequantize(q, scale)^T`` as MLC-LLM's q4 linear layer writes it (``model.llama.QuantLinear``)."""
+def _q4_weight(case: Case, relax: Any) -> tuple[list, Callable]:
+    """The packed words and scales of a q4 [N, K] weight, and ``emit(bb)`` of its dequantize as MLC-LLM's
+    q4 linear layer writes it (``model.llama.QuantLinear``)."""
     s = quantization.SCHEMES[Q4_SCHEMES[case.dtype]]
     q_shape, s_shape = s.packed_shapes(case.dims["n"], case.dims["k"])
-    x = relax.Var("x", relax.TensorType([n, case.dims["k"]], case.dtype))
     q = relax.Var("q", relax.TensorType(list(q_shape), quantization.STORAGE_DTYPE))
     scale = relax.Var("scale", relax.TensorType(list(s_shape), case.dtype))
+    return [q, scale], lambda bb: bb.emit_te(lambda qt, st: quantization.te_dequantize(qt, st, s), q, scale,
+                                             primfunc_name_hint="dequantize")
+
+
+def _gemm_q4(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
+    """``x @ dequantize(q, scale)^T``."""
+    x = relax.Var("x", relax.TensorType([n, case.dims["k"]], case.dtype))
+    packed, dequantize = _q4_weight(case, relax)
+    return [x, *packed], lambda bb: relax.op.matmul(x, relax.op.permute_dims(dequantize(bb)))
+
+
+def _norm_gemm(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
+    """``(rms_norm(x + residual) @ W^T, x + residual)``, W a float weight or (``norm_gemm_q4``) a
+    q4 one: a decode step's QKV after the attention's residual add ([M, 1, K] tokens, as decode's)."""
+    k = case.dims["k"]
+    x = relax.Var("x", relax.TensorType([n, 1, k], case.dtype))
+    r = relax.Var("residual", relax.TensorType([n, 1, k], case.dtype))
+    w = relax.Var("norm_weight", relax.TensorType([k], case.dtype))
+    if case.op == "norm_gemm":
+        weight = relax.Var("w", relax.TensorType([case.dims["n"], k], case.dtype))
+        packed, matrix = [weight], (lambda bb: weight)
+    else:
+        packed, matrix = _q4_weight(case, relax)
 
     def body(bb: Any) -> Any:
-        w = bb.emit_te(lambda qt, st: quantization.te_dequantize(qt, st, s), q, scale, primfunc_name_hint="dequantize")
-        return relax.op.matmul(x, relax.op.permute_dims(w))
+        total = bb.emit(relax.op.add(x, r))
+        normed = bb.emit(relax.op.nn.rms_norm(total, w, axes=[-1], epsilon=case.attrs["eps"]))
+        y = bb.emit(relax.op.matmul(normed, relax.op.permute_dims(matrix(bb))))
+        return relax.Tuple([y, total])
 
-    return [x, q, scale], body
+    return [x, r, w, *packed], body
 
 
 def _add_rmsnorm(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
@@ -141,6 +166,8 @@ _BUILDERS: dict[str, Callable[[Case, Any, Any], tuple[list, Callable]]] = {
     "gemm_residual": _gemm_residual,
     "gemm_gate_up_silu": _gemm_gate_up_silu,
     "gemm_q4": _gemm_q4,
+    "norm_gemm": _norm_gemm,
+    "norm_gemm_q4": _norm_gemm,
     "rmsnorm": _rmsnorm,
     "add_rmsnorm": _add_rmsnorm,
     "softmax": _softmax,

@@ -89,6 +89,15 @@ def _gemm_q4_inputs(case: Case, m: int, rnd: _Random, fixed: dict) -> list:
     return [rnd.normal((m, k), case.dtype), fixed["q"], fixed["scale"]]
 
 
+def _norm_gemm_inputs(case: Case, m: int, rnd: _Random, fixed: dict) -> list:
+    """x, residual ([M, 1, K]), the norm weight, then the GEMM's weight (float, or packed words and scales)."""
+    k = case.dims["k"]
+    weights = (_gemm_inputs if case.op == "norm_gemm" else _gemm_q4_inputs)(case, m, rnd, fixed)[1:]
+    if "norm_weight" not in fixed:
+        fixed["norm_weight"] = rnd.normal((k,), case.dtype, std=_NORM_WEIGHT_STD, mean=1.0)
+    return [rnd.normal((m, 1, k), case.dtype), rnd.normal((m, 1, k), case.dtype), fixed["norm_weight"], *weights]
+
+
 def _q4_scheme(case: Case) -> quantization.QuantScheme:
     return quantization.SCHEMES[Q4_SCHEMES[case.dtype]]
 
@@ -123,6 +132,8 @@ _INPUTS: dict[str, Callable[[Case, int, _Random, dict], list]] = {
     "gemm_residual": _gemm_residual_inputs,
     "gemm_gate_up_silu": _gemm_inputs,
     "gemm_q4": _gemm_q4_inputs,
+    "norm_gemm": _norm_gemm_inputs,
+    "norm_gemm_q4": _norm_gemm_inputs,
     "rmsnorm": _rmsnorm_inputs,
     "add_rmsnorm": _add_rmsnorm_inputs,
     "softmax": _softmax_inputs,
@@ -168,6 +179,12 @@ def _reference(torch: Any, case: Case, inputs: list) -> Any:
     if case.op == "gemm_q4":
         x, q, scale = inputs
         return x.double() @ quantization.dequantize_torch(q, scale.double(), _q4_scheme(case)).T
+    if case.op in ("norm_gemm", "norm_gemm_q4"):
+        x, r, w, *weight = inputs
+        matrix = weight[0].double() if case.op == "norm_gemm" else quantization.dequantize_torch(
+            weight[0], weight[1].double(), _q4_scheme(case))
+        total = x.double() + r.double()
+        return _rmsnorm64(torch, total, w.double(), case.attrs["eps"]) @ matrix.T, total
     if case.op == "rmsnorm":
         x, w = (t.double() for t in inputs)
         return _rmsnorm64(torch, x, w, case.attrs["eps"])
@@ -249,6 +266,16 @@ def _torch_fn(torch: Any, case: Case, inputs: list, device: str) -> Callable[[],
         x, q, scale = inputs
         w = quantization.dequantize_torch(q, scale, _q4_scheme(case))
         return lambda: F.linear(x, w)
+    if case.op in ("norm_gemm", "norm_gemm_q4"):
+        # The add, the norm and the GEMM as PyTorch's own kernels (a q4 weight dequantized once, untimed).
+        x, r, w, *weight = inputs
+        matrix = weight[0] if case.op == "norm_gemm" else quantization.dequantize_torch(weight[0], weight[1], _q4_scheme(case))
+
+        def norm_gemm() -> Any:
+            total = x + r
+            return F.linear(_torch_rmsnorm(torch, total, w, case.attrs["eps"]), matrix), total
+
+        return norm_gemm
     if case.op == "add_rmsnorm":
         x, r, w = inputs
 
