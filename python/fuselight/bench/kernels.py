@@ -121,8 +121,9 @@ OPS: dict[str, OpSpec] = {
 }
 # Float attributes some ops take besides their dimensions.
 _FLOAT_ATTRS = {"rmsnorm": ("eps",), "add_rmsnorm": ("eps",), "norm_gemm": ("eps",), "norm_gemm_q4": ("eps",)}
-# The 4-bit scheme of a ``gemm_q4`` case's dtype.
+# The 4-bit scheme of a quantized case's dtype, and the ops that take 4-bit weights.
 Q4_SCHEMES = {"float16": "q4f16_1", "bfloat16": "q4bf16_1"}
+Q4_OPS = ("gemm_q4", "norm_gemm_q4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +147,8 @@ class Case:
 
     @property
     def quantization(self) -> str | None:
-        """The 4-bit scheme of a quantized case (``gemm_q4``), else None."""
-        return Q4_SCHEMES[self.dtype] if self.op == "gemm_q4" else None
+        """The 4-bit scheme of a quantized case (``Q4_OPS``), else None."""
+        return Q4_SCHEMES[self.dtype] if self.op in Q4_OPS else None
 
     def shape(self, n: int) -> dict[str, int | str]:
         """A record's ``shape`` at sweep value ``n``; a quantized case's names its scheme."""
@@ -193,7 +194,7 @@ def case_from_dict(raw: Any, sweeps: dict[str, list[int]] | None = None, where: 
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise FuselightError(f"{where}: field {d!r} must be a positive integer, got {v!r}")
         dims[d] = v
-    if op in ("gemm_q4", "norm_gemm_q4") and (dtype not in Q4_SCHEMES or dims["k"] % 32):
+    if op in Q4_OPS and (dtype not in Q4_SCHEMES or dims["k"] % 32):
         raise FuselightError(f"{where}: a {op} case needs dtype float16 or bfloat16 and k a multiple of 32")
     if op.startswith("attention") and dims["q_heads"] % dims["kv_heads"]:
         raise FuselightError(f"{where}: kv_heads ({dims['kv_heads']}) must divide q_heads ({dims['q_heads']})")
