@@ -72,10 +72,15 @@ def annotate_functions(
     return mod
 
 
+def _names(func: relax.Function) -> list[str]:
+    """The names of ``func``'s parameters, then of its bindings, in order."""
+    return [p.name for p in func.params] + [b.var.name for block in func.body.blocks for b in block.bindings]
+
+
 def repeated_binding_name(func: relax.Function) -> str | None:
     """A name ``func`` gives to a parameter or binding more than once, or None."""
     seen: set[str] = set()
-    for name in [p.name for p in func.params] + [b.var.name for block in func.body.blocks for b in block.bindings]:
+    for name in _names(func):
         if name in seen:
             return name
         seen.add(name)
@@ -100,8 +105,7 @@ def unique_binding_names(func: relax.Function) -> relax.Function:
     fusion plan) need this; the BlockBuilder of a rewrite names its new bindings ``lv`` again."""
     if repeated_binding_name(func) is None:
         return func
-    names = [p.name for p in func.params] + [b.var.name for block in func.body.blocks for b in block.bindings]
-    return _UniqueNames(set(names), {p.name for p in func.params}).visit_expr(func)
+    return _UniqueNames(set(_names(func)), {p.name for p in func.params}).visit_expr(func)
 
 
 @mutator
