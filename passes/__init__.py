@@ -31,6 +31,7 @@ from .fold_norm_weight import FoldNormWeight
 from .fuse_attention import FuseAttention
 from .fuse_gate_up_silu import FuseGateUpSiLU
 from .fuse_norm_gemv import FuseNormIntoGemv
+from .capture_whole_step import CaptureWholeStep
 from .fuse_rope_append import FuseRopeAppend
 from .merge_sibling_matmuls import MergeSiblingMatmuls
 from .paged_attention import PagedAttentionKernels
@@ -65,6 +66,10 @@ PASSES: dict[str, GraphPass] = {
         GraphPass("property_rewrite", "before_fuse_transpose_matmul", PropertyRewrite),
         GraphPass("paged_attention", "after_graph_passes", PagedAttentionKernels, rules=("paged_attention",)),
         GraphPass("fuse_rope_append", "after_graph_passes", FuseRopeAppend, needs_fuselight_runtime=True),
+        # After fuse_rope_append, whose fused decode kernel it tags; not a default: only with CUDA
+        # graphs (fuselight.compile.build drops it otherwise).
+        GraphPass("capture_whole_step", "after_graph_passes", CaptureWholeStep, needs_fuselight_runtime=True,
+                  rules=("paged_attention",)),
         # Before add_rms_norm_kernels, which replaces the norm kernels this pass recognises.
         GraphPass("fuse_norm_gemv", "after_graph_passes", FuseNormIntoGemv, rules=("gemv",)),
         GraphPass("add_rms_norm_kernels", "after_graph_passes", AddRMSNormKernels, rules=("row_reduction",)),
@@ -97,4 +102,4 @@ def served(names: Sequence[str], families: Iterable[str]) -> list[str]:
     return [name for name in names if set(get(name).rules) <= have]
 
 
-__all__ = ["DEFAULT", "PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "Classify", "FoldNormWeight", "FuseAttention", "FuseGateUpSiLU", "FuseNormIntoGemv", "FuseRopeAppend", "GraphPass", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "Slot", "classify_module", "default", "get", "served"]
+__all__ = ["DEFAULT", "PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "CaptureWholeStep", "Classify", "FoldNormWeight", "FuseAttention", "FuseGateUpSiLU", "FuseNormIntoGemv", "FuseRopeAppend", "GraphPass", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "Slot", "classify_module", "default", "get", "served"]

@@ -21,14 +21,14 @@ import dataclasses
 from typing import Literal
 
 import tvm
-from fuselight.contracts import FUSED_ROPE_APPEND_DECODE_ATTR, PAGED_ATTENTION_ATTR
+from fuselight.contracts import DECODE_BY_POSITION_ATTR, FUSED_ROPE_APPEND_DECODE_ATTR, PAGED_ATTENTION_ATTR
 from fuselight.errors import FuselightError
 from fuselight.target import arch_of
 from tvm import tirx
 
 from .base import AnalyzeScheduleRule, gpu_target
 
-from .flash.decode import flash_decode_paged, flash_decode_paged_rotary, load_decode_config
+from .flash.decode import by_position_workspace, flash_decode_paged, flash_decode_paged_rotary, load_decode_config
 from .flash.paging import static_dim
 from .flash.prefill import (
     HEAD_DIMS,
@@ -72,6 +72,7 @@ class RotaryDecodeDesc:
 
     rotary: SplitRotary
     page_size: int
+    by_position: bool = False  # lengths and the append slot from the q positions (DECODE_BY_POSITION_ATTR)
 
 
 def _interface(func: tirx.PrimFunc) -> tuple[list, list[str]] | None:
@@ -181,7 +182,8 @@ class PagedAttention(AnalyzeScheduleRule):
             return None
         if FUSED_ROPE_APPEND_DECODE_ATTR in func.attrs:
             rotary = analyze_split_rotary(func)
-            return None if rotary is None else RotaryDecodeDesc(rotary, int(func.attrs[FUSED_ROPE_APPEND_DECODE_ATTR]))
+            by_position = bool(func.attrs.get(DECODE_BY_POSITION_ATTR, False))
+            return None if rotary is None else RotaryDecodeDesc(rotary, int(func.attrs[FUSED_ROPE_APPEND_DECODE_ATTR]), by_position)
         if PAGED_ATTENTION_ATTR not in func.attrs:
             return None
         desc = analyze(func)
@@ -201,6 +203,12 @@ class PagedAttention(AnalyzeScheduleRule):
             return False
         return True
 
+    @staticmethod
+    def by_position_workspace(desc: RotaryDecodeDesc, target: tvm.target.Target, batch: int) -> list[tuple[tuple[int, ...], str]]:
+        """Shapes and dtypes of the buffers the by-position decode kernel takes last (its split
+        partials) for ``batch`` sequences: its caller allocates them."""
+        return by_position_workspace(desc.rotary, load_decode_config(arch_of(target)), batch)
+
     def schedule(self, func: tirx.PrimFunc, desc: PagedAttentionDesc | RotaryDecodeDesc,
                  target: tvm.target.Target) -> tirx.PrimFunc | None:
         """fuselight's kernel for ``desc``, under ``func``'s symbol (the pass named it)."""
@@ -208,7 +216,7 @@ class PagedAttention(AnalyzeScheduleRule):
             if not self.supports(desc, target):
                 return None
             config = load_decode_config(arch_of(target))
-            kernel = flash_decode_paged_rotary(desc.rotary, desc.page_size, config)
+            kernel = flash_decode_paged_rotary(desc.rotary, desc.page_size, config, desc.by_position)
             kernel = kernel.with_attr(FUSED_ROPE_APPEND_DECODE_ATTR, True)
         else:
             kernel = paged_attention_kernel(desc, target)

@@ -43,8 +43,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if args.pipeline == "fuselight" and not spec.described:
         print(fc.UNDESCRIBED.format(arch=spec.arch))
     options = None
-    if args.passes is not None or args.no_rules or args.no_programmatic_launch:
+    whole_step = args.whole_step_graph
+    if args.passes is not None or args.no_rules or args.no_programmatic_launch or whole_step is not None:
         passes = None if args.passes is None else tuple(p for p in args.passes.split(",") if p and p != "none")
+        if whole_step is not None:
+            from .passes import DEFAULT
+
+            # named either way, so the build's decode-form rule does not choose it
+            passes = tuple(p for p in (DEFAULT if passes is None else passes) if p != fc.WHOLE_STEP_PASS)
+            passes = (*passes, fc.WHOLE_STEP_PASS) if whole_step else passes
         options = fc.Options(passes=passes, rules=() if args.no_rules else None,
                              programmatic_launch=not args.no_programmatic_launch)
     built = fc.build(cfg, spec, args.pipeline, options=options, cuda_graph=args.cuda_graph)
@@ -242,6 +249,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--no-rules", action="store_true", help="fuselight pipeline: DLight's rules only (measure the passes alone)")
     c.add_argument("--no-programmatic-launch", action="store_true",
                    help="fuselight pipeline: launch each kernel only after the one before it has finished (no PDL)")
+    c.add_argument("--whole-step-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="fuselight pipeline: one CUDA graph a decode step, KV-cache attention included (the "
+                        "capture_whole_step pass; only where the build captures graphs; default: where the "
+                        "decode-form rule chooses graphs, fuselight.compile.graphs_by_default)")
     c.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the static parts of each function as CUDA graphs (default: on for cuda, as MLC-LLM's O2, "
                         "except where every kernel launches programmatically: the fuselight pipeline on sm_90+)")

@@ -15,6 +15,7 @@ from typing import Any
 
 from . import tir_pipeline
 from .config import ModelConfig
+from .contracts import ATTENTION_FORWARD_FUNC
 from .contracts import FUSED_ROPE_APPEND_ATTR as FUSED_ATTR
 from .contracts import FUSED_ROPE_APPEND_DECODE_ATTR as FUSED_DECODE_ATTR
 from .contracts import KERNEL_LAUNCHES_ATTR
@@ -22,6 +23,7 @@ from .device import device_model
 from .errors import FuselightError
 from .library import git_commit, write_library
 from .options import Options
+from .passes import DEFAULT, served
 from .target import TargetSpec
 
 PIPELINES = ("baseline", "fuselight")
@@ -39,6 +41,9 @@ METADATA_FORMAT = 1
 _ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
 # The builtin that replays (or captures) a CUDA graph of a capture function.
 _CUDA_GRAPH_BUILTIN = "vm.builtin.cuda_graph.run_or_capture"
+# The graph pass that lets one CUDA graph hold a decode step (passes.capture_whole_step); named, it
+# runs only where the build captures graphs.
+WHOLE_STEP_PASS = "capture_whole_step"
 # The pass config RewriteCUDAGraph reads.
 CUDA_GRAPH_CONFIG = "relax.backend.use_cuda_graph"
 # The fuselight pipeline's kernel launches in a decode step (``kernel_stats``; tests/python/test_compile.py
@@ -194,7 +199,7 @@ def kernel_stats(mod: Any) -> KernelStats:
             return
         if isinstance(expr.op, relax.GlobalVar) and expr.op in prims:
             calls.append(expr.op.name_hint)
-        elif isinstance(expr.op, relax.ExternFunc) and expr.op.global_symbol == _ATTENTION_BUILTIN:
+        elif isinstance(expr.op, relax.ExternFunc) and expr.op.global_symbol in (_ATTENTION_BUILTIN, ATTENTION_FORWARD_FUNC):
             attention_calls += 1
         elif (
             expr.op.same_as(tvm.ir.Op.get("relax.call_builtin_with_ctx"))
@@ -251,20 +256,29 @@ def build(
     source = baseline_source()
     tvm_target = to_tvm(target)
     start = time.perf_counter()
-    # As MLC-LLM compiles: the prefill length is bounded by the chunk size, so memory is planned statically.
-    seq = pipeline_pass(pipeline, tvm_target, {"seq_len": prefill_chunk_size}, options)
-    mod, params = export_module(config, tvm_target)
     if cuda_graph and target.kind != "cuda":
         raise FuselightError(f"CUDA graphs need a cuda target, not {target.kind!r}")
     # The baseline launches its kernels as MLC-LLM's builds do.
     pdl = pipeline != "baseline" and (options or Options()).programmatic_launch
     if cuda_graph is None:
         cuda_graph = graphs_by_default(target, pdl, config)
-        # Where graphs win, the host sets the pace, and programmatic launch only lengthens its launch
-        # path: SmolLM2-135M single steps 1.33 -> 1.11 ms on the H100 without it (decode-form.md).
+        # Where graphs win, the host sets the pace: programmatic launch only lengthens its launch path
+        # (SmolLM2-135M single steps 1.33 -> 1.11 ms on the H100 without it), and one graph holds the
+        # whole decode step where the default passes run (0.82 -> 0.60 ms; decode-form.md).
         if cuda_graph and pdl:
             pdl = False
-            options = dataclasses.replace(options or Options(), programmatic_launch=False)
+            chosen = options or Options()
+            passes = chosen.passes
+            if passes is None:
+                passes = tuple(served((*DEFAULT, WHOLE_STEP_PASS), chosen.rule_families))
+            options = dataclasses.replace(chosen, programmatic_launch=False, passes=passes)
+    if not cuda_graph and options is not None and WHOLE_STEP_PASS in (options.passes or ()):
+        # whole-step capture is a form of graphs: where the step launches kernel by kernel it only
+        # sizes the decode grid for the whole cache
+        options = dataclasses.replace(options, passes=tuple(p for p in options.passes if p != WHOLE_STEP_PASS))
+    # As MLC-LLM compiles: the prefill length is bounded by the chunk size, so memory is planned statically.
+    seq = pipeline_pass(pipeline, tvm_target, {"seq_len": prefill_chunk_size}, options)
+    mod, params = export_module(config, tvm_target)
     lowered, executable = lower(mod, tvm_target, seq, cuda_graph=cuda_graph, programmatic_launch=pdl)
     return Built(
         config=config,

@@ -59,3 +59,9 @@ PAGED_ATTENTION_SYMBOLS = {"decode": DECODE_SYMBOL, "prefill_ragged": RAGGED_PRE
 # wrappers a library built with FuseRopeAppend asks for.
 HOOKS_FUNC = "fuselight.kv_cache.fuse_rope_append"
 HOOKS_DECODE_FUNC = "fuselight.kv_cache.fuse_rope_append_decode"
+# On the function tagged FUSED_ROPE_APPEND_DECODE_ATTR: build the decode kernel that finds lengths
+# and the append slot from the q positions (``passes.capture_whole_step``; rules/flash/decode.py).
+DECODE_BY_POSITION_ATTR = "fuselight.decode_by_position"
+# TVM's attention builtin forwarded under our name (``kv_hooks.cc``): RewriteCUDAGraph captures calls
+# of it, never of ``vm.builtin.*`` (``passes.capture_whole_step``).
+ATTENTION_FORWARD_FUNC = "fuselight.kv_cache.attention_with_fused_qkv"

@@ -103,6 +103,11 @@ class Engine:
         self._add_sequence = tvm.get_global_func("vm.builtin.kv_state_add_sequence")
         self._begin_forward = tvm.get_global_func("vm.builtin.kv_state_begin_forward")
         self._end_forward = tvm.get_global_func("vm.builtin.kv_state_end_forward")
+        # Uploads the step's KV-cache metadata (page tables, positions) that begin_forward prepared.
+        # The cache would do it at the step's first attention call, but where one CUDA graph holds
+        # the step (passes.capture_whole_step) no call runs on replay; for every library it is the
+        # same upload, made before the step's kernels instead of inside its first layer.
+        self._upload = tvm.get_global_func("vm.builtin.attention_kv_cache_get_query_positions")
         self._clear = tvm.get_global_func("vm.builtin.kv_state_clear")
         self._reshape = tvm.get_global_func("vm.builtin.reshape")
         shape = tvm.runtime.ShapeTuple
@@ -149,6 +154,7 @@ class Engine:
             staged.copyto(ids)
         embed = self._embed_ids(ids, n)
         self._begin_forward(self._kv_cache, tvm.runtime.ShapeTuple([_SEQ_ID]), tvm.runtime.ShapeTuple([n]))
+        self._upload(self._kv_cache)
         logits, self._kv_cache = fn(embed, self._kv_cache, self._params)
         self._end_forward(self._kv_cache)
         # begin_forward reuses host-side staging buffers; the next step must not overwrite them
@@ -211,6 +217,7 @@ class Engine:
             embed = self._embed_ids(token, 1)
             self._begin_forward(self._kv_cache, tvm.runtime.ShapeTuple([_SEQ_ID]), tvm.runtime.ShapeTuple([1]))
             pace.wait()
+            self._upload(self._kv_cache)  # after the wait: the last step's attention reads the old upload
             hidden, self._kv_cache = self._decode_attend(embed, self._kv_cache, self._params)
             pace.mark()
             self._end_forward(self._kv_cache)

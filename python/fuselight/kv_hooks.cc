@@ -45,6 +45,9 @@ Args Concat(Args a, const Args& b) {
   return a;
 }
 
+// The split partials AttentionWithFusedQKV was given, while its call into the cache runs.
+thread_local std::optional<Args> decode_workspace;
+
 class RopeAppendHooks {
  public:
   RopeAppendHooks(ffi::Function fused, ffi::Function split_rotary, ffi::Function append,
@@ -78,6 +81,7 @@ class RopeAppendHooks {
         SameBuffer((*pending_append_)[0], args[1])) {
       Args split = Take(pending_), append = Take(pending_append_);
       Args rest(args.data() + 2, args.data() + args.size());
+      if (decode_workspace) rest = Concat(std::move(rest), *decode_workspace);
       Call(*fused_decode_, Concat(Concat(std::move(split), append), rest), rv);
       return;
     }
@@ -145,11 +149,31 @@ void MakeDecodeWrappers(ffi::PackedArgs args, ffi::Any* rv) {
   *rv = Wrappers(hooks, true, args.Slice(5));
 }
 
+// TVM's attention builtin under a name outside ``vm.builtin``, which RewriteCUDAGraph never captures:
+// passes/capture_whole_step.py points a decode step's attention calls here so one graph holds the
+// step. Arguments (cache, layer, sm_scale, qkv, out, o_part, lse_part): the builtin's, then the split
+// partials of the by-position decode kernel, which RunDecode passes it (the cache calls the kernel
+// with TVM's arguments only) while the builtin runs.
+void AttentionWithFusedQKV(ffi::PackedArgs args, ffi::Any* rv) {
+  static const ffi::Function builtin =
+      ffi::Function::GetGlobalRequired("vm.builtin.attention_kv_cache_attention_with_fused_qkv");
+  constexpr int kBuiltinArgs = 5;
+  TVM_FFI_ICHECK_EQ(args.size(), kBuiltinArgs + 2) << "attention_with_fused_qkv: expected 7 arguments";
+  decode_workspace = Args(args.data() + kBuiltinArgs, args.data() + args.size());
+  struct Reset {
+    ~Reset() { decode_workspace.reset(); }
+  } reset;
+  builtin.CallPacked(args.Slice(0, kBuiltinArgs), rv);
+}
+
 }  // namespace
 
-// The names are fuselight.contracts.HOOKS_FUNC and HOOKS_DECODE_FUNC; replacing the Python ones.
+// The names are fuselight.contracts.HOOKS_FUNC, HOOKS_DECODE_FUNC (replacing the Python ones) and
+// ATTENTION_FORWARD_FUNC.
 TVM_FFI_STATIC_INIT_BLOCK() {
   tvm::ffi::Function::SetGlobal("fuselight.kv_cache.fuse_rope_append", tvm::ffi::Function::FromPacked(MakeWrappers), true);
   tvm::ffi::Function::SetGlobal("fuselight.kv_cache.fuse_rope_append_decode",
                                 tvm::ffi::Function::FromPacked(MakeDecodeWrappers), true);
+  tvm::ffi::Function::SetGlobal("fuselight.kv_cache.attention_with_fused_qkv",
+                                tvm::ffi::Function::FromPacked(AttentionWithFusedQKV), true);
 }

@@ -35,13 +35,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .contracts import ATTENTION_FORWARD_FUNC
 from .contracts import HOOKS_DECODE_FUNC as DECODE_GLOBAL_NAME
 from .contracts import HOOKS_FUNC as GLOBAL_NAME
 from .errors import FuselightError
 
 NATIVE_SOURCE = Path(__file__).with_name("kv_hooks.cc")
 # The VM's instruction text names the factory a library's KV cache is created with.
-_FACTORIES = (GLOBAL_NAME, DECODE_GLOBAL_NAME)
+_FACTORIES = (GLOBAL_NAME, DECODE_GLOBAL_NAME, ATTENTION_FORWARD_FUNC)
 
 
 class RopeAppendHooks:
@@ -131,8 +132,9 @@ def register() -> None:
 
 
 def uses_hooks(executable: Any) -> bool:
-    """Whether a ``tvm.relax.VMExecutable`` creates its KV cache through these wrappers (a library of
-    PrimFuncs alone, such as the kernel suites', has no VM and creates none)."""
+    """Whether a ``tvm.relax.VMExecutable`` creates its KV cache through these wrappers or calls the
+    attention forwarder of ``kv_hooks.cc``, which only the C++ build provides (a library of PrimFuncs
+    alone, such as the kernel suites', has no VM and does neither)."""
     as_text = getattr(executable, "as_text", None)
     return as_text is not None and any(name in as_text() for name in _FACTORIES)
 

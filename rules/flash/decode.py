@@ -35,6 +35,7 @@ import tvm
 from fuselight.contracts import DECODE_SYMBOL, ROTARY_DECODE_SYMBOL
 from fuselight.device import require_device, warp_size
 from fuselight.errors import FuselightError
+from tvm import arith, tirx
 from tvm.script import tirx as T
 
 from .. import arch_config
@@ -123,7 +124,8 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
     With ``rotary`` (TVM's split-rotary kernel, read by ``rotary.analyze``) the split kernel first
     does that kernel's and the KV append's work for its token and KV head (``rotate``): ``io.Q``
     is then the split-rotary's q output, and ``io.rotary`` has its ``qkv``, ``positions``, ``k``,
-    ``v``, ``apply_rope`` and the append's ``append_positions``.
+    ``v``, ``apply_rope`` and ``append_positions``, and ``seq.append_position(io, b)`` is the page slot
+    of sequence ``b``'s new row.
     """
     H_qo, H_kv, D, G, VEC, BDX, dtype = heads.qo, heads.kv, heads.dim, heads.group, heads.vec, heads.bdx, heads.dtype
     BDY = _WARP // BDX * config.warps  # rows processed side by side in a block
@@ -166,7 +168,7 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
                     v[u, e] = T.cast(0, dtype)
 
     @T.macro
-    def rotate(io, bz, by, bx, ty, tx, q_rot):
+    def rotate(io, seq, bz, by, bx, ty, tx, q_rot):
         # TVM's split-rotary values of this token's G query heads into q_rot[0] [G, D] (fp32), its key
         # and value rows into the pages by every block (whichever holds the new row reads it after
         # the barrier), and all of them into the split-rotary outputs by the first split.
@@ -179,7 +181,7 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
                 q_rot[0, g, e] = T.cast(q_val, "float32")
                 if bx == 0:
                     io.Q[bz, by * G + g, e] = q_val
-        pos: T.let[T.int32] = io.rotary.append_positions[bz]
+        pos: T.let[T.int32] = seq.append_position(io, bz)
         for i in T.serial(-(-D // THREADS)):
             if i * THREADS + t < D:
                 k_val: T.let = rotary.value(K_OUT, io.rotary.qkv, io.rotary.positions, io.rotary.apply_rope, bz, by, i * THREADS + t)
@@ -225,7 +227,7 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
                                 if PDL:
                                     T.ptx.griddepcontrol.launch_dependents()
                                 if rotary is not None:
-                                    rotate(io, bz, by, bx, ty, tx, o_smem)
+                                    rotate(io, seq, bz, by, bx, ty, tx, o_smem)
                                 base: T.let[T.int32] = seq.base(io, bz)
                                 kv_len: T.let[T.int32] = seq.length(io, bz)
                                 # in registers, not lets: TVM would inline the divisions into every use
@@ -410,6 +412,21 @@ _PAGED = SimpleNamespace(
     locate=lambda io, page_begin, row: io.page_values[page_begin + T.floordiv(row, io.page_size)],
     load_row=_paged_row,
     bias=None,
+    append_position=lambda io, b: io.rotary.append_positions[b],
+)
+
+
+# Where a graph replays the step (``passes.capture_whole_step``): only metadata at addresses that do
+# not move with the page count is read (TVM's q positions, page_indptr, the page table's start), so
+# one sequence's KV length is its new token's position + 1, and the grid is sized for every page of
+# the cache (blocks past the length exit at once).
+_PAGED_BY_POSITION = SimpleNamespace(
+    **{**vars(_PAGED), "length": lambda io, b: T.if_then_else(
+        io.page_indptr[b + 1] > io.page_indptr[b], io.positions[b] + 1, 0),
+       "max_length": lambda io: io.pages.shape[0] * io.page_size,
+       # the new row goes after the sequence's last row, in its last page
+       "append_position": lambda io, b: io.page_values[io.page_indptr[b + 1] - 1] * io.page_size
+       + T.floormod(io.positions[b], io.page_size)},
 )
 
 
@@ -418,11 +435,16 @@ _PAGED = SimpleNamespace(
 _ROTARY_ONLY_PARAMS = (0, 1, 3, 4, 5, 7)
 
 
-def _paged_decode(heads: _Heads, config: DecodeConfig, page_size: int, rotary: SplitRotary | None) -> tvm.tirx.PrimFunc:
+def _paged_decode(
+    heads: _Heads, config: DecodeConfig, page_size: int, rotary: SplitRotary | None, by_position: bool = False
+) -> tvm.tirx.PrimFunc:
     """The two kernels over TVM's paged cache with the rotary kernel's signature; without
-    ``rotary`` the split-rotary and append parameters are unused."""
+    ``rotary`` the split-rotary and append parameters are unused. ``by_position``: lengths and the
+    append slot from the q positions (``_PAGED_BY_POSITION``); length_info and the append positions
+    are then unused."""
     kernels = _kernels(heads, config, rotary)
     H_qo, H_kv, D, PAGE, VEC, dtype = heads.qo, heads.kv, heads.dim, page_size, heads.vec, heads.dtype
+    seq = _PAGED_BY_POSITION if by_position else _PAGED
 
     # pylint: disable=invalid-name
     @T.prim_func(s_tir=True)
@@ -446,6 +468,8 @@ def _paged_decode(heads: _Heads, config: DecodeConfig, page_size: int, rotary: S
         rope_scale: T.float32,
         rope_theta: T.float32,
         sm_scale: T.float32,
+        o_part_handle: T.handle,
+        lse_part_handle: T.handle,
     ):
         T.func_attr({"tirx.is_scheduled": True, "fuselight.kernel_launches": 2})
         B = T.int32()
@@ -469,32 +493,50 @@ def _paged_decode(heads: _Heads, config: DecodeConfig, page_size: int, rotary: S
         page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_elem_offset)
         page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
         k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_rope_pos_offset_elem_offset)  # noqa: F841
-        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_position_elem_offset)  # noqa: F841
+        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_position_elem_offset)
         output = T.match_buffer(output_handle, (B, H_qo, D), dtype)
         lse = T.match_buffer(lse_handle, (B, H_qo), "float32")
         length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_info_elem_offset)
+        # by position, in buffers the caller owns: a replayed graph keeps their addresses, which a
+        # block of TVM's workspace pool need not keep (the pool frees a block to grow it)
+        O_part = (T.match_buffer(o_part_handle, (B, H_qo, kernels.num_splits(B), D), "float32") if by_position
+                  else T.alloc_buffer((B, H_qo, kernels.num_splits(B), D), "float32", scope="global"))
+        lse_part = (T.match_buffer(lse_part_handle, (B, H_qo, kernels.num_splits(B)), "float32") if by_position
+                    else T.alloc_buffer((B, H_qo, kernels.num_splits(B)), "float32", scope="global"))
         # RoPE must already be in the cache (applied on append): never attend to un-rotated keys.
         assert rotary_mode == 0, "fuselight_decode_paged_kv: rotary_mode 1 (RoPE inside attention) is not supported"
 
-        O_part = T.alloc_buffer((B, H_qo, kernels.num_splits(B), D), "float32", scope="global")
-        lse_part = T.alloc_buffer((B, H_qo, kernels.num_splits(B)), "float32", scope="global")
+        # positions (for _PAGED_BY_POSITION): the kernel's own q positions, the same data as the
+        # split-rotary's; loads of that one buffer for RoPE and for lengths trip TVM's CSE (a value
+        # used before its definition)
         kernels.split(
             SimpleNamespace(
                 Q=Q, O_part=O_part, lse_part=lse_part, pages=pages, page_indptr=page_table_indptr,
-                page_values=page_table_values, length_info=length_info, page_size=PAGE, vec=VEC,
+                page_values=page_table_values, length_info=length_info, positions=q_rope_position, page_size=PAGE, vec=VEC,
                 rotary=SimpleNamespace(qkv=qkv, positions=positions, k=k, v=v, apply_rope=apply_rope, append_positions=append_positions),
             ),
-            B, _PAGED, sm_scale,
+            B, seq, sm_scale,
         )
         kernels.merge(
             SimpleNamespace(
                 output=output, lse=lse, O_part=O_part, lse_part=lse_part, page_indptr=page_table_indptr,
-                length_info=length_info, page_size=PAGE,
+                length_info=length_info, positions=q_rope_position, page_size=PAGE,
             ),
-            B, _PAGED,
+            B, seq,
         )
 
-    return decode
+    if by_position:
+        return decode
+    return tvm.tirx.PrimFunc(decode.params[:-2], decode.body, decode.ret_type, decode.attrs)
+
+
+def by_position_workspace(split_rotary: SplitRotary, config: DecodeConfig, batch: int) -> list[tuple[tuple[int, ...], str]]:
+    """Shapes and dtypes of the by-position kernel's last two parameters (the split partials, which
+    its caller allocates) for a batch of ``batch`` sequences."""
+    rot = split_rotary
+    heads = _heads(rot.num_kv_heads, rot.num_qo_heads, rot.head_dim, rot.dtype)
+    splits = int(arith.Analyzer().simplify(_kernels(heads, config, rot).num_splits(tirx.IntImm("int32", batch))))
+    return [((batch, heads.qo, splits, heads.dim), "float32"), ((batch, heads.qo, splits), "float32")]
 
 
 def flash_decode_paged(
@@ -506,15 +548,17 @@ def flash_decode_paged(
     return tvm.tirx.PrimFunc(params, full.body, full.ret_type, full.attrs).with_attr("global_symbol", GLOBAL_SYMBOL)
 
 
-def flash_decode_paged_rotary(split_rotary: SplitRotary, page_size: int, config: DecodeConfig) -> tvm.tirx.PrimFunc:
+def flash_decode_paged_rotary(
+    split_rotary: SplitRotary, page_size: int, config: DecodeConfig, by_position: bool = False
+) -> tvm.tirx.PrimFunc:
     """TVM's split-rotary, its KV append and the decode kernel in one: ``(qkv, positions, q, k, v,
     apply_rope)`` (split-rotary's parameters), ``pages, append_positions`` (the append's), then the
     decode kernel's from ``page_table_indptr`` on. Each split block computes its q heads and new k / v
     rows by ``split_rotary``'s expressions, so nothing waits for another launch; the split-rotary
-    outputs are written as TVM's kernel writes them."""
+    outputs are written as TVM's kernel writes them. ``by_position``: see ``_PAGED_BY_POSITION``."""
     rot = split_rotary
     heads = _heads(rot.num_kv_heads, rot.num_qo_heads, rot.head_dim, rot.dtype)
-    return _paged_decode(heads, config, page_size, rot).with_attr("global_symbol", ROTARY_GLOBAL_SYMBOL)
+    return _paged_decode(heads, config, page_size, rot, by_position).with_attr("global_symbol", ROTARY_GLOBAL_SYMBOL)
 
 
 @T.macro

@@ -129,3 +129,22 @@ def test_import_fuselight_imports_no_tvm():
     code = "import sys, fuselight, fuselight.config, fuselight.target, fuselight.cli; print(any(m == 'tvm' or m.startswith('tvm.') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+def test_whole_step_graph_adds_or_leaves_out_its_pass(monkeypatch, capsys, tmp_path):
+    from fuselight import compile as fc
+    from fuselight.passes import DEFAULT
+
+    seen = []
+
+    def fake_build(cfg, spec, pipeline, *, options=None, cuda_graph=None):
+        seen.append(options.passes)
+        raise fc.FuselightError("stop")
+
+    monkeypatch.setattr(fc, "build", fake_build)
+    base = ["compile", "--model", "tiny-llama", "--target", "cuda", "--whole-step-graph", "-o", str(tmp_path / "x.so")]
+    _fails(capsys, base, "stop")
+    _fails(capsys, [*base, "--passes", "paged_attention,fuse_rope_append"], "stop")
+    # --no-whole-step-graph names the passes without it, so the build's rule cannot add it
+    _fails(capsys, [*base[:-3], "--no-whole-step-graph", "-o", str(tmp_path / "x.so")], "stop")
+    assert seen == [(*DEFAULT, fc.WHOLE_STEP_PASS), ("paged_attention", "fuse_rope_append", fc.WHOLE_STEP_PASS), DEFAULT]

@@ -1,0 +1,202 @@
+"""Whole-step capture (``passes/capture_whole_step.py``): the rewrite of the decode functions, the
+by-position decode kernel it asks for (built for sm_90, compiled by nvcc, reading no metadata whose
+address moves with the page count), and RewriteCUDAGraph lifting every decode attention call into a
+graph. Numerics need a GPU: ``bench e2e`` checks logits against float64 and greedy tokens against
+step-by-step decoding (docs/experiments/decode-form.md has the command)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+
+import pytest
+import tvm
+from fuselight import compile as fc
+from fuselight import config as model_config
+from fuselight.contracts import ATTENTION_FORWARD_FUNC, DECODE_BY_POSITION_ATTR
+from fuselight.cuda_compile import compile_cuda
+from fuselight.model.llama import export_module
+from fuselight.options import Options
+from fuselight.passes import DEFAULT, CaptureWholeStep, FuseRopeAppend, PagedAttentionKernels
+from fuselight.passes.capture_whole_step import ATTENTION_BUILTIN, attention_calls
+from fuselight.rules.flash.decode import ROTARY_GLOBAL_SYMBOL
+from fuselight.rules.paged_attention import PagedAttention
+from fuselight.target import resolve, to_tvm
+from tvm import relax
+from tvm.s_tir import dlight as dl
+
+CUDA = to_tvm(resolve("cuda", "sm_90"))
+DECODE_FUNCTIONS = {"decode", "decode_attend"}
+
+
+def _config(layers: int = 2) -> model_config.ModelConfig:
+    # SmolLM2's head layout: GQA 9/3, head dim 64
+    return dataclasses.replace(
+        model_config.load("tiny-llama"), hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        dtype="float16", num_hidden_layers=layers,
+    )
+
+
+def _symbols(func: relax.Function) -> list[str]:
+    found: list[str] = []
+    relax.analysis.post_order_visit(
+        func, lambda e: found.append(e.global_symbol) if isinstance(e, relax.ExternFunc) else None)
+    return found
+
+
+@pytest.fixture(scope="module")
+def rewritten() -> tuple[tvm.IRModule, tvm.IRModule]:
+    with CUDA:
+        before = FuseRopeAppend()(PagedAttentionKernels()(export_module(_config(), CUDA)[0]))
+        return before, CaptureWholeStep()(before)
+
+
+def test_decode_functions_attend_through_the_forwarder_with_the_cache_static(rewritten):
+    before, after = rewritten
+    for gv, func in after.functions.items():
+        if not isinstance(func, relax.Function) or not attention_calls(before[gv]):
+            continue
+        name = gv.name_hint
+        if name in DECODE_FUNCTIONS:
+            assert _symbols(func).count(ATTENTION_FORWARD_FUNC) == 2 and ATTENTION_BUILTIN not in _symbols(func), name
+            assert int(func.attrs["num_input"]) == 1, name
+        else:  # prefill: qkv of symbolic length, never captured
+            tvm.ir.assert_structural_equal(func, before[gv])
+    assert after[ROTARY_GLOBAL_SYMBOL].attrs[DECODE_BY_POSITION_ATTR]
+    assert DECODE_BY_POSITION_ATTR not in before[ROTARY_GLOBAL_SYMBOL].attrs
+
+
+def _shape(ty: object) -> tuple:
+    return tuple(int(d) for d in ty.shape.values)
+
+
+def test_decode_split_partials_come_from_the_caller(rewritten):
+    """The by-position kernel takes its split partials last (a graph replays their addresses, which
+    a block of TVM's workspace pool need not keep); the forwarder's call allocates them, as the rule
+    sizes them for one sequence."""
+    _, after = rewritten
+    desc = PagedAttention.analyze(after[ROTARY_GLOBAL_SYMBOL])
+    shapes = PagedAttention.by_position_workspace(desc, CUDA, 1)
+    assert [dtype for _, dtype in shapes] == ["float32", "float32"]
+    heads, dim = 9, 64
+    assert shapes[0][0][:2] == (1, heads) and shapes[0][0][3] == dim and shapes[1][0] == shapes[0][0][:3]
+    for name in DECODE_FUNCTIONS:
+        calls = _forwarder_calls(after[name])
+        assert len(calls) == 2, name
+        for call in calls:
+            outputs = call.ty_args[0].fields
+            assert [(_shape(t), t.dtype) for t in outputs[1:]] == shapes, name
+    kernel = PagedAttention().schedule(after[ROTARY_GLOBAL_SYMBOL], desc, CUDA)
+    o_part, lse_part = kernel.params[-2:]
+    assert (o_part.name, lse_part.name) == ("O_part", "lse_part")
+    # TVM's cache passes the builtin's 19 arguments; the forwarder adds the two
+    assert len(kernel.params) == 21
+
+
+def _forwarder_calls(func: relax.Function) -> list[relax.Call]:
+    found: list[relax.Call] = []
+    relax.analysis.post_order_visit(func, lambda e: found.append(e) if (
+        isinstance(e, relax.Call) and e.args and isinstance(e.args[0], relax.ExternFunc)
+        and e.args[0].global_symbol == ATTENTION_FORWARD_FUNC) else None)
+    return found
+
+
+def test_module_left_alone_without_the_fused_decode_kernel_or_a_cuda_target(rewritten):
+    before, _ = rewritten
+    unfused = export_module(_config(), CUDA)[0]
+    with CUDA:
+        tvm.ir.assert_structural_equal(CaptureWholeStep()(unfused), unfused)
+    llvm = to_tvm(resolve("llvm"))
+    with llvm:
+        tvm.ir.assert_structural_equal(CaptureWholeStep()(before), before)
+
+
+def _kernel_params(source: str) -> dict[str, list[str]]:
+    """Each __global__ kernel's parameter names, from the CUDA source."""
+    out = {}
+    for name, params in re.findall(r"__global__ void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\)", source):
+        out[name] = [p.split()[-1].removesuffix("_ptr") for p in params.split(",")]
+    return out
+
+
+def test_by_position_kernel_reads_only_fixed_metadata_and_compiles_for_sm_90(rewritten):
+    _, after = rewritten
+    with CUDA:
+        scheduled = dl.ApplyDefaultSchedule(PagedAttention())(after)
+    lib = tvm.compile(tvm.IRModule({"main": scheduled[ROTARY_GLOBAL_SYMBOL]}), target=CUDA)
+    source = lib.mod.imports[0].inspect_source("cuda")
+    kernels = _kernel_params(source)
+    assert len(kernels) == 2  # split, merge
+    used = {p for params in kernels.values() for p in params}
+    # q positions, page_indptr and the page table's start stay put as pages are added; these do not
+    assert {"length_info", "append_positions"}.isdisjoint(used)
+    assert {"q_rope_position", "page_table_indptr", "page_table_values", "pages", "max_num_pages"} <= used
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found: the CUDA source was not compiled")
+    assert compile_cuda(source, "sm_90")
+
+
+def test_build_drops_the_pass_without_graphs(monkeypatch):
+    seen = {}
+
+    def fake_pipeline(name, target, bounds, options):
+        seen["passes"] = options.passes
+        raise RuntimeError("stop after choosing the passes")
+
+    monkeypatch.setattr(fc, "pipeline_pass", fake_pipeline)
+    options = Options(passes=(*DEFAULT, fc.WHOLE_STEP_PASS))
+    for graphs, expected in ((False, DEFAULT), (True, (*DEFAULT, fc.WHOLE_STEP_PASS))):
+        with pytest.raises(RuntimeError, match="stop after"):
+            fc.build(_config(), resolve("cuda", "sm_90"), "fuselight", options=options, cuda_graph=graphs)
+        assert seen["passes"] == expected
+
+
+def test_build_captures_the_whole_step_where_its_rule_chooses_graphs(monkeypatch):
+    """Host-bound decode (SmolLM2's step launches ~12x its weight floor): graphs, no programmatic
+    launch, the whole step in one; Llama-3.2-1B launches kernels one by one; passes named by the
+    caller are kept as named."""
+    seen = {}
+
+    def fake_pipeline(name, target, bounds, options):
+        seen["options"] = options
+        raise RuntimeError("stop after choosing the passes")
+
+    monkeypatch.setattr(fc, "pipeline_pass", fake_pipeline)
+    sm90 = resolve("cuda", "sm_90")
+    for model, whole_step in (("smollm2-135m", True), ("llama-3.2-1b", False)):
+        with pytest.raises(RuntimeError, match="stop after"):
+            fc.build(model_config.load(model).with_dtype("float16"), sm90, "fuselight")
+        passes = seen["options"].graph_passes() if seen["options"] is not None else Options().graph_passes()
+        assert (fc.WHOLE_STEP_PASS in passes) == whole_step, model
+        assert passes[:-1] == Options().graph_passes() if whole_step else passes == Options().graph_passes()
+    named = Options(passes=("paged_attention", "fuse_rope_append"))
+    with pytest.raises(RuntimeError, match="stop after"):
+        fc.build(model_config.load("smollm2-135m"), sm90, "fuselight", options=named)
+    assert seen["options"].passes == named.passes and not seen["options"].programmatic_launch
+
+
+@pytest.mark.slow
+def test_rewrite_cuda_graph_lifts_every_decode_attention_into_a_graph():
+    """Lowered with CUDA graphs, each decode function's attention calls all sit in capture functions."""
+    layers = 3
+    seq = fc.pipeline_pass("fuselight", CUDA, {"seq_len": 32}, Options(passes=(*DEFAULT, fc.WHOLE_STEP_PASS)))
+    with tvm.transform.PassContext(config={fc.CUDA_GRAPH_CONFIG: True}), CUDA:
+        lowered = seq(export_module(_config(layers), CUDA)[0])
+    for name in DECODE_FUNCTIONS:
+        assert ATTENTION_FORWARD_FUNC not in _symbols(lowered[name]), name  # none left outside a graph
+        captured = sum(_symbols(lowered[gv]).count(ATTENTION_FORWARD_FUNC) for gv in _captures(lowered[name]))
+        assert captured == layers, name
+
+
+def _captures(func: relax.Function) -> list[tvm.ir.GlobalVar]:
+    """The capture functions ``func`` replays (``vm.builtin.cuda_graph.run_or_capture``), in order."""
+    found: list[tvm.ir.GlobalVar] = []
+
+    def visit(e: relax.Expr) -> None:
+        if (isinstance(e, relax.Call) and e.op.same_as(tvm.ir.Op.get("relax.call_builtin_with_ctx"))
+                and e.args[0].global_symbol == "vm.builtin.cuda_graph.run_or_capture"):
+            found.append(e.args[1].fields[0])
+
+    relax.analysis.post_order_visit(func, visit)
+    return found
