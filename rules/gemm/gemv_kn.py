@@ -32,16 +32,14 @@ from typing import Any
 
 from fuselight.device import least, require_device
 from fuselight.errors import FuselightError
-from fuselight.paths import config_dir
 
 from .. import arch_config
-from ..arch_config import arch_entry, from_fields
-from .gemv import DTYPE_ABBREV, Q4_DTYPES, launch_blocks
+from .gemv import DTYPE_ABBREV, Q4_DTYPES, launch_blocks, read_buckets
 from .gemv_common import PIECE, PIECE_WORDS, Q4_BITS, index_dtype, static_m
 from .operands import GemmOperands
 from .plan import WARP
 
-CONFIG_FAMILY, CONFIG_NAME = "gemm", "gemv_q4_kn"
+CONFIG_NAME = "gemv_q4_kn"  # in configs/gemm/
 MAX_THREADS = least("max_threads_per_block")
 # The dot product of one packed word (8 values along K, one column) with the 8 tokens it meets
 # (float32, in order), times the word's scale, added to ``acc``.
@@ -96,14 +94,8 @@ def load_kn_configs(arch: str) -> list[KnGemvConfig]:
     it has none for ``arch``), by increasing ``max_m``; FuselightError for a bad one or an
     undescribed arch."""
     require_device(arch)
-    node, where = arch_entry(config_dir() / CONFIG_FAMILY / f"{CONFIG_NAME}.json", arch, arch_config.as_written)
-    if not isinstance(node, dict):
-        raise FuselightError(f"{where}: must be an object of M buckets")
-    configs = []
-    for bucket, fields in node.items():
-        cfg = from_fields(KnGemvConfig, fields, f"{where}[{bucket!r}]")
-        check_kn_config(cfg, f"{where}[{bucket!r}]")
-        configs.append(cfg)
+    buckets, where = read_buckets(CONFIG_NAME, arch, arch_config.as_written, KnGemvConfig, check_kn_config)
+    configs = [cfg for cfg, _ in buckets]
     if len({c.max_m for c in configs}) != len(configs):
         raise FuselightError(f"{where}: two buckets with the same 'max_m'")
     return sorted(configs, key=lambda c: c.max_m)

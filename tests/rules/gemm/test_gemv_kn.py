@@ -226,3 +226,14 @@ def test_nvcc_compiles_the_kernels(cuda):
     require_nvcc()
     # The config is the analytic one for every described arch: sm_80 too.
     assert compile_cuda(source, "sm_90") and compile_cuda(source, "sm_80")
+
+
+def test_config_serves_every_described_arch_and_names_a_bad_field():
+    # Unmeasured: every described arch takes the analytic entry (sm_80 included); others none.
+    assert gemv_kn.load_kn_configs("sm_80") == gemv_kn.load_kn_configs("sm_90")
+    with pytest.raises(FuselightError):
+        gemv_kn.load_kn_configs("sm_70")
+    good = _cfg()
+    for field, value in (("lanes_n", 3), ("lanes_n", 64), ("warps", 6), ("warps", 64)):
+        with pytest.raises(FuselightError, match=field):
+            gemv_kn.check_kn_config(dataclasses.replace(good, **{field: value}))
