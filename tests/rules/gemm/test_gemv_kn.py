@@ -9,6 +9,7 @@ GPU: the kernel suite and ``bench e2e``'s logits)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -17,12 +18,15 @@ from tir_query import evaluate, kernel
 
 tvm = pytest.importorskip("tvm")
 from cuda_source import kernel_body, kernel_names
+from fuselight.cuda_compile import compile_cuda
 from fuselight.errors import FuselightError
 from fuselight.quant_prim_funcs import q4_linear
+from fuselight.rules.base import with_kernels
 from fuselight.rules.gemm import gemv_kn
 from fuselight.rules.gemm.analysis import analyze_matmul
-from fuselight.rules.gemv import Gemv, kn_gemv_config
+from fuselight.rules.gemv import Gemv, kn_gemv_config, symbolic_m_buckets
 from fuselight.target import resolve, to_tvm
+from tvm import te, tirx
 
 # The template's parameters the tests read by hand: a lane owns 4 columns (a uint4 of words).
 COLS_PER_LANE = 4
@@ -93,15 +97,11 @@ def test_rule_leaves_what_the_template_does_not_serve(cuda):
     with pytest.raises(FuselightError, match="M must be static"):
         gemv_kn.check_kn(analyze_matmul(q4_linear(4096, 4096, layout="KN", m=3), dequant=True).operands, _cfg())
     # The symbolic-M paths of the Gemv and Matmul rules stay away from KN (DLight takes it).
-    from fuselight.rules.gemv import symbolic_m_buckets
-
     batch = analyze_matmul(q4_linear(4096, 4096, layout="KN", m=None), dequant=True)
     assert symbolic_m_buckets(batch.operands, cuda) == [] and not Gemv.supports(batch, cuda)
 
 
 def test_analysis_refuses_what_is_not_a_4bit_kn_dequantize():
-    from tvm import te, tirx
-
     def kn_linear(mask: int, zero_buffer: bool = False):
         n, k, i64 = 64, 256, "int64"
         q = te.placeholder((tirx.IntImm(i64, k // 8), tirx.IntImm(i64, n)), "uint32", name="q")
@@ -135,26 +135,31 @@ def _run_llvm(func, args):
     return tensors[-1].numpy()
 
 
-@pytest.mark.parametrize("n,k,group", [(37, 1024, 128), (42, 768, 32)])
-def test_emulated_kernel_matches_the_unscheduled_function(cuda, n, k, group):
+def _with_m(cfg, m):
+    """``cfg`` serving ``m`` rows (the template takes any static M; the config ships M = 1 only)."""
+    return dataclasses.replace(cfg, max_m=max(cfg.max_m, m))
+
+
+@pytest.mark.parametrize("n,k,group,m", [(37, 1024, 128, 1), (42, 768, 32, 1), (40, 256, 32, 3)])
+def test_emulated_kernel_matches_the_unscheduled_function(cuda, n, k, group, m):
     # Run the kernel's data flow in numpy: every thread of every block loads the words, scales and
     # tokens at the kernel's own load indices (evaluated from its TIR), for the lanes' word rows and
     # columns the module docstring gives; sums in float64 per column; then against the unscheduled
     # function run on llvm (its fp16 dequantize and float32 matmul).
-    func = q4_linear(n, k, layout="KN", group=group)
-    kern = kernel(_scheduled(func, cuda))
+    func = q4_linear(n, k, layout="KN", group=group, m=m)
+    cfg = _with_m(_cfg(), m)
+    kern = kernel(with_kernels(func, gemv_kn.kn_body(analyze_matmul(func, dequant=True).operands, cfg)))
     (w_index,), (s_index,), (x_index,) = kern.loads["W"], kern.loads["S"], kern.loads["X"]
-    cfg = _cfg()
     rng = np.random.default_rng(n)
     q = rng.integers(0, 2**32, size=(k // 8, n), dtype=np.uint64).astype(np.uint32)
     s = rng.uniform(-0.02, 0.02, size=(k // group, n)).astype(np.float16)
-    x = rng.standard_normal((1, 1, k)).astype(np.float16)
+    x = rng.standard_normal((m, 1, k)).astype(np.float16)
     words, scales, tokens = q.reshape(-1), s.reshape(-1), x.reshape(-1)
     lanes_k = WARP // cfg.lanes_n
     slots, cols = lanes_k * cfg.warps, cfg.lanes_n * COLS_PER_LANE
     vec = 4 if n % 4 == 0 else 2 if n % 2 == 0 else 1
     rounds = -(-(k // 8) // (slots * cfg.unroll))
-    out = np.zeros(n)
+    out = np.zeros((m, n))
     seen = np.zeros((k // 8, n), dtype=int)
     for bx in range(kern.launch["blockIdx.x"]):
         for tid in range(kern.launch["threadIdx.x"]):
@@ -165,8 +170,9 @@ def test_emulated_kernel_matches_the_unscheduled_function(cuda, n, k, group):
                     kw = (r * cfg.unroll + u) * slots + slot
                     if kw >= k // 8:
                         continue
-                    at = {"kw": kw, "col0": col0, "row": 0}
-                    t = np.array([tokens[evaluate(x_index, {**at, "e": e})] for e in range(8)], dtype=np.float64)
+                    at = {"kw": kw, "col0": col0}
+                    t = np.array([[tokens[evaluate(x_index, {**at, "row": row, "e": e})] for e in range(8)]
+                                  for row in range(m)], dtype=np.float64)
                     for j in range(COLS_PER_LANE):
                         v, e = j // vec, j % vec
                         wi, si = evaluate(w_index, {**at, "v": v, "e": e}), evaluate(s_index, {**at, "v": v, "e": e})
@@ -176,9 +182,9 @@ def test_emulated_kernel_matches_the_unscheduled_function(cuda, n, k, group):
                             continue  # read (in bounds), never stored
                         seen[kw, col] += 1
                         nibbles = (int(words[wi]) >> (4 * np.arange(8))) & 15
-                        out[col] += float(scales[si]) * float(((nibbles - 7) * t).sum())
+                        out[:, col] += float(scales[si]) * ((nibbles - 7) * t).sum(axis=1)
     assert (seen == 1).all()  # every word of the weight once
-    ref = _run_llvm(func, [q, s, x, np.zeros((1, 1, n), np.float16)]).reshape(-1).astype(np.float64)
+    ref = _run_llvm(func, [q, s, x, np.zeros((m, 1, n), np.float16)]).reshape(m, n).astype(np.float64)
     assert np.abs(ref).max() > 0.1
     np.testing.assert_allclose(out, ref, rtol=2e-3, atol=2e-3 * np.abs(ref).max())
 
@@ -187,8 +193,6 @@ def test_emulated_kernel_matches_the_unscheduled_function(cuda, n, k, group):
 def test_the_bit_trick_gives_each_value_exactly(dtype):
     # ``((w >> 4 j) & 0x000F000F) | magic`` read as a pair of ``dtype`` is (base + e_j, base + e_{j+4});
     # minus the bias (base + zero) it is e - zero exactly, for every nibble.
-    import re
-
     zero = 7
     src = gemv_kn.q4_dot8_source(dtype, zero)
     magic = int(re.search(r"\| (0x[0-9a-f]+)u;", src).group(1), 16)
@@ -209,8 +213,6 @@ def test_the_bit_trick_gives_each_value_exactly(dtype):
 
 
 def test_nvcc_compiles_the_kernels(cuda):
-    from fuselight.cuda_compile import compile_cuda
-
     funcs = {
         "qkv": q4_linear(6144, 4096, layout="KN"),
         "down_res": q4_linear(4096, 14336, layout="KN", epilogue="residual"),
@@ -220,6 +222,9 @@ def test_nvcc_compiles_the_kernels(cuda):
         "even": q4_linear(4098, 576, layout="KN"),
     }
     kernels = {name: _scheduled(f, cuda).with_attr("global_symbol", name) for name, f in funcs.items()}
+    m3 = q4_linear(4096, 4096, layout="KN", m=3, epilogue="residual")  # the template at M = 3
+    kernels["m3"] = with_kernels(m3, gemv_kn.kn_body(analyze_matmul(m3, dequant=True).operands, _with_m(_cfg(), 3))).with_attr(
+        "global_symbol", "m3")
     source = tvm.compile(tvm.IRModule(kernels), target=cuda).mod.imports[0].inspect_source("cuda")
     assert kernel_names(source) == {f"{name}_kernel" for name in kernels}
     assert "fuselight_q4_dot8_bf16(" in kernel_body(source, "bf16_g128_kernel")
