@@ -18,8 +18,9 @@ branches on the host into every bucket up to the largest and, above it, into DLi
 schedule of the same function (what MLC-LLM's LowBatchGemvSpecialize runs there), so the function
 leaves this rule scheduled and LowBatchGemvSpecialize, which runs after fuselight's rules, skips it.
 Those in the KN layout (MLC-LLM's ``q4f16_0``) take the KN template (``rules.gemm.gemv_kn``,
-``configs/gemm/gemv_q4_kn.json``) at a static M of its buckets, with a plain epilogue; any other
-KN function (a symbolic M: prefill, batch decode) goes on to the next rule.
+``configs/gemm/gemv_q4_kn.json``) at a static M of its buckets, with a plain epilogue (N may be
+symbolic: MLC-LLM's LM head); any other KN function (a symbolic M: prefill, batch decode) goes on
+to the next rule.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from .gemm.gemv import (
     grid_blocks,
     load_gemv_configs,
 )
-from .gemm.gemv_common import GemvConfig, static_m
-from .gemm.gemv_kn import KnGemvConfig, check_kn, kn_body, kn_config_for, load_kn_configs
+from .gemm.gemv_common import PIECE_WORDS, GemvConfig, static_m
+from .gemm.gemv_kn import KnGemvConfig, check_kn, kn_body, kn_config_for, kn_vec, load_kn_configs
 from .gemm.operands import GemmOperands
 
 
@@ -131,7 +132,7 @@ class Gemv(AnalyzeScheduleRule):
         the template does not serve it (M left to the Matmul rule, no config for the arch)."""
         if _kn(desc.operands):
             cfg = kn_gemv_config(desc.operands, target)
-            return None if cfg is None else with_kernels(func, kn_body(desc.operands, cfg))
+            return None if cfg is None else with_kernels(func, _kn_kernels(desc.operands, cfg))
         try:
             min_static_m = load_dispatch(arch_of(target)).min_static_m
         except FuselightError:
@@ -142,6 +143,15 @@ class Gemv(AnalyzeScheduleRule):
             return None  # the Matmul rule's
         cfg = gemv_config(desc.operands, desc.m_static, target)
         return None if cfg is None else with_kernels(func, gemv_body(desc.operands, cfg))
+
+
+def _kn_kernels(ops: GemmOperands, cfg: KnGemvConfig) -> tirx.Stmt:
+    """The KN template's kernel for ``ops``: its loads as wide as a static N allows; for a symbolic N
+    (MLC-LLM's vocabulary), 16 bytes where N is a multiple of 4 at run time, else a word at a time."""
+    if isinstance(ops.n, int):
+        return kn_body(ops, cfg, kn_vec(ops.n))
+    aligned = tirx.EQ(tirx.floormod(ops.n, PIECE_WORDS), tirx.IntImm(ops.n.ty.dtype, 0))
+    return host_branch(aligned, kn_body(ops, cfg, PIECE_WORDS), kn_body(ops, cfg, 1))
 
 
 def _symbolic_m(func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:

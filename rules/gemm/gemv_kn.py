@@ -15,11 +15,11 @@ word share a scale (a group is a multiple of 8 K), which multiplies their float3
 partial sums are added over a warp's word rows by butterfly shuffles, then over the warps through
 shared memory, and one thread a output runs the epilogue (``ops.out``).
 
-N need not be a multiple of 4: the words and scales are then loaded ``vec`` (2 or 1) at a time,
-``vec`` the largest of 4, 2, 1 dividing N, so no load leaves the row; columns past N read the
-row's last piece and are never stored. A symbolic N or M, a norm prologue, a paired epilogue and
-the NK layout are not served (``check_kn``): the Gemv rule then leaves the function to the next
-rule.
+N need not be a multiple of 4: the words and scales are then loaded ``vec`` (2 or 1) at a time
+(the caller's choice: ``kn_vec`` of a static N; for a symbolic N, MLC's vocabulary, a host-side
+branch between 4 and 1), so no load leaves the row; columns past N read the row's last piece and
+are never stored. A symbolic M, a norm prologue, a paired epilogue and the NK layout are not served
+(``check_kn``): the Gemv rule then leaves the function to the next rule.
 
 Why not the NK templates: their lanes stream a weight row along K (the words' own order); in KN a
 column's words are ``N`` words apart, and a lane reading along K would read 4 bytes a row.
@@ -120,8 +120,6 @@ def check_kn(ops: GemmOperands, cfg: KnGemvConfig) -> None:
         raise FuselightError(f"KN GEMV: the zero point must be an integer 0..{1 << d.bits}, got {d.zero}")
     if ops.dtype not in DTYPE_ABBREV or d.dtype != ops.dtype:
         raise FuselightError(f"KN GEMV: needs fp16/bf16 tokens and scales alike, got {ops.dtype} and {d.dtype}")
-    if not isinstance(ops.n, int):
-        raise FuselightError(f"KN GEMV: N must be static, got {ops.n}")
     m = static_m(ops)
     if m is None or not 1 <= m <= cfg.max_m:
         raise FuselightError(f"KN GEMV: M must be static, 1..{cfg.max_m} (the config's max_m), got {ops.m}")
@@ -140,18 +138,21 @@ def kn_block_cols(cfg: KnGemvConfig) -> int:
     return cfg.lanes_n * PIECE_WORDS
 
 
-def kn_body(ops: GemmOperands, cfg: KnGemvConfig) -> Any:
-    """The kernel body (a ``tvm.tirx.Stmt``) computing ``ops`` over its buffers; FuselightError
-    where the template cannot (``check_kn``)."""
+def kn_body(ops: GemmOperands, cfg: KnGemvConfig, vec: int) -> Any:
+    """The kernel body (a ``tvm.tirx.Stmt``) computing ``ops`` over its buffers, loading words and
+    scales ``vec`` at a time (4, 2 or 1; it must divide N, which a symbolic N's caller checks on the
+    host); FuselightError where the template cannot (``check_kn``)."""
     from tvm.backend.cuda import op as cuda_op
     from tvm.script import tirx as T
 
     check_kn(ops, cfg)
     n, k, dtype, deq = ops.n, ops.k, ops.dtype, ops.dequant
+    if vec not in (PIECE_WORDS, 2, 1) or (isinstance(n, int) and n % vec):
+        raise FuselightError(f"KN GEMV: loads of {vec} words must divide N ({n}) and be 4, 2 or 1")
+    n32 = n if isinstance(n, int) else T.Cast("int32", n)  # column arithmetic (N < 2^31)
     m = static_m(ops)
     per_word = deq.per_word
     k_words = k // per_word  # word rows
-    vec = kn_vec(n)
     lanes_n, warps, unroll = cfg.lanes_n, cfg.warps, cfg.unroll
     lanes_k = WARP // lanes_n  # word rows a warp covers side by side
     slots = lanes_k * warps  # word rows a block covers side by side
@@ -197,9 +198,9 @@ def kn_body(ops: GemmOperands, cfg: KnGemvConfig) -> Any:
                                 for v in T.unroll(PIECE_WORDS // vec):
                                     # A piece past the row reads its last one (never stored).
                                     for e in T.vectorized(vec):
-                                        w[u * PIECE_WORDS + v * vec + e] = W[T.Cast("int64", kw) * n + T.min(col0 + v * vec, n - vec) + e]
+                                        w[u * PIECE_WORDS + v * vec + e] = W[T.Cast("int64", kw) * n + T.Cast("int64", T.min(col0 + v * vec, n32 - vec)) + e]
                                     for e in T.vectorized(vec):
-                                        sc[u * PIECE_WORDS + v * vec + e] = S[T.Cast("int64", kw * per_word // deq.group) * n + T.min(col0 + v * vec, n - vec) + e]
+                                        sc[u * PIECE_WORDS + v * vec + e] = S[T.Cast("int64", kw * per_word // deq.group) * n + T.Cast("int64", T.min(col0 + v * vec, n32 - vec)) + e]
                                 for row in T.unroll(m):
                                     for e in T.vectorized(PIECE):
                                         xv[(u * m + row) * PIECE + e] = X[row * k + kw * per_word + e]
@@ -226,7 +227,7 @@ def kn_body(ops: GemmOperands, cfg: KnGemvConfig) -> Any:
                     for it in T.serial(-(-outputs // threads)):
                         o: T.let[T.int32] = it * threads + T.Cast("int32", tid)
                         col: T.let[T.int32] = T.Cast("int32", bx) * cols + o % cols
-                        if o < outputs and col < n:
+                        if o < outputs and col < n32:
                             total[0] = red[o]
                             for j in T.serial(1, warps):
                                 total[0] = total[0] + red[j * outputs + o]

@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pytest
 from conftest import require_nvcc
-from tir_query import evaluate, kernel
+from tir_query import evaluate, kernel, kernels
 
 tvm = pytest.importorskip("tvm")
 from cuda_source import kernel_body, kernel_names
@@ -79,10 +79,29 @@ def test_rule_takes_kn_decode_functions(cuda, n, k, kwargs):
     assert [str(a[0].value) for a in kern.call_args["tirx.cuda.func_call"]] == [gemv_kn.Q4_DOT8[kwargs.get("dtype", "float16")]]
 
 
+def test_a_symbolic_vocabulary_branches_on_its_alignment(cuda):
+    # MLC-LLM's LM head: N (vocab_size) known at launch. Two kernels behind a host-side branch on
+    # N % 4: 16-byte loads where it holds, one word at a time otherwise; both grids follow N.
+    scheduled = _scheduled(q4_linear(None, 4096, layout="KN", epilogue="cast_fp32"), cuda)
+    found = kernels(scheduled)
+    assert len(found) == 2
+    assert [k.vectorized[4] > 0 for k in found] == [True, False] and found[1].vectorized[1] > 0
+    cols = _cfg().lanes_n * COLS_PER_LANE
+    grids = []
+    tirx.stmt_functor.post_order_visit(scheduled.body, lambda x: grids.append(x.extent) if isinstance(x, tirx.For)
+                                       and x.thread_binding is not None and x.thread_binding.thread_tag == "blockIdx.x" else None)
+    for vocab in (128256, 32001, 17):
+        assert [evaluate(g, {"vocab_size": vocab}) for g in grids] == [-(-vocab // cols)] * 2
+    conds = []  # the host-side branches (thread-invariant conditions)
+    tirx.stmt_functor.post_order_visit(scheduled.body, lambda x: conds.append(x.condition.args[0])
+                                       if isinstance(x, tirx.IfThenElse) and isinstance(x.condition, tvm.ir.Call)
+                                       and x.condition.op.name == "tirx.tvm_thread_invariant" else None)
+    assert [[evaluate(c, {"vocab_size": v}) for v in (128256, 32001, 32002)] for c in conds] == [[1, 0, 0]]
+
+
 def test_rule_leaves_what_the_template_does_not_serve(cuda):
     assert _scheduled(q4_linear(4096, 4096, layout="KN", m=None), cuda) is None  # prefill / batch: DLight
     assert _scheduled(q4_linear(4096, 4096, layout="KN", m=2), cuda) is None  # no bucket past M = 1
-    assert _scheduled(q4_linear(None, 4096, layout="KN", epilogue="cast_fp32"), cuda) is None  # symbolic N
     assert _scheduled(q4_linear(4096, 4096, layout="KN", zero=20.0), cuda) is None  # zero past 16
     assert _scheduled(q4_linear(4096, 4096, layout="KN"), tvm.target.Target("llvm")) is None
     # NK stays with the NK templates (the KN template refuses it).
@@ -140,15 +159,19 @@ def _with_m(cfg, m):
     return dataclasses.replace(cfg, max_m=max(cfg.max_m, m))
 
 
-@pytest.mark.parametrize("n,k,group,m", [(37, 1024, 128, 1), (42, 768, 32, 1), (40, 256, 32, 3)])
-def test_emulated_kernel_matches_the_unscheduled_function(cuda, n, k, group, m):
+@pytest.mark.parametrize("n,k,group,m,symbolic", [
+    (37, 1024, 128, 1, False), (42, 768, 32, 1, False), (40, 256, 32, 3, False),
+    (36, 256, 32, 1, True), (37, 256, 128, 1, True),  # a symbolic N: each arm of the host branch
+])
+def test_emulated_kernel_matches_the_unscheduled_function(cuda, n, k, group, m, symbolic):
     # Run the kernel's data flow in numpy: every thread of every block loads the words, scales and
     # tokens at the kernel's own load indices (evaluated from its TIR), for the lanes' word rows and
     # columns the module docstring gives; sums in float64 per column; then against the unscheduled
     # function run on llvm (its fp16 dequantize and float32 matmul).
-    func = q4_linear(n, k, layout="KN", group=group, m=m)
+    func = q4_linear(None if symbolic else n, k, layout="KN", group=group, m=m)
     cfg = _with_m(_cfg(), m)
-    kern = kernel(with_kernels(func, gemv_kn.kn_body(analyze_matmul(func, dequant=True).operands, cfg)))
+    vec = 4 if n % 4 == 0 else 2 if n % 2 == 0 and not symbolic else 1
+    kern = kernel(with_kernels(func, gemv_kn.kn_body(analyze_matmul(func, dequant=True).operands, cfg, vec)))
     (w_index,), (s_index,), (x_index,) = kern.loads["W"], kern.loads["S"], kern.loads["X"]
     rng = np.random.default_rng(n)
     q = rng.integers(0, 2**32, size=(k // 8, n), dtype=np.uint64).astype(np.uint32)
@@ -157,11 +180,12 @@ def test_emulated_kernel_matches_the_unscheduled_function(cuda, n, k, group, m):
     words, scales, tokens = q.reshape(-1), s.reshape(-1), x.reshape(-1)
     lanes_k = WARP // cfg.lanes_n
     slots, cols = lanes_k * cfg.warps, cfg.lanes_n * COLS_PER_LANE
-    vec = 4 if n % 4 == 0 else 2 if n % 2 == 0 else 1
     rounds = -(-(k // 8) // (slots * cfg.unroll))
     out = np.zeros((m, n))
     seen = np.zeros((k // 8, n), dtype=int)
-    for bx in range(kern.launch["blockIdx.x"]):
+    blocks = -(-n // (cfg.lanes_n * COLS_PER_LANE))
+    assert symbolic or kern.launch["blockIdx.x"] == blocks  # (a symbolic grid: the test above)
+    for bx in range(blocks):
         for tid in range(kern.launch["threadIdx.x"]):
             warp, lane = tid // WARP, tid % WARP
             slot, col0 = warp * lanes_k + lane // cfg.lanes_n, bx * cols + lane % cfg.lanes_n * COLS_PER_LANE
@@ -170,7 +194,7 @@ def test_emulated_kernel_matches_the_unscheduled_function(cuda, n, k, group, m):
                     kw = (r * cfg.unroll + u) * slots + slot
                     if kw >= k // 8:
                         continue
-                    at = {"kw": kw, "col0": col0}
+                    at = {"kw": kw, "col0": col0, "vocab_size": n}
                     t = np.array([[tokens[evaluate(x_index, {**at, "row": row, "e": e})] for e in range(8)]
                                   for row in range(m)], dtype=np.float64)
                     for j in range(COLS_PER_LANE):
@@ -220,13 +244,14 @@ def test_nvcc_compiles_the_kernels(cuda):
         "bf16_g128": q4_linear(4096, 4096, layout="KN", dtype="bfloat16", group=128),
         "prime": q4_linear(37, 1024, layout="KN", group=128),
         "even": q4_linear(4098, 576, layout="KN"),
+        "vocab": q4_linear(None, 4096, layout="KN", epilogue="cast_fp32"),  # two kernels
     }
     kernels = {name: _scheduled(f, cuda).with_attr("global_symbol", name) for name, f in funcs.items()}
     m3 = q4_linear(4096, 4096, layout="KN", m=3, epilogue="residual")  # the template at M = 3
-    kernels["m3"] = with_kernels(m3, gemv_kn.kn_body(analyze_matmul(m3, dequant=True).operands, _with_m(_cfg(), 3))).with_attr(
+    kernels["m3"] = with_kernels(m3, gemv_kn.kn_body(analyze_matmul(m3, dequant=True).operands, _with_m(_cfg(), 3), 4)).with_attr(
         "global_symbol", "m3")
     source = tvm.compile(tvm.IRModule(kernels), target=cuda).mod.imports[0].inspect_source("cuda")
-    assert kernel_names(source) == {f"{name}_kernel" for name in kernels}
+    assert kernel_names(source) == {f"{name}_kernel" for name in kernels if name != "vocab"} | {"vocab_kernel", "vocab_kernel_1"}
     assert "fuselight_q4_dot8_bf16(" in kernel_body(source, "bf16_g128_kernel")
     require_nvcc()
     # The config is the analytic one for every described arch: sm_80 too.
