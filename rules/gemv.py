@@ -17,6 +17,10 @@ row-streaming or the mma template, 2..16 the mma template); a symbolic M (MLC-LL
 branches on the host into every bucket up to the largest and, above it, into DLight's Matmul
 schedule of the same function (what MLC-LLM's LowBatchGemvSpecialize runs there), so the function
 leaves this rule scheduled and LowBatchGemvSpecialize, which runs after fuselight's rules, skips it.
+Those in the KN layout (MLC-LLM's ``q4f16_0``) take the KN template (``rules.gemm.gemv_kn``,
+``configs/gemm/gemv_q4_kn.json``) at a static M of its buckets, with a plain epilogue (N may be
+symbolic: MLC-LLM's LM head); any other KN function (a symbolic M: prefill, batch decode) goes on
+to the next rule.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from .gemm.gemv import (
     grid_blocks,
     load_gemv_configs,
 )
-from .gemm.gemv_common import GemvConfig
+from .gemm.gemv_common import PIECE_WORDS, GemvConfig, static_m
+from .gemm.gemv_kn import KnGemvConfig, check_kn, kn_body, kn_config_for, kn_vec, load_kn_configs
 from .gemm.operands import GemmOperands
 
 
@@ -55,6 +60,23 @@ def gemv_config(ops: GemmOperands, m: int, target: Target) -> GemvConfig | None:
     except FuselightError:
         return None
     return cfg
+
+
+def kn_gemv_config(ops: GemmOperands, target: Target) -> KnGemvConfig | None:
+    """The KN template's bucket computing ``ops`` (4-bit weights in the KN layout, static M) on
+    ``target``, or None: no config for the arch, no bucket for M, or operands it does not take."""
+    try:
+        cfg = kn_config_for(load_kn_configs(arch_of(target)), static_m(ops) or 0)
+        if cfg is None:
+            return None
+        check_kn(ops, cfg)
+    except FuselightError:
+        return None
+    return cfg
+
+
+def _kn(ops: GemmOperands) -> bool:
+    return ops.dequant is not None and ops.dequant.layout == "KN"
 
 
 def symbolic_m_buckets(ops: GemmOperands, target: Target) -> list[tuple[int, GemvConfig]]:
@@ -95,6 +117,8 @@ class Gemv(AnalyzeScheduleRule):
         bucket that takes the operands; a symbolic M (dequantized weights), buckets that take them
         and an epilogue DLight's schedule above them takes (not a paired one: its Matmul rule fails
         an assertion on that)."""
+        if _kn(desc.operands):
+            return kn_gemv_config(desc.operands, target) is not None
         try:
             min_static_m = load_dispatch(arch_of(target)).min_static_m
         except FuselightError:
@@ -106,6 +130,9 @@ class Gemv(AnalyzeScheduleRule):
     def schedule(self, func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:
         """``func`` with its body replaced by the GEMV kernel for ``desc`` on ``target``, or None where
         the template does not serve it (M left to the Matmul rule, no config for the arch)."""
+        if _kn(desc.operands):
+            cfg = kn_gemv_config(desc.operands, target)
+            return None if cfg is None else with_kernels(func, _kn_kernels(desc.operands, cfg))
         try:
             min_static_m = load_dispatch(arch_of(target)).min_static_m
         except FuselightError:
@@ -116,6 +143,15 @@ class Gemv(AnalyzeScheduleRule):
             return None  # the Matmul rule's
         cfg = gemv_config(desc.operands, desc.m_static, target)
         return None if cfg is None else with_kernels(func, gemv_body(desc.operands, cfg))
+
+
+def _kn_kernels(ops: GemmOperands, cfg: KnGemvConfig) -> tirx.Stmt:
+    """The KN template's kernel for ``ops``: its loads as wide as a static N allows; for a symbolic N
+    (MLC-LLM's vocabulary), 16 bytes where N is a multiple of 4 at run time, else a word at a time."""
+    if isinstance(ops.n, int):
+        return kn_body(ops, cfg, kn_vec(ops.n))
+    aligned = tirx.EQ(tirx.floormod(ops.n, PIECE_WORDS), tirx.IntImm(ops.n.ty.dtype, 0))
+    return host_branch(aligned, kn_body(ops, cfg, PIECE_WORDS), kn_body(ops, cfg, 1))
 
 
 def _symbolic_m(func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:

@@ -169,6 +169,19 @@ def gate_up_silu_prim_func(x_shape: list[Any], x_dtype: str, w_shape: list[Any],
     return te.create_prim_func([x, w, out]).with_attr("tirx.noalias", True).without_attr("global_symbol")
 
 
+def matmul_cast_prim_func(x_shape: list[Any], w_shape: list[Any], dtype: str, acc_dtype: str) -> tirx.PrimFunc:
+    """``(x, w) -> dtype(x @ w)`` with ``w`` ``[K, N]`` as a matmul reads it, accumulated in ``acc_dtype``
+    (``astype(matmul(x, w, acc_dtype), dtype)`` as LegalizeOps and FuseOps leave it), no global symbol."""
+    x = te.placeholder(x_shape, dtype, "x")
+    w = te.placeholder(w_shape, dtype, "w")
+    k, n = w.shape
+    r = te.reduce_axis((tirx.IntImm(str(k.ty.dtype), 0), k), "k")
+    c = te.compute((*x.shape[:-1], n), lambda *i: te.sum(
+        x[(*i[:-1], r)].astype(acc_dtype) * w[r, i[-1]].astype(acc_dtype), axis=r), name="matmul")
+    out = te.compute(c.shape, lambda *i: c(*i).astype(dtype), name="compute")
+    return te.create_prim_func([x, w, out]).with_attr("tirx.noalias", True).without_attr("global_symbol")
+
+
 # ---------------------------------------------------------------- norms
 
 

@@ -52,7 +52,8 @@ instead, with the same prologue (``gemv_common.norm_prologue``).
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fuselight.device import least, require_device
 from fuselight.errors import FuselightError
@@ -74,6 +75,7 @@ from .gemv_rows import rows_body
 from .operands import GemmOperands
 from .plan import WARP
 
+C = TypeVar("C")
 # mma.sync.m16n8k16: weight rows a block owns (tokens per tile: ``MMA_N``).
 MMA_M = 16
 MAX_TOKEN_TILES = 2  # so M <= 16
@@ -156,22 +158,34 @@ def load_gemv_configs(arch: str, quantized: bool = False) -> list[GemvConfig]:
     by increasing ``max_m``. FuselightError naming the field of a bad one, or for an undescribed arch."""
     name = CONFIG_NAME_Q4 if quantized else CONFIG_NAME
     device = require_device(arch)
-    node, where = arch_entry(config_dir() / CONFIG_FAMILY / f"{name}.json", arch,
-                             arch_config.as_written if quantized else arch_config.gemv)
-    if not isinstance(node, dict):
-        raise FuselightError(f"{where}: must be an object of M buckets")
+    buckets, where = read_buckets(name, arch, arch_config.as_written if quantized else arch_config.gemv,
+                                  GemvConfig, check_gemv_config)
     configs = []
-    for bucket, fields in node.items():
-        cfg = from_fields(GemvConfig, fields, f"{where}[{bucket!r}]")
-        check_gemv_config(cfg, f"{where}[{bucket!r}]")
+    for cfg, at in buckets:
         if cfg.prefetch_l2_percent is not None and not (device.has("tma") and device.has("griddepcontrol")):
-            raise FuselightError(f"{where}[{bucket!r}]: prefetch_l2_percent needs TMA and griddepcontrol, "
-                                 f"which {arch} lacks")
+            raise FuselightError(f"{at}: prefetch_l2_percent needs TMA and griddepcontrol, which {arch} lacks")
         configs.append(cfg)
     configs.sort(key=_bucket_order)
     if len({(c.max_m, c.max_blocks, c.max_k) for c in configs}) != len(configs):
         raise FuselightError(f"{where}: two buckets with the same 'max_m', 'max_blocks' and 'max_k'")
     return configs
+
+
+def read_buckets(name: str, arch: str, analytic: Any, cls: type[C],
+                 check: Callable[[Any, str], None]) -> tuple[list[tuple[C, str]], str]:
+    """The M buckets of ``configs/gemm/<name>.json`` for ``arch`` (``arch_config.arch_entry`` with
+    ``analytic``), each as ``cls`` checked by ``check(cfg, where)``, with where each came from; and
+    where the arch's entry came from. FuselightError naming a bad bucket."""
+    node, where = arch_entry(config_dir() / CONFIG_FAMILY / f"{name}.json", arch, analytic)
+    if not isinstance(node, dict):
+        raise FuselightError(f"{where}: must be an object of M buckets")
+    buckets = []
+    for bucket, fields in node.items():
+        at = f"{where}[{bucket!r}]"
+        cfg = from_fields(cls, fields, at)
+        check(cfg, at)
+        buckets.append((cfg, at))
+    return buckets, where
 
 
 def _bucket_order(cfg: GemvConfig) -> tuple[int, float, float]:

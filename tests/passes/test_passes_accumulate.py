@@ -7,7 +7,9 @@ import pytest
 
 tvm = pytest.importorskip("tvm")
 import tvm_ffi  # noqa: E402
+from fuselight import quantization  # noqa: E402
 from fuselight.passes import AccumulateMatmulFP32  # noqa: E402
+from fuselight.target import resolve, to_tvm  # noqa: E402
 from tvm import relax  # noqa: E402
 
 # (rows, K, N): odd sizes so no reduction length is a power of two.
@@ -99,3 +101,40 @@ def test_float32_graph_unchanged() -> None:
 def test_float32_output_unchanged() -> None:
     mod = _matmul_module(7, 33, 7, "float16", transposed_weight=False, out_dtype="float32")
     assert tvm_ffi.structural_equal(AccumulateMatmulFP32()(mod), mod)
+
+
+def _q4_module(rows, k: int, n: int, scheme: str) -> tvm.IRModule:
+    """``main(x, q, s) = matmul(x, dequantize(q, s))`` as our model writes a 4-bit linear layer
+    (``model.llama.QuantLinear``: ``permute_dims`` of the ``[N, K]`` weight for NK, KN's as stored)."""
+    s = quantization.SCHEMES[scheme]
+    q_shape, s_shape = s.packed_shapes(n, k)
+    x = relax.Var("x", relax.TensorType([rows, k], s.model_dtype))
+    q = relax.Var("q", relax.TensorType(list(q_shape), quantization.STORAGE_DTYPE))
+    scale = relax.Var("s", relax.TensorType(list(s_shape), s.model_dtype))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, q, scale]):
+        with bb.dataflow():
+            w = bb.emit_te(lambda qt, st: quantization.te_dequantize(qt, st, s), q, scale, primfunc_name_hint="dequantize")
+            rhs = bb.emit(relax.op.permute_dims(w)) if s.layout == "NK" else w
+            out = bb.emit_output(relax.op.matmul(x, rhs))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("symbolic_rows", [False, True], ids=["decode", "prefill"])
+@pytest.mark.parametrize("scheme", ["q4f16_0", "q4f16_1"])
+def test_a_dequantize_matmul_no_rule_takes_stays_the_baselines_on_a_gpu(scheme: str, symbolic_rows: bool) -> None:
+    # On sm_90 a KN (q4f16_0) matmul accumulates in float32 only where a fuselight rule takes the
+    # fused function (M = 1: the KN GEMV); prefill's symbolic M goes to DLight and stays float16
+    # accumulating, as the baseline's. NK (q4f16_1) is taken at every M. Without a GPU target
+    # (CPU numerics) every half matmul is rewritten.
+    rows = tvm.tirx.Var("seq_len", "int64") if symbolic_rows else 1
+    mod = _q4_module(rows, 256, 96, scheme)
+    with to_tvm(resolve("cuda", "sm_90")):
+        on_gpu = AccumulateMatmulFP32()(mod)
+    kept = scheme == "q4f16_0" and symbolic_rows
+    assert [m.ty.dtype for m in _matmuls(on_gpu)] == ["float16" if kept else "float32"]
+    assert not kept or tvm_ffi.structural_equal(on_gpu, mod)
+    assert [m.ty.dtype for m in _matmuls(AccumulateMatmulFP32()(mod))] == ["float32"]
+    with to_tvm(resolve("llvm")):
+        assert [m.ty.dtype for m in _matmuls(AccumulateMatmulFP32()(mod))] == ["float32"]

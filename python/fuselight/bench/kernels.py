@@ -20,6 +20,7 @@ from typing import Any
 from ..compile import PIPELINES
 from ..errors import FuselightError
 from ..jsonfile import read_json_object
+from ..quantization import SCHEMES
 from . import bench_config
 
 MANIFEST_FORMAT = 1
@@ -136,6 +137,8 @@ class Case:
     attrs: dict[str, float] = dataclasses.field(default_factory=dict)
     # The swept dimension compiled as a constant (a decode shape): the sweep then has one value.
     static: bool = False
+    # A 4-bit case's scheme where not its dtype's default (``Q4_SCHEMES``): ``q4f16_0``, the KN layout.
+    scheme: str | None = None
 
     @property
     def spec(self) -> OpSpec:
@@ -148,7 +151,9 @@ class Case:
     @property
     def quantization(self) -> str | None:
         """The 4-bit scheme of a quantized case (``Q4_OPS``), else None."""
-        return Q4_SCHEMES[self.dtype] if self.op in Q4_OPS else None
+        if self.op not in Q4_OPS:
+            return None
+        return self.scheme or Q4_SCHEMES[self.dtype]
 
     def shape(self, n: int) -> dict[str, int | str]:
         """A record's ``shape`` at sweep value ``n``; a quantized case's names its scheme."""
@@ -169,6 +174,7 @@ class Case:
             "sweep": list(self.sweep),
             "attrs": self.attrs,
             **({"static": True} if self.static else {}),
+            **({"quantization": self.scheme} if self.scheme else {}),
         }
 
 
@@ -196,6 +202,11 @@ def case_from_dict(raw: Any, sweeps: dict[str, list[int]] | None = None, where: 
         dims[d] = v
     if op in Q4_OPS and (dtype not in Q4_SCHEMES or dims["k"] % 32):
         raise FuselightError(f"{where}: a {op} case needs dtype float16 or bfloat16 and k a multiple of 32")
+    scheme = raw.get("quantization")
+    if scheme is not None and (op not in Q4_OPS or scheme not in SCHEMES or SCHEMES[scheme].model_dtype != dtype):
+        raise FuselightError(f"{where}: field 'quantization' {scheme!r} must name a 4-bit scheme computing in "
+                             f"{dtype} ({', '.join(n for n, s in SCHEMES.items() if s.model_dtype == dtype)}), "
+                             f"on a {' or '.join(Q4_OPS)} case")
     if op.startswith("attention") and dims["q_heads"] % dims["kv_heads"]:
         raise FuselightError(f"{where}: kv_heads ({dims['kv_heads']}) must divide q_heads ({dims['q_heads']})")
     attr_source = raw.get("attrs", raw)
@@ -219,8 +230,9 @@ def case_from_dict(raw: Any, sweeps: dict[str, list[int]] | None = None, where: 
     static = raw.get("static", False)
     if not isinstance(static, bool) or (static and len(sweep) != 1):
         raise FuselightError(f"{where}: field 'static' must be a boolean, true only with a one-value sweep")
-    name = raw.get("name") or _default_name(op, dtype, dims) + (f"-{OPS[op].sweep_var}{sweep[0]}" if static else "")
-    return Case(name=name, op=op, dtype=dtype, dims=dims, sweep=tuple(sweep), attrs=attrs, static=static)
+    name = raw.get("name") or (_default_name(op, dtype, dims) + (f"-{scheme}" if scheme else "")
+                               + (f"-{OPS[op].sweep_var}{sweep[0]}" if static else ""))
+    return Case(name=name, op=op, dtype=dtype, dims=dims, sweep=tuple(sweep), attrs=attrs, static=static, scheme=scheme)
 
 
 def select(cases: list[Case], names: list[str] | None) -> list[Case]:

@@ -23,7 +23,6 @@ from .kernels import (
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     PIPELINES,
-    Q4_SCHEMES,
     Case,
     library_name,
     load_suite,
@@ -59,7 +58,7 @@ def _gemm_gate_up_silu(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
 def _q4_weight(case: Case, relax: Any) -> tuple[list, Callable]:
     """The packed words and scales of a q4 [N, K] weight, and ``emit(bb)`` of its dequantize as MLC-LLM's
     q4 linear layer writes it (``model.llama.QuantLinear``)."""
-    s = quantization.SCHEMES[Q4_SCHEMES[case.dtype]]
+    s = quantization.SCHEMES[case.quantization]
     q_shape, s_shape = s.packed_shapes(case.dims["n"], case.dims["k"])
     q = relax.Var("q", relax.TensorType(list(q_shape), quantization.STORAGE_DTYPE))
     scale = relax.Var("scale", relax.TensorType(list(s_shape), case.dtype))
@@ -67,11 +66,17 @@ def _q4_weight(case: Case, relax: Any) -> tuple[list, Callable]:
                                              primfunc_name_hint="dequantize")
 
 
+def _as_kn(case: Case, weight: Any, relax: Any) -> Any:
+    """The dequantized weight as the matmul's ``[K, N]`` operand: NK's transposed, KN's as stored
+    (``model.llama.QuantLinear``)."""
+    return relax.op.permute_dims(weight) if quantization.SCHEMES[case.quantization].layout == "NK" else weight
+
+
 def _gemm_q4(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
     """``x @ dequantize(q, scale)^T``."""
     x = relax.Var("x", relax.TensorType([n, case.dims["k"]], case.dtype))
     packed, dequantize = _q4_weight(case, relax)
-    return [x, *packed], lambda bb: relax.op.matmul(x, relax.op.permute_dims(dequantize(bb)))
+    return [x, *packed], lambda bb: relax.op.matmul(x, _as_kn(case, dequantize(bb), relax))
 
 
 def _norm_gemm(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
@@ -90,7 +95,7 @@ def _norm_gemm(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
     def body(bb: Any) -> Any:
         total = bb.emit(relax.op.add(x, r))
         normed = bb.emit(relax.op.nn.rms_norm(total, w, axes=[-1], epsilon=case.attrs["eps"]))
-        y = bb.emit(relax.op.matmul(normed, relax.op.permute_dims(matrix(bb))))
+        y = bb.emit(relax.op.matmul(normed, _as_kn(case, matrix(bb), relax)))
         return relax.Tuple([y, total])
 
     return [x, r, w, *packed], body

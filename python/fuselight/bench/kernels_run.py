@@ -25,7 +25,7 @@ from ..errors import FuselightError
 from ..library import device_label
 from ..runtime import DEVICE_OF_TARGET, init_tvm, load_library, release_memory
 from . import bench_config
-from .kernels import PIPELINES, Q4_SCHEMES, SUITE, Case, load_suite, read_manifest, select
+from .kernels import PIPELINES, SUITE, Case, load_suite, read_manifest, select
 from .results import TORCH_INT4PACK, default_path, git_commit, make_record, merged_with, write_results
 from .timing import device_name, synchronizer, time_fn
 
@@ -108,7 +108,7 @@ def _norm_gemm_inputs(case: Case, m: int, rnd: _Random, fixed: dict) -> list:
 
 
 def _q4_scheme(case: Case) -> quantization.QuantScheme:
-    return quantization.SCHEMES[Q4_SCHEMES[case.dtype]]
+    return quantization.SCHEMES[case.quantization]
 
 
 def _add_rmsnorm_inputs(case: Case, m: int, rnd: _Random, fixed: dict) -> list:

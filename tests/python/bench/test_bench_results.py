@@ -198,7 +198,7 @@ def test_full_suite_has_q4_cases_on_the_fp16_shapes():
     GEMV compiled at M = 1; every record names its scheme in ``shape``."""
     cases = kernels.load_suite("full")
     fp16 = {(c.dims["n"], c.dims["k"]): c.sweep for c in cases if c.op == "gemm" and not c.static}
-    q4 = [c for c in cases if c.op == "gemm_q4"]
+    q4 = [c for c in cases if c.op == "gemm_q4" and c.scheme is None]
     assert all(c.dtype == "float16" and c.quantization == "q4f16_1" for c in q4)
     assert {(c.dims["n"], c.dims["k"]): c.sweep for c in q4 if not c.static} == fp16
     [decode] = [c for c in q4 if c.static]
@@ -208,6 +208,22 @@ def test_full_suite_has_q4_cases_on_the_fp16_shapes():
     # Packed words (8 nibbles a uint32) and an fp16 scale per 32 weights: 4.5 bits a weight.
     n, k = 28672, 4096
     assert decode.cost(1) == (2 * (k + n) + n * k // 2 + n * k // 32 * 2, 2 * n * k)
+
+
+def test_full_suite_has_the_kn_decode_gemvs():
+    """q4f16_0 (KN layout) GEMVs at M = 1 on Llama-3-8B's decode shapes, named and recorded by scheme."""
+    cases = kernels.load_suite("full")
+    kn = {c.name: c for c in cases if c.scheme == "q4f16_0"}
+    assert {(c.op, c.dims["n"], c.dims["k"], c.sweep, c.static) for c in kn.values()} == {
+        ("gemm_q4", n, k, (1,), True) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))}
+    case = kn["gemm-q4-4096x14336-q4f16_0-m1"]
+    assert case.shape(1) == {"n": 4096, "k": 14336, "m": 1, "quantization": "q4f16_0"}
+    assert kernels.case_from_dict(case.to_dict()) == case  # through a manifest
+    raw = {"op": "gemm_q4", "n": 64, "k": 64, "dtype": "bfloat16", "sweep": [1]}
+    with pytest.raises(FuselightError, match="'quantization' 'q4f16_0' must name a 4-bit scheme computing in bfloat16"):
+        kernels.case_from_dict({**raw, "quantization": "q4f16_0"})
+    with pytest.raises(FuselightError, match="'quantization'"):
+        kernels.case_from_dict({"op": "gemm", "n": 64, "k": 64, "dtype": "float16", "sweep": [1], "quantization": "q4f16_0"})
 
 
 def test_static_case_needs_one_sweep_value():
@@ -274,7 +290,10 @@ def test_gpu_suite_covers_every_family_dtype_head_dim_and_group():
             assert any(c.static and c.sweep == (1,) for c in cases if (c.op, c.dtype) == (op, dt))
             swept = set().union(*(c.sweep for c in cases if (c.op, c.dtype) == (op, dt) and not c.static))
             assert {1, 7, 16, 33, 63, 127, 1000, 4095} <= swept, (op, dt)
-    assert all(c.quantization == {"float16": "q4f16_1", "bfloat16": "q4bf16_1"}[c.dtype] for c in cases if c.op == "gemm_q4")
+    assert all(c.quantization == {"float16": "q4f16_1", "bfloat16": "q4bf16_1"}[c.dtype]
+               for c in cases if c.op == "gemm_q4" and c.scheme is None)
+    # KN (q4f16_0) at M = 1: down's shape and a prime N (the template's narrow loads).
+    assert {(c.dims["n"], c.sweep) for c in cases if c.scheme == "q4f16_0"} == {(4096, (1,)), (127, (1,))}
     # The norm-prologue GEMVs, float and 4-bit weights; a 4-bit case's records name their scheme too.
     norm_q4 = [c for c in cases if c.op == "norm_gemm_q4"]
     assert {c.dtype for c in cases if c.op == "norm_gemm"} == dtypes and {c.dtype for c in norm_q4} == dtypes

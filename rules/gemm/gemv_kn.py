@@ -1,0 +1,237 @@
+"""The GEMV template for 4-bit weights in the KN layout (MLC-LLM's ``q4f16_0``), a few static rows.
+
+KN stores a weight ``W[K, N]`` as ``packed[K / 8, N]`` (each uint32 word is 8 consecutive K of one
+output column) and ``scale[K / group, N]``: a row of words runs along N. ``kn_body(ops, cfg)``
+computes ``ops`` (M static, at most ``cfg.max_m``) in one launch. A block owns ``cfg.lanes_n`` x 4
+adjacent output columns; a lane owns 4 of them and loads, at each of its word rows, the 4 words
+(16 bytes: 32 values, 8 K of each column) and the 4 scales of its columns, and the 8 tokens of
+each of the M rows those words meet (16 bytes, the same for every lane of a word row). K is split
+over the lanes of a warp (``32 / lanes_n`` word rows side by side: one load instruction of a warp
+reads ``16 lanes_n`` contiguous bytes of each) and over the block's ``cfg.warps`` warps; each lane
+walks its word rows ``cfg.unroll`` at a time, every load of a round issued before any is used.
+The words are converted in registers by the bit trick of the NK templates (``gemv.Q4_DTYPES``:
+values j and j + 4 of a word as one pair, exact), products and sums in float32; the 8 values of a
+word share a scale (a group is a multiple of 8 K), which multiplies their float32 sum once. The
+partial sums are added over a warp's word rows by butterfly shuffles, then over the warps through
+shared memory, and one thread a output runs the epilogue (``ops.out``).
+
+N need not be a multiple of 4: the words and scales are then loaded ``vec`` (2 or 1) at a time
+(the caller's choice: ``kn_vec`` of a static N; for a symbolic N, MLC's vocabulary, a host-side
+branch between 4 and 1), so no load leaves the row; columns past N read the row's last piece and
+are never stored. A symbolic M, a norm prologue, a paired epilogue and the NK layout are not served
+(``check_kn``): the Gemv rule then leaves the function to the next rule.
+
+Why not the NK templates: their lanes stream a weight row along K (the words' own order); in KN a
+column's words are ``N`` words apart, and a lane reading along K would read 4 bytes a row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fuselight.device import least, require_device
+from fuselight.errors import FuselightError
+
+from .. import arch_config
+from .gemv import DTYPE_ABBREV, Q4_DTYPES, launch_blocks, read_buckets
+from .gemv_common import PIECE, PIECE_WORDS, Q4_BITS, index_dtype, static_m
+from .operands import GemmOperands
+from .plan import WARP
+
+CONFIG_NAME = "gemv_q4_kn"  # in configs/gemm/
+MAX_THREADS = least("max_threads_per_block")
+# The dot product of one packed word (8 values along K, one column) with the 8 tokens it meets
+# (float32, in order), times the word's scale, added to ``acc``.
+Q4_DOT8 = {"float16": "fuselight_q4_dot8_fp16", "bfloat16": "fuselight_q4_dot8_bf16"}
+_Q4_DOT8_SOURCE = """
+__forceinline__ __device__ float {name}(unsigned int w, {scalar} s, const float* x, float acc) {{
+  unsigned int zb = {bias}u | ({bias}u << 16);
+  const {v2} z2 = *reinterpret_cast<const {v2}*>(&zb);
+  float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {{
+    unsigned int b = ((w >> (4 * j)) & 0x000F000Fu) | {magic}u;
+    const float2 v = {to_f2}(__hsub2(*reinterpret_cast<const {v2}*>(&b), z2));
+    a0 = fmaf(v.x, x[j], a0);
+    a1 = fmaf(v.y, x[j + 4], a1);
+  }}
+  return fmaf({to_f}(s), a0 + a1, acc);
+}}
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class KnGemvConfig:
+    """One M bucket of ``configs/gemm/gemv_q4_kn.json``."""
+
+    max_m: int  # the largest (static) M served
+    lanes_n: int  # lanes of a warp along N (4 columns each); the other 32 / lanes_n split K
+    warps: int  # warps of a block, splitting K further
+    unroll: int  # word rows a lane loads before using them
+    # Blocks one SM must be able to hold (the launch-bounds hint to ptxas, as the NK GEMVs').
+    min_blocks_per_sm: int
+
+
+def q4_dot8_source(dtype: str, zero: int) -> str:
+    """The CUDA device function ``Q4_DOT8[dtype]`` for a zero point ``zero``."""
+    scalar, v2, magic, base, to_f2, _ = Q4_DTYPES[dtype]
+    to_f = "__half2float" if dtype == "float16" else "__bfloat162float"
+    return _Q4_DOT8_SOURCE.format(name=Q4_DOT8[dtype], scalar=scalar, v2=v2, magic=hex(magic),
+                                  bias=hex(base + zero), to_f2=to_f2, to_f=to_f)
+
+
+def check_kn_config(cfg: KnGemvConfig, where: str = "KN GEMV config") -> None:
+    """FuselightError naming the field of ``cfg`` that the template cannot use."""
+    if cfg.lanes_n & (cfg.lanes_n - 1) or not 1 <= cfg.lanes_n <= WARP:
+        raise FuselightError(f"{where}: field 'lanes_n' must be a power of two up to {WARP}, got {cfg.lanes_n}")
+    if cfg.warps & (cfg.warps - 1) or cfg.warps * WARP > MAX_THREADS:
+        raise FuselightError(f"{where}: field 'warps' must be a power of two up to {MAX_THREADS // WARP}, got {cfg.warps}")
+
+
+def load_kn_configs(arch: str) -> list[KnGemvConfig]:
+    """The M buckets of ``arch`` from ``configs/gemm/gemv_q4_kn.json`` (its ``analytic`` entry where
+    it has none for ``arch``), by increasing ``max_m``; FuselightError for a bad one or an
+    undescribed arch."""
+    require_device(arch)
+    buckets, where = read_buckets(CONFIG_NAME, arch, arch_config.as_written, KnGemvConfig, check_kn_config)
+    configs = [cfg for cfg, _ in buckets]
+    if len({c.max_m for c in configs}) != len(configs):
+        raise FuselightError(f"{where}: two buckets with the same 'max_m'")
+    return sorted(configs, key=lambda c: c.max_m)
+
+
+def kn_config_for(configs: list[KnGemvConfig], m: int) -> KnGemvConfig | None:
+    """The bucket with the smallest ``max_m`` at least ``m`` (None: none serves it)."""
+    return next((c for c in configs if m <= c.max_m), None)
+
+
+def check_kn(ops: GemmOperands, cfg: KnGemvConfig) -> None:
+    """FuselightError where the template cannot compute ``ops`` with ``cfg`` (see the module docstring)."""
+    check_kn_config(cfg)
+    d = ops.dequant
+    if d is None or d.layout != "KN":
+        raise FuselightError("KN GEMV: needs 4-bit words packed along K in the KN layout")
+    if d.bits != Q4_BITS or d.storage_dtype != "uint32" or d.per_word != 32 // Q4_BITS:
+        raise FuselightError(f"KN GEMV: needs 4-bit values packed in uint32, got {d.bits}-bit in {d.storage_dtype}")
+    if d.group % d.per_word:
+        raise FuselightError(f"KN GEMV: the group ({d.group}) must be a multiple of {d.per_word}")
+    if d.zero != int(d.zero) or not 0 <= d.zero <= (1 << d.bits):
+        raise FuselightError(f"KN GEMV: the zero point must be an integer 0..{1 << d.bits}, got {d.zero}")
+    if ops.dtype not in DTYPE_ABBREV or d.dtype != ops.dtype:
+        raise FuselightError(f"KN GEMV: needs fp16/bf16 tokens and scales alike, got {ops.dtype} and {d.dtype}")
+    m = static_m(ops)
+    if m is None or not 1 <= m <= cfg.max_m:
+        raise FuselightError(f"KN GEMV: M must be static, 1..{cfg.max_m} (the config's max_m), got {ops.m}")
+    if ops.prologue is not None or ops.paired:
+        raise FuselightError("KN GEMV: no norm prologue or paired epilogue")
+
+
+def kn_vec(n: int) -> int:
+    """Words (and scales) a load reads: the largest of 4, 2, 1 dividing ``n``, so that a load
+    starting at a multiple of it never leaves the row."""
+    return next(v for v in (PIECE_WORDS, 2, 1) if n % v == 0)
+
+
+def kn_block_cols(cfg: KnGemvConfig) -> int:
+    """Output columns of a block."""
+    return cfg.lanes_n * PIECE_WORDS
+
+
+def kn_body(ops: GemmOperands, cfg: KnGemvConfig, vec: int) -> Any:
+    """The kernel body (a ``tvm.tirx.Stmt``) computing ``ops`` over its buffers, loading words and
+    scales ``vec`` at a time (4, 2 or 1; it must divide N, which a symbolic N's caller checks on the
+    host); FuselightError where the template cannot (``check_kn``)."""
+    from tvm.backend.cuda import op as cuda_op
+    from tvm.script import tirx as T
+
+    check_kn(ops, cfg)
+    n, k, dtype, deq = ops.n, ops.k, ops.dtype, ops.dequant
+    if vec not in (PIECE_WORDS, 2, 1) or (isinstance(n, int) and n % vec):
+        raise FuselightError(f"KN GEMV: loads of {vec} words must divide N ({n}) and be 4, 2 or 1")
+    n32 = n if isinstance(n, int) else T.Cast("int32", n)  # column arithmetic (N < 2^31)
+    m = static_m(ops)
+    per_word = deq.per_word
+    k_words = k // per_word  # word rows
+    lanes_n, warps, unroll = cfg.lanes_n, cfg.warps, cfg.unroll
+    lanes_k = WARP // lanes_n  # word rows a warp covers side by side
+    slots = lanes_k * warps  # word rows a block covers side by side
+    steps = -(-k_words // slots)  # word rows of a lane
+    rounds = -(-steps // unroll)
+    ragged = k_words % (slots * unroll) != 0
+    threads = warps * WARP
+    cols = kn_block_cols(cfg)
+    blocks = launch_blocks(n, cols)
+    outputs = m * cols
+    m_dtype = index_dtype(ops)
+    dot, dot_source = Q4_DOT8[dtype], q4_dot8_source(dtype, int(deq.zero))
+
+    # fmt: off
+    @T.prim_func(s_tir=True, check_well_formed=False)
+    def body():
+        W = T.decl_buffer((k_words * n,), "uint32", data=ops.b.data)
+        S = T.decl_buffer((k // deq.group * n,), dtype, data=deq.scale.data)
+        X = T.decl_buffer((m * k,), dtype, data=ops.a.data)
+        for bx in T.thread_binding(blocks, thread="blockIdx.x"):
+            for tid in T.thread_binding(threads, thread="threadIdx.x"):
+                with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", cfg.min_blocks_per_sm), T.sblock("gemv_kn"):
+                    T.reads()
+                    T.writes()
+                    w = T.sblock_alloc_buffer((unroll * PIECE_WORDS,), "uint32", scope="local")
+                    sc = T.sblock_alloc_buffer((unroll * PIECE_WORDS,), dtype, scope="local")
+                    xv = T.sblock_alloc_buffer((unroll * m * PIECE,), dtype, scope="local")
+                    xf = T.sblock_alloc_buffer((m * PIECE,), "float32", scope="local")
+                    acc = T.sblock_alloc_buffer((m * PIECE_WORDS,), "float32", scope="local")
+                    red = T.sblock_alloc_buffer((warps * outputs,), "float32", scope="shared")
+                    total = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    warp: T.let[T.int32] = T.Cast("int32", tid) // WARP
+                    lane: T.let[T.int32] = T.Cast("int32", tid) % WARP
+                    slot: T.let[T.int32] = warp * lanes_k + lane // lanes_n
+                    col0: T.let[T.int32] = T.Cast("int32", bx) * cols + lane % lanes_n * PIECE_WORDS
+                    for i in T.unroll(m * PIECE_WORDS):
+                        acc[i] = T.float32(0)
+                    for r in T.serial(rounds):
+                        # Every load of the round first, so they are in flight together.
+                        for u in T.unroll(unroll):
+                            kw: T.let[T.int32] = (r * unroll + u) * slots + slot
+                            if not ragged or kw < k_words:
+                                for v in T.unroll(PIECE_WORDS // vec):
+                                    # A piece past the row reads its last one (never stored).
+                                    for e in T.vectorized(vec):
+                                        w[u * PIECE_WORDS + v * vec + e] = W[T.Cast("int64", kw) * n + T.Cast("int64", T.min(col0 + v * vec, n32 - vec)) + e]
+                                    for e in T.vectorized(vec):
+                                        sc[u * PIECE_WORDS + v * vec + e] = S[T.Cast("int64", kw * per_word // deq.group) * n + T.Cast("int64", T.min(col0 + v * vec, n32 - vec)) + e]
+                                for row in T.unroll(m):
+                                    for e in T.vectorized(PIECE):
+                                        xv[(u * m + row) * PIECE + e] = X[row * k + kw * per_word + e]
+                        for u in T.unroll(unroll):
+                            kw: T.let[T.int32] = (r * unroll + u) * slots + slot
+                            if not ragged or kw < k_words:
+                                for i in T.unroll(m * PIECE):
+                                    xf[i] = T.Cast("float32", xv[u * m * PIECE + i])
+                                for j in T.unroll(PIECE_WORDS):
+                                    for row in T.unroll(m):
+                                        acc[row * PIECE_WORDS + j] = cuda_op.cuda_func_call(
+                                            dot, w[u * PIECE_WORDS + j], sc[u * PIECE_WORDS + j],
+                                            xf.access_ptr("r", offset=row * PIECE), acc[row * PIECE_WORDS + j],
+                                            source_code=dot_source, return_type="float32")
+                    # Butterfly sums over the warp's word rows (lanes lanes_n apart).
+                    for sh in T.unroll((lanes_k).bit_length() - 1):
+                        for i in T.unroll(m * PIECE_WORDS):
+                            acc[i] = acc[i] + T.tvm_warp_shuffle_xor(
+                                T.tvm_warp_activemask(), acc[i], T.shift_right(WARP, sh + 1), WARP, WARP)
+                    if lane < lanes_n:
+                        for i in T.unroll(m * PIECE_WORDS):
+                            red[(warp * m + i // PIECE_WORDS) * cols + lane * PIECE_WORDS + i % PIECE_WORDS] = acc[i]
+                    T.tvm_storage_sync("shared")
+                    for it in T.serial(-(-outputs // threads)):
+                        o: T.let[T.int32] = it * threads + T.Cast("int32", tid)
+                        col: T.let[T.int32] = T.Cast("int32", bx) * cols + o % cols
+                        if o < outputs and col < n32:
+                            total[0] = red[o]
+                            for j in T.serial(1, warps):
+                                total[0] = total[0] + red[j * outputs + o]
+                            ops.out.buffer[ops.out.index(T.Cast(m_dtype, o // cols), T.Cast(m_dtype, col))] = ops.out.value(
+                                T.Cast(m_dtype, o // cols), T.Cast(m_dtype, col), total[0])
+    # fmt: on
+    return body.body

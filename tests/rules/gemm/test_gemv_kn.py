@@ -1,0 +1,269 @@
+"""The GEMV for 4-bit weights in the KN layout (MLC-LLM's ``q4f16_0``; ``rules/gemm/gemv_kn.py``):
+that the Gemv rule takes the decode functions our q4f16_0 model has (M = 1: a cast, a residual add,
+the LM head's float32) and nothing else of KN, the kernel's structure (16-byte loads of 4 columns'
+words, narrower where N is not a multiple of 4), its data flow emulated on the kernel's own load
+indices against the unscheduled function run on llvm, the arithmetic of its in-register
+conversion, and that nvcc compiles its kernels for sm_90 and sm_80 (numerics of the kernels on the
+GPU: the kernel suite and ``bench e2e``'s logits)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+from conftest import require_nvcc
+from tir_query import evaluate, kernel, kernels
+
+tvm = pytest.importorskip("tvm")
+from cuda_source import kernel_body, kernel_names
+from fuselight.cuda_compile import compile_cuda
+from fuselight.errors import FuselightError
+from fuselight.quant_prim_funcs import q4_linear
+from fuselight.rules.base import with_kernels
+from fuselight.rules.gemm import gemv_kn
+from fuselight.rules.gemm.analysis import analyze_matmul
+from fuselight.rules.gemv import Gemv, kn_gemv_config, symbolic_m_buckets
+from fuselight.target import resolve, to_tvm
+from tvm import te, tirx
+
+# The template's parameters the tests read by hand: a lane owns 4 columns (a uint4 of words).
+COLS_PER_LANE = 4
+WARP = 32
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    return to_tvm(resolve("cuda", "sm_90"))
+
+
+def _scheduled(func, target):
+    sch = Gemv().apply(func.with_attr("target", target), target, False)
+    return None if sch is None else sch.mod["main"]
+
+
+def _cfg():
+    (cfg,) = gemv_kn.load_kn_configs("sm_90")
+    return cfg
+
+
+# ---- what the rule takes -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,k,kwargs", [
+    (6144, 4096, {}),  # Llama-3-8B's qkv
+    (4096, 4096, dict(epilogue="residual")),  # o_proj + the residual
+    (4096, 14336, dict(epilogue="residual")),  # down + the residual
+    (128256, 4096, dict(epilogue="cast_fp32")),  # the LM head
+    (4096, 4096, dict(dtype="bfloat16", group=128)),
+    (37, 1024, {}),  # a prime N
+    (4098, 576, {}),  # N a multiple of 2, not 4
+])
+def test_rule_takes_kn_decode_functions(cuda, n, k, kwargs):
+    func = q4_linear(n, k, layout="KN", **kwargs)
+    scheduled = _scheduled(func, cuda)
+    assert scheduled is not None
+    assert [p.name for p in scheduled.params] == [p.name for p in func.params]
+    kern = kernel(scheduled)
+    cfg = _cfg()
+    cols = cfg.lanes_n * COLS_PER_LANE
+    assert kern.launch == {"blockIdx.x": -(-n // cols), "threadIdx.x": cfg.warps * WARP}
+    # No dequantized weight: registers and the warps' partial sums in shared memory.
+    assert {name for name, (scope, _, _) in kern.allocs.items() if scope == "shared"} == {"red"}
+    assert all(int(np.prod(shape)) <= cfg.warps * cols for _, _, shape in kern.allocs.values())
+    # Words and scales loaded 4, 2 or 1 at a time as N allows; 8 tokens (16 bytes) a word row.
+    vec = 4 if n % 4 == 0 else 2 if n % 2 == 0 else 1
+    assert kern.allocs["w"] == ("local", "uint32", (cfg.unroll * 4,))
+    assert kern.vectorized[vec] >= 2 and kern.vectorized[8] >= 1
+    assert [str(a[0].value) for a in kern.call_args["tirx.cuda.func_call"]] == [gemv_kn.Q4_DOT8[kwargs.get("dtype", "float16")]]
+
+
+def test_a_symbolic_vocabulary_branches_on_its_alignment(cuda):
+    # MLC-LLM's LM head: N (vocab_size) known at launch. Two kernels behind a host-side branch on
+    # N % 4: 16-byte loads where it holds, one word at a time otherwise; both grids follow N.
+    scheduled = _scheduled(q4_linear(None, 4096, layout="KN", epilogue="cast_fp32"), cuda)
+    found = kernels(scheduled)
+    assert len(found) == 2
+    assert [k.vectorized[4] > 0 for k in found] == [True, False] and found[1].vectorized[1] > 0
+    cols = _cfg().lanes_n * COLS_PER_LANE
+    grids = []
+    tirx.stmt_functor.post_order_visit(scheduled.body, lambda x: grids.append(x.extent) if isinstance(x, tirx.For)
+                                       and x.thread_binding is not None and x.thread_binding.thread_tag == "blockIdx.x" else None)
+    for vocab in (128256, 32001, 17):
+        assert [evaluate(g, {"vocab_size": vocab}) for g in grids] == [-(-vocab // cols)] * 2
+    conds = []  # the host-side branches (thread-invariant conditions)
+    tirx.stmt_functor.post_order_visit(scheduled.body, lambda x: conds.append(x.condition.args[0])
+                                       if isinstance(x, tirx.IfThenElse) and isinstance(x.condition, tvm.ir.Call)
+                                       and x.condition.op.name == "tirx.tvm_thread_invariant" else None)
+    assert [[evaluate(c, {"vocab_size": v}) for v in (128256, 32001, 32002)] for c in conds] == [[1, 0, 0]]
+
+
+def test_rule_leaves_what_the_template_does_not_serve(cuda):
+    assert _scheduled(q4_linear(4096, 4096, layout="KN", m=None), cuda) is None  # prefill / batch: DLight
+    assert _scheduled(q4_linear(4096, 4096, layout="KN", m=2), cuda) is None  # no bucket past M = 1
+    assert _scheduled(q4_linear(4096, 4096, layout="KN", zero=20.0), cuda) is None  # zero past 16
+    assert _scheduled(q4_linear(4096, 4096, layout="KN"), tvm.target.Target("llvm")) is None
+    # NK stays with the NK templates (the KN template refuses it).
+    nk = analyze_matmul(q4_linear(4096, 4096), dequant=True).operands
+    with pytest.raises(FuselightError, match="KN layout"):
+        gemv_kn.check_kn(nk, _cfg())
+    assert kn_gemv_config(nk, cuda) is None and _scheduled(q4_linear(4096, 4096), cuda) is not None
+    # A static M past the bucket, a paired epilogue or a norm prologue: refused by name.
+    ops = analyze_matmul(q4_linear(4096, 4096, layout="KN"), dequant=True).operands
+    with pytest.raises(FuselightError, match="paired"):
+        gemv_kn.check_kn(dataclasses.replace(ops, out=dataclasses.replace(ops.out, pair_offset=2048)), _cfg())
+    with pytest.raises(FuselightError, match="M must be static"):
+        gemv_kn.check_kn(analyze_matmul(q4_linear(4096, 4096, layout="KN", m=3), dequant=True).operands, _cfg())
+    # The symbolic-M paths of the Gemv and Matmul rules stay away from KN (DLight takes it).
+    batch = analyze_matmul(q4_linear(4096, 4096, layout="KN", m=None), dequant=True)
+    assert symbolic_m_buckets(batch.operands, cuda) == [] and not Gemv.supports(batch, cuda)
+
+
+def test_analysis_refuses_what_is_not_a_4bit_kn_dequantize():
+    def kn_linear(mask: int, zero_buffer: bool = False):
+        n, k, i64 = 64, 256, "int64"
+        q = te.placeholder((tirx.IntImm(i64, k // 8), tirx.IntImm(i64, n)), "uint32", name="q")
+        s = te.placeholder((tirx.IntImm(i64, k // 32), tirx.IntImm(i64, n)), "float16", name="s")
+        z = te.placeholder((tirx.IntImm(i64, k // 32), tirx.IntImm(i64, n)), "float16", name="z")
+        x = te.placeholder((tirx.IntImm(i64, 1), tirx.IntImm(i64, k)), "float16", name="x")
+
+        def value(j, i):
+            e = tirx.Cast("float16", tirx.bitwise_and(tirx.shift_right(q[j // 8, i], tirx.Cast("uint32", j % 8 * 4)),
+                                                      tirx.const(mask, "uint32")))
+            zero = z[j // 32, i] if zero_buffer else tirx.const(7, "float16")
+            return (e - zero) * s[j // 32, i]
+
+        w = te.compute((k, n), value, name="dequantize")
+        r = te.reduce_axis((0, k), name="k")
+        mm = te.compute((1, n), lambda b, i: te.sum(tirx.Cast("float32", x[b, r]) * tirx.Cast("float32", w[r, i]), axis=r))
+        return te.create_prim_func([q, s, *([z] if zero_buffer else []), x, mm])
+
+    assert Gemv.analyze(kn_linear(15)).operands.dequant.layout == "KN"  # the control: [K, N] read NN
+    assert Gemv.analyze(kn_linear(7)) is None  # 3-bit values in 4-bit places
+    assert Gemv.analyze(kn_linear(15, zero_buffer=True)) is None  # a zero-point buffer (AWQ)
+
+
+# ---- the kernel's data flow --------------------------------------------------------------------
+
+
+def _run_llvm(func, args):
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target="llvm")
+    tensors = [tvm.runtime.tensor(a) for a in args]
+    lib["main"](*tensors)
+    return tensors[-1].numpy()
+
+
+def _with_m(cfg, m):
+    """``cfg`` serving ``m`` rows (the template takes any static M; the config ships M = 1 only)."""
+    return dataclasses.replace(cfg, max_m=max(cfg.max_m, m))
+
+
+@pytest.mark.parametrize("n,k,group,m,symbolic", [
+    (37, 1024, 128, 1, False), (42, 768, 32, 1, False), (40, 256, 32, 3, False),
+    (36, 256, 32, 1, True), (37, 256, 128, 1, True),  # a symbolic N: each arm of the host branch
+])
+def test_emulated_kernel_matches_the_unscheduled_function(cuda, n, k, group, m, symbolic):
+    # Run the kernel's data flow in numpy: every thread of every block loads the words, scales and
+    # tokens at the kernel's own load indices (evaluated from its TIR), for the lanes' word rows and
+    # columns the module docstring gives; sums in float64 per column; then against the unscheduled
+    # function run on llvm (its fp16 dequantize and float32 matmul).
+    func = q4_linear(None if symbolic else n, k, layout="KN", group=group, m=m)
+    cfg = _with_m(_cfg(), m)
+    vec = 4 if n % 4 == 0 else 2 if n % 2 == 0 and not symbolic else 1
+    kern = kernel(with_kernels(func, gemv_kn.kn_body(analyze_matmul(func, dequant=True).operands, cfg, vec)))
+    (w_index,), (s_index,), (x_index,) = kern.loads["W"], kern.loads["S"], kern.loads["X"]
+    rng = np.random.default_rng(n)
+    q = rng.integers(0, 2**32, size=(k // 8, n), dtype=np.uint64).astype(np.uint32)
+    s = rng.uniform(-0.02, 0.02, size=(k // group, n)).astype(np.float16)
+    x = rng.standard_normal((m, 1, k)).astype(np.float16)
+    words, scales, tokens = q.reshape(-1), s.reshape(-1), x.reshape(-1)
+    lanes_k = WARP // cfg.lanes_n
+    slots, cols = lanes_k * cfg.warps, cfg.lanes_n * COLS_PER_LANE
+    rounds = -(-(k // 8) // (slots * cfg.unroll))
+    out = np.zeros((m, n))
+    seen = np.zeros((k // 8, n), dtype=int)
+    blocks = -(-n // (cfg.lanes_n * COLS_PER_LANE))
+    assert symbolic or kern.launch["blockIdx.x"] == blocks  # (a symbolic grid: the test above)
+    for bx in range(blocks):
+        for tid in range(kern.launch["threadIdx.x"]):
+            warp, lane = tid // WARP, tid % WARP
+            slot, col0 = warp * lanes_k + lane // cfg.lanes_n, bx * cols + lane % cfg.lanes_n * COLS_PER_LANE
+            for r in range(rounds):
+                for u in range(cfg.unroll):
+                    kw = (r * cfg.unroll + u) * slots + slot
+                    if kw >= k // 8:
+                        continue
+                    at = {"kw": kw, "col0": col0, "vocab_size": n}
+                    t = np.array([[tokens[evaluate(x_index, {**at, "row": row, "e": e})] for e in range(8)]
+                                  for row in range(m)], dtype=np.float64)
+                    for j in range(COLS_PER_LANE):
+                        v, e = j // vec, j % vec
+                        wi, si = evaluate(w_index, {**at, "v": v, "e": e}), evaluate(s_index, {**at, "v": v, "e": e})
+                        assert 0 <= wi < words.size and 0 <= si < scales.size
+                        col = col0 + j
+                        if col >= n:
+                            continue  # read (in bounds), never stored
+                        seen[kw, col] += 1
+                        nibbles = (int(words[wi]) >> (4 * np.arange(8))) & 15
+                        out[:, col] += float(scales[si]) * ((nibbles - 7) * t).sum(axis=1)
+    assert (seen == 1).all()  # every word of the weight once
+    ref = _run_llvm(func, [q, s, x, np.zeros((m, 1, n), np.float16)]).reshape(m, n).astype(np.float64)
+    assert np.abs(ref).max() > 0.1
+    np.testing.assert_allclose(out, ref, rtol=2e-3, atol=2e-3 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_bit_trick_gives_each_value_exactly(dtype):
+    # ``((w >> 4 j) & 0x000F000F) | magic`` read as a pair of ``dtype`` is (base + e_j, base + e_{j+4});
+    # minus the bias (base + zero) it is e - zero exactly, for every nibble.
+    zero = 7
+    src = gemv_kn.q4_dot8_source(dtype, zero)
+    magic = int(re.search(r"\| (0x[0-9a-f]+)u;", src).group(1), 16)
+    bias = int(re.search(r"zb = (0x[0-9a-f]+)u", src).group(1), 16)
+    e = np.arange(16, dtype=np.uint32)
+    word = np.uint32(0x76543210)  # values 0..7 in places 0..7
+    for j in range(4):
+        pair = ((word >> np.uint32(4 * j)) & np.uint32(0x000F000F)) | np.uint32(magic)
+        assert pair & 0xF == j and (pair >> 16) & 0xF == j + 4
+    lanes = ((e | (e << 16)) & 0x000F000F) | magic
+    if dtype == "float16":
+        lo = (lanes & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float64)
+        z = float(np.uint16(bias).view(np.float16))
+    else:
+        lo = ((lanes & 0xFFFF) << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+        z = float(np.array([bias << 16], dtype=np.uint32).view(np.float32)[0])
+    assert ((lo - z) == e.astype(np.float64) - zero).all()
+
+
+def test_nvcc_compiles_the_kernels(cuda):
+    funcs = {
+        "qkv": q4_linear(6144, 4096, layout="KN"),
+        "down_res": q4_linear(4096, 14336, layout="KN", epilogue="residual"),
+        "head": q4_linear(128256, 4096, layout="KN", epilogue="cast_fp32"),
+        "bf16_g128": q4_linear(4096, 4096, layout="KN", dtype="bfloat16", group=128),
+        "prime": q4_linear(37, 1024, layout="KN", group=128),
+        "even": q4_linear(4098, 576, layout="KN"),
+        "vocab": q4_linear(None, 4096, layout="KN", epilogue="cast_fp32"),  # two kernels
+    }
+    kernels = {name: _scheduled(f, cuda).with_attr("global_symbol", name) for name, f in funcs.items()}
+    m3 = q4_linear(4096, 4096, layout="KN", m=3, epilogue="residual")  # the template at M = 3
+    kernels["m3"] = with_kernels(m3, gemv_kn.kn_body(analyze_matmul(m3, dequant=True).operands, _with_m(_cfg(), 3), 4)).with_attr(
+        "global_symbol", "m3")
+    source = tvm.compile(tvm.IRModule(kernels), target=cuda).mod.imports[0].inspect_source("cuda")
+    assert kernel_names(source) == {f"{name}_kernel" for name in kernels if name != "vocab"} | {"vocab_kernel", "vocab_kernel_1"}
+    assert "fuselight_q4_dot8_bf16(" in kernel_body(source, "bf16_g128_kernel")
+    require_nvcc()
+    # The config is the analytic one for every described arch: sm_80 too.
+    assert compile_cuda(source, "sm_90") and compile_cuda(source, "sm_80")
+
+
+def test_config_serves_every_described_arch_and_names_a_bad_field():
+    # Unmeasured: every described arch takes the analytic entry (sm_80 included); others none.
+    assert gemv_kn.load_kn_configs("sm_80") == gemv_kn.load_kn_configs("sm_90")
+    with pytest.raises(FuselightError):
+        gemv_kn.load_kn_configs("sm_70")
+    good = _cfg()
+    for field, value in (("lanes_n", 3), ("lanes_n", 64), ("warps", 6), ("warps", 64)):
+        with pytest.raises(FuselightError, match=field):
+            gemv_kn.check_kn_config(dataclasses.replace(good, **{field: value}))
