@@ -23,7 +23,6 @@ from .device import device_model
 from .errors import FuselightError
 from .library import git_commit, write_library
 from .options import Options
-from .passes import DEFAULT, served
 from .target import TargetSpec
 
 PIPELINES = ("baseline", "fuselight")
@@ -270,6 +269,8 @@ def build(
             chosen = options or Options()
             passes = chosen.passes
             if passes is None:
+                from .passes import DEFAULT, served  # not at the top: the GPU host's runtime has no passes
+
                 passes = tuple(served((*DEFAULT, WHOLE_STEP_PASS), chosen.rule_families))
             options = dataclasses.replace(chosen, programmatic_launch=False, passes=passes)
     if not cuda_graph and options is not None and WHOLE_STEP_PASS in (options.passes or ()):
