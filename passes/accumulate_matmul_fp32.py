@@ -13,7 +13,7 @@ float32 output dtype. Matmuls of other dtypes, and those already asking for floa
 
 One exception, on a GPU target: a matmul reading a weight its dequantize computes as the matmul
 reads it (``[K, N]``, no transpose: MLC-LLM's KN layout, ``q4f16_0``), whose fused function
-(``computations.matmul_cast_prim_func`` with the dequantize spliced in) no fuselight rule takes
+(``computations.matmul_prim_func`` with the dequantize spliced in) no fuselight rule takes
 (``Rule.takes``: a symbolic M, prefill and batch decode). DLight then schedules it, and its GEMV
 schedule streamed such float32-accumulating functions 11-20% slower than the float16 ones on an H100
 (Llama-3-8B q4f16_0 decode, docs/experiments/q4-kn-gemv.md): the function stays the baseline's.
@@ -27,7 +27,7 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 
-from ..computations import matmul_cast_prim_func, with_dequantized_weight
+from ..computations import matmul_prim_func, with_dequantized_weight
 from ..relax_rewrite import FunctionRewriter
 from ..rules.gemv import Gemv
 from ..rules.matmul import Matmul
@@ -89,7 +89,7 @@ class _Rewriter(FunctionRewriter):
             return True
         key = (tvm_ffi.structural_hash(a.ty), tvm_ffi.structural_hash(b.ty), dequantize.args[0])
         if key not in self.taken:
-            fused = with_dequantized_weight(matmul_cast_prim_func(x_shape, w_shape, half, ACCUMULATE_DTYPE), deq_func)
+            fused = with_dequantized_weight(matmul_prim_func(x_shape, w_shape, half, ACCUMULATE_DTYPE, half), deq_func)
             self.taken[key] = any(rule.takes(fused, self.target) for rule in RULES)
         return self.taken[key]
 

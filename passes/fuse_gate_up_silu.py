@@ -4,7 +4,7 @@ A LLaMA MLP computes its gate and up projections as one linear layer whose weigh
 rows, then the up rows, and splits the result in two halves::
 
     y = matmul(x, permute_dims(w))                  # [..., 2I]   (or astype(matmul(.., "float32")))
-    gate, up = split(y, 2, axis=-1)
+    gate, up = split(y, 2, axis=-1)                 #  (or matmul(x, w), w a [K, 2I] dequantized weight)
     out = multiply(silu(gate), up)                  # [..., I]    (operands of multiply either way)
 
 This pass replaces that chain by one ``call_tir`` of a PrimFunc (TE, ``fuselight.computations
@@ -26,7 +26,10 @@ loads or a 4-bit weight dequantized (from loaded packed words and scales) for th
 which reads the packed words and scales (``computations.with_dequantized_weight``), so the
 dequantized weight is never written; where the rules' analysis does not see that dequantize in
 the fused function (another format), or no rule takes it (the templates for a dequantized B
-with symbolic M take no paired epilogue), the graph stays as it is.
+with symbolic M take no paired epilogue), the graph stays as it is. A weight the matmul reads
+``[K, 2I]``, without ``permute_dims`` (MLC-LLM's KN layout, ``q4f16_0``), is matched only where it is
+dequantized so: the fused function then reads its words ``[K / 8, 2I]`` (``gate_up_silu_te``'s "NN"),
+which the Gemv rule's KN template takes at a static M = 1 (prefill's symbolic M: no rule, unfused).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class _Match:
     dequantize: relax.Call | None  # the call computing ``w`` from packed words and scales, if it does
     acc_dtype: str  # the matmul's output dtype (what it accumulates in)
     out_dtype: str  # after the graph's cast, if any
+    b_layout: str  # "NT": ``w`` is [2I, K], read through permute_dims; "NN": [K, 2I], read as it is
 
 
 def _op(expr: Any, name: str) -> bool:
@@ -122,22 +126,27 @@ def _match(mul: relax.Call, var2val: Any, uses: dict[relax.Var, int]) -> _Match 
             continue
         x, wt = matmul.args
         transpose = wt if isinstance(wt, relax.Var) and wt in var2val and _op(var2val[wt], "relax.permute_dims") else None
-        if transpose is None:
-            continue
-        permute = var2val[transpose]
-        w = permute.args[0]
-        axes = permute.attrs.axes
+        if transpose is not None:
+            permute = var2val[transpose]
+            w, b_layout = permute.args[0], "NT"
+            axes = permute.attrs.axes
+            if axes is not None and [int(a) for a in axes] != [1, 0]:
+                continue
+        else:
+            w, b_layout = wt, "NN"  # [K, 2I]: only a weight dequantized so (MLC-LLM's KN layout), below
         w_shape, x_shape = _shape(w), _shape(x)
-        if w_shape is None or len(w_shape) != 2 or (axes is not None and [int(a) for a in axes] != [1, 0]):
+        if w_shape is None or len(w_shape) != 2:
             continue
         if x_shape is None or len(x_shape) < 2 or str(x.ty.dtype) != str(w.ty.dtype):
             continue
-        if _static_int(w_shape[0]) != width or _static_int(w_shape[1]) is None:
+        width_at = 0 if b_layout == "NT" else 1
+        if _static_int(w_shape[width_at]) != width or _static_int(w_shape[1 - width_at]) is None:
             continue
         dequantize = dequantized_weight(w, var2val, uses)
-        if dequantize is None and not loaded_weight(w, var2val):
+        if dequantize is None and (b_layout == "NN" or not loaded_weight(w, var2val)):
             continue  # a computed weight this pass cannot carry stays with its matmul
-        return _Match(x=x, w=w, dequantize=dequantize, acc_dtype=str(matmul.ty.dtype), out_dtype=out_dtype)
+        return _Match(x=x, w=w, dequantize=dequantize, acc_dtype=str(matmul.ty.dtype), out_dtype=out_dtype,
+                      b_layout=b_layout)
     return None
 
 
@@ -178,7 +187,7 @@ class _Rewriter(FunctionRewriter):
             return super().visit_call_(call)
         weights = [found.w] if found.dequantize is None else list(found.dequantize.args[1].fields)
         # Typed by the graph's own shape variables (the function may have been made for another's).
-        x_shape, width = _shape(found.x), _shape(found.w)[0]
+        x_shape, width = _shape(found.x), _shape(found.w)[0 if found.b_layout == "NT" else 1]
         out_ty = relax.TensorType([*x_shape[:-1], tirx.IntImm(str(width.ty.dtype), int(width) // 2)], found.out_dtype)
         return relax.call_tir(gv, [self.visit_expr(e) for e in (found.x, *weights)], out_ty)
 
@@ -186,11 +195,12 @@ class _Rewriter(FunctionRewriter):
         """The fused function's GlobalVar (added once per distinct computation), or None where it is
         not made: a dequantize the rules' analysis does not see in it, or no rule takes it."""
         deq = None if found.dequantize is None else found.dequantize.args[0]
-        key = (*(tvm_ffi.structural_hash(e.ty) for e in (found.x, found.w)), found.acc_dtype, found.out_dtype, deq)
+        key = (*(tvm_ffi.structural_hash(e.ty) for e in (found.x, found.w)), found.acc_dtype, found.out_dtype,
+               found.b_layout, deq)
         if key in self.kernels:
             return self.kernels[key]
         func = gate_up_silu_prim_func(_shape(found.x), str(found.x.ty.dtype), _shape(found.w), str(found.w.ty.dtype),
-                                      found.acc_dtype, found.out_dtype)
+                                      found.acc_dtype, found.out_dtype, found.b_layout)
         if deq is not None:
             dequantize = self.mod[deq]
             func = with_dequantized_weight(func, dequantize) if isinstance(dequantize, tirx.PrimFunc) else None

@@ -7,7 +7,9 @@ GEMV whose kernel reads the normed row anyway. This pass finds::
     normed = rms_norm(x (+ r), w)       # FuseAddRMSNorm's kernel (normed, x + r), or
                                         # R.nn.rms_norm(R.add(x, r), w), or R.nn.rms_norm(x, w)
     y = call_tir(F, (normed, W))        # F: a matmul PrimFunc the GEMM analysis recognises
-                                        # (FuseGateUpSiLU's unscheduled function included)
+                                        # (FuseGateUpSiLU's unscheduled function included), or
+    y = matmul(normed, W)               # W a [K, N] dequantized weight (MLC-LLM's KN layout,
+                                        # which FuseTransposeMatmul leaves as it is)
     z = astype(astype(y ...))           # casts of y, each the only use of the one before (optional)
 
 where ``normed`` has no other use, the token rows are static and ``W`` is a weight the function loads,
@@ -40,7 +42,7 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 
-from ..computations import fused_norm_matmul, with_dequantized_weight
+from ..computations import fused_norm_matmul, matmul_prim_func, with_dequantized_weight
 from ..contracts import IS_SCHEDULED_ATTR, OP_PATTERN_ATTR, OPAQUE_OP_PATTERN, RULE_ATTR
 from ..contracts import NORM_GEMV_NAME as PRIMFUNC_NAME
 from ..relax_rewrite import FunctionRewriter, rewrite_for_target
@@ -71,12 +73,17 @@ def _op(expr: Any, name: str) -> bool:
     return isinstance(expr, relax.Call) and expr.op == tvm.ir.Op.get(name)
 
 
-def _static_shape(expr: Any) -> list[int] | None:
+def _shape(expr: Any) -> list[Any] | None:
+    """The dimensions of a tensor-typed ``expr`` whose shape is known (static or symbolic), else None."""
     ty = getattr(expr, "ty", None)
     if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
         return None
-    dims = list(ty.shape.values)
-    return [int(d) for d in dims] if all(isinstance(d, tirx.IntImm) for d in dims) else None
+    return list(ty.shape.values)
+
+
+def _static_shape(expr: Any) -> list[int] | None:
+    dims = _shape(expr)
+    return [int(d) for d in dims] if dims is not None and all(isinstance(d, tirx.IntImm) for d in dims) else None
 
 
 def _vars(expr: Any) -> list[relax.Var]:
@@ -125,24 +132,30 @@ class _Finder:
         return users[0] if len(users) == 1 and self.uses.get(var, 0) == 1 else None
 
     def _site(self, var: relax.Var, value: Any) -> _Site | None:
-        if not _op(value, "relax.call_tir") or not isinstance(value.args[0], tvm.ir.GlobalVar):
+        if _op(value, "relax.call_tir") and isinstance(value.args[0], tvm.ir.GlobalVar):
+            callee, args = value.args[0], list(value.args[1].fields)
+        elif _op(value, "relax.matmul"):
+            callee, args = value, list(value.args)  # R.matmul(normed, W): W [K, N] (KN), below
+        else:
             return None
-        args = list(value.args[1].fields)
         if len(args) < 2 or not isinstance(args[0], relax.Var) or self._only_user(args[0]) is None:
             return None
         normed, matrices = args[0], tuple(args[1:])
+        if _static_shape(normed) is None or (callee is value and len(_shape(matrices[0]) or ()) != 2):
+            return None
         dequantize = dequantized_weight(matrices[0], self.var2val, self.uses) if len(matrices) == 1 else None
         if dequantize is not None:
             # Carried along: the fused function dequantizes the packed words it reads.
             computed = [matrices[0]]
             matrices = tuple(dequantize.args[1].fields)
-        elif not all(loaded_weight(m, self.var2val) for m in matrices):
-            return None  # a computed weight this pass cannot carry stays with its matmul
+        elif callee is value or not all(loaded_weight(m, self.var2val) for m in matrices):
+            # A computed weight this pass cannot carry stays with its matmul; an R.matmul is taken
+            # only with a dequantized weight (float weights come as FuseTransposeMatmul's kernels).
+            return None
         else:
             computed = []
-        consumer = self.consumer_of(value.args[0], None if dequantize is None else dequantize.args[0])
-        shape = _static_shape(normed)
-        if consumer is None or shape is None:
+        consumer = self.consumer_of(callee, None if dequantize is None else dequantize.args[0])
+        if consumer is None:
             return None
         casts, final, dropped = [], var, [normed, var, *computed]
         while (user := self._only_user(final)) is not None and _op(self.var2val.get(user), "relax.astype"):
@@ -208,12 +221,21 @@ class _Rewriter(FunctionRewriter):
                         self.finals[site.final] = site
                         self.dropped.update(site.dropped)
 
-    def _consumer(self, gv: tvm.ir.GlobalVar, dequantize: tvm.ir.GlobalVar | None) -> tirx.PrimFunc | None:
-        """The plain matmul function ``(A, *matrices) -> y`` that ``gv`` computes (after ``dequantize``,
-        spliced in front, where its weight is dequantized by that call), or None."""
-        key = (gv, dequantize)
+    def _consumer(self, callee: tvm.ir.GlobalVar | relax.Call, dequantize: tvm.ir.GlobalVar | None) -> tirx.PrimFunc | None:
+        """The plain matmul function ``(A, *matrices) -> y`` that ``callee`` computes (a called
+        PrimFunc, or an ``R.matmul`` of a ``[K, N]`` weight, ``computations.matmul_prim_func``; after
+        ``dequantize``, spliced in front, where its weight is dequantized by that call), or None."""
+        if isinstance(callee, relax.Call):
+            a, w = callee.args
+            key = ("matmul", *(tvm_ffi.structural_hash(e.ty) for e in (a, w)), str(callee.ty.dtype), dequantize)
+        else:
+            key = (callee, dequantize)
         if key not in self.consumers:
-            func, deq = self.mod[gv], None if dequantize is None else self.mod[dequantize]
+            if isinstance(callee, relax.Call):
+                func = matmul_prim_func(_shape(a), _shape(w), str(a.ty.dtype), str(callee.ty.dtype))
+            else:
+                func = self.mod[callee]
+            deq = None if dequantize is None else self.mod[dequantize]
             plain = None
             if all(isinstance(f, tirx.PrimFunc) and IS_SCHEDULED_ATTR not in (f.attrs or {}) for f in (func, deq or func)):
                 if deq is not None and len(func.params) == 3:

@@ -18,9 +18,9 @@ branches on the host into every bucket up to the largest and, above it, into DLi
 schedule of the same function (what MLC-LLM's LowBatchGemvSpecialize runs there), so the function
 leaves this rule scheduled and LowBatchGemvSpecialize, which runs after fuselight's rules, skips it.
 Those in the KN layout (MLC-LLM's ``q4f16_0``) take the KN template (``rules.gemm.gemv_kn``,
-``configs/gemm/gemv_q4_kn.json``) at a static M of its buckets, with a plain epilogue (N may be
-symbolic: MLC-LLM's LM head); any other KN function (a symbolic M: prefill, batch decode) goes on
-to the next rule.
+``configs/gemm/gemv_q4_kn.json``) at a static M of its buckets, with the norm prologue and the
+paired epilogue as the NK templates (N may be symbolic: MLC-LLM's LM head); any other KN function
+(a symbolic M: prefill, batch decode) goes on to the next rule.
 """
 
 from __future__ import annotations
@@ -66,10 +66,12 @@ def kn_gemv_config(ops: GemmOperands, target: Target) -> KnGemvConfig | None:
     """The KN template's bucket computing ``ops`` (4-bit weights in the KN layout, static M) on
     ``target``, or None: no config for the arch, no bucket for M, or operands it does not take."""
     try:
-        cfg = kn_config_for(load_kn_configs(arch_of(target)), static_m(ops) or 0)
+        arch = arch_of(target)
+        cfg = kn_config_for(load_kn_configs(arch), static_m(ops) or 0)
         if cfg is None:
             return None
-        check_kn(ops, cfg)
+        # The kernel's shared memory is static: the device's static limit.
+        check_kn(ops, cfg, require_device(arch).smem_per_block)
     except FuselightError:
         return None
     return cfg
@@ -146,10 +148,11 @@ class Gemv(AnalyzeScheduleRule):
 
 
 def _kn_kernels(ops: GemmOperands, cfg: KnGemvConfig) -> tirx.Stmt:
-    """The KN template's kernel for ``ops``: its loads as wide as a static N allows; for a symbolic N
-    (MLC-LLM's vocabulary), 16 bytes where N is a multiple of 4 at run time, else a word at a time."""
-    if isinstance(ops.n, int):
-        return kn_body(ops, cfg, kn_vec(ops.n))
+    """The KN template's kernel for ``ops``: its loads as wide as a static N allows (paired: the
+    output's N, the offset of the up columns); for a symbolic N (MLC-LLM's vocabulary), 16 bytes
+    where N is a multiple of 4 at run time, else a word at a time."""
+    if isinstance(ops.out_n, int):
+        return kn_body(ops, cfg, kn_vec(ops.out_n))
     aligned = tirx.EQ(tirx.floormod(ops.n, PIECE_WORDS), tirx.IntImm(ops.n.ty.dtype, 0))
     return host_branch(aligned, kn_body(ops, cfg, PIECE_WORDS), kn_body(ops, cfg, 1))
 

@@ -133,21 +133,22 @@ def attention_prim_func(spec: AttentionSpec) -> tirx.PrimFunc:
 # ---------------------------------------------------------------- GEMM with a paired epilogue
 
 
-def gate_up_silu_te(x: te.Tensor, w: te.Tensor, acc_dtype: str, out_dtype: str) -> te.Tensor:
-    """``silu(C[..., :I]) * C[..., I:]`` of ``C = cast(x @ w^T)``: the matmul (accumulated in
-    ``acc_dtype``, cast to ``out_dtype``) and the paired elementwise stage."""
-    width, k = w.shape  # static (checked by the match), in the graph's index dtype
+def gate_up_silu_te(x: te.Tensor, w: te.Tensor, acc_dtype: str, out_dtype: str, b_layout: str = "NT") -> te.Tensor:
+    """``silu(C[..., :I]) * C[..., I:]`` of ``C = cast(x @ w^T)`` (``b_layout`` "NT": ``w`` ``[2I, K]``;
+    "NN": ``C = cast(x @ w)``, ``w`` ``[K, 2I]``, a weight dequantized in MLC-LLM's KN layout): the
+    matmul (accumulated in ``acc_dtype``, cast to ``out_dtype``) and the paired elementwise stage."""
+    width, k = w.shape if b_layout == "NT" else w.shape[::-1]  # static (checked by the match)
     half = tirx.IntImm(str(width.ty.dtype), int(width) // 2)
     lead = list(x.shape[:-1])
     r = te.reduce_axis((tirx.IntImm(str(k.ty.dtype), 0), k), "k")
 
     def product(*i: Any) -> Any:
-        a, b = x[(*i[:-1], r)], w[i[-1], r]
+        a, b = x[(*i[:-1], r)], w[i[-1], r] if b_layout == "NT" else w[r, i[-1]]
         if acc_dtype != str(x.dtype):
             a, b = a.astype(acc_dtype), b.astype(acc_dtype)
         return te.sum(a * b, axis=r)
 
-    c = te.compute((*lead, width), product, name="NT_matmul")
+    c = te.compute((*lead, width), product, name="NT_matmul" if b_layout == "NT" else "matmul")
 
     def value(*i: Any) -> Any:
         gate, up = c[(*i[:-1], i[-1])], c[(*i[:-1], i[-1] + half)]
@@ -159,26 +160,27 @@ def gate_up_silu_te(x: te.Tensor, w: te.Tensor, acc_dtype: str, out_dtype: str) 
     return te.compute((*lead, half), value, name="silu_multiply")
 
 
-
 def gate_up_silu_prim_func(x_shape: list[Any], x_dtype: str, w_shape: list[Any], w_dtype: str, acc_dtype: str,
-                           out_dtype: str) -> tirx.PrimFunc:
+                           out_dtype: str, b_layout: str = "NT") -> tirx.PrimFunc:
     """``(x, w) -> silu(gate) * up`` (``gate_up_silu_te``) as a PrimFunc, no global symbol."""
     x = te.placeholder(x_shape, x_dtype, "x")
     w = te.placeholder(w_shape, w_dtype, "w")
-    out = gate_up_silu_te(x, w, acc_dtype, out_dtype)
+    out = gate_up_silu_te(x, w, acc_dtype, out_dtype, b_layout)
     return te.create_prim_func([x, w, out]).with_attr("tirx.noalias", True).without_attr("global_symbol")
 
 
-def matmul_cast_prim_func(x_shape: list[Any], w_shape: list[Any], dtype: str, acc_dtype: str) -> tirx.PrimFunc:
-    """``(x, w) -> dtype(x @ w)`` with ``w`` ``[K, N]`` as a matmul reads it, accumulated in ``acc_dtype``
-    (``astype(matmul(x, w, acc_dtype), dtype)`` as LegalizeOps and FuseOps leave it), no global symbol."""
+def matmul_prim_func(x_shape: list[Any], w_shape: list[Any], dtype: str, acc_dtype: str,
+                     out_dtype: str | None = None) -> tirx.PrimFunc:
+    """``(x, w) -> x @ w`` with ``w`` ``[K, N]`` as a matmul reads it, accumulated in ``acc_dtype``, cast
+    to ``out_dtype`` where given (``astype(matmul(x, w, acc_dtype), dtype)`` as LegalizeOps and
+    FuseOps leave it; None: ``matmul(x, w, acc_dtype)`` alone), no global symbol."""
     x = te.placeholder(x_shape, dtype, "x")
     w = te.placeholder(w_shape, dtype, "w")
     k, n = w.shape
     r = te.reduce_axis((tirx.IntImm(str(k.ty.dtype), 0), k), "k")
     c = te.compute((*x.shape[:-1], n), lambda *i: te.sum(
         x[(*i[:-1], r)].astype(acc_dtype) * w[r, i[-1]].astype(acc_dtype), axis=r), name="matmul")
-    out = te.compute(c.shape, lambda *i: c(*i).astype(dtype), name="compute")
+    out = c if out_dtype is None else te.compute(c.shape, lambda *i: c(*i).astype(out_dtype), name="compute")
     return te.create_prim_func([x, w, out]).with_attr("tirx.noalias", True).without_attr("global_symbol")
 
 

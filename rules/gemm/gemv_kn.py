@@ -18,8 +18,18 @@ shared memory, and one thread a output runs the epilogue (``ops.out``).
 N need not be a multiple of 4: the words and scales are then loaded ``vec`` (2 or 1) at a time
 (the caller's choice: ``kn_vec`` of a static N; for a symbolic N, MLC's vocabulary, a host-side
 branch between 4 and 1), so no load leaves the row; columns past N read the row's last piece and
-are never stored. A symbolic M, a norm prologue, a paired epilogue and the NK layout are not served
-(``check_kn``): the Gemv rule then leaves the function to the next rule.
+are never stored. A symbolic M and the NK layout are not served (``check_kn``): the Gemv rule then
+leaves the function to the next rule.
+
+With a norm prologue (``operands.NormPrologue``, ``passes.fuse_norm_gemv``) the token rows are
+computed, not loaded: every block first issues its first round of weight loads (so memory is busy
+meanwhile), then norms the M rows into shared memory (``gemv_common.norm_prologue``, as the NK
+templates do), from where the lanes read their 8 tokens a word row (the 8 word rows of a warp load
+128 contiguous bytes: no bank conflict). With a paired epilogue (``silu(gate) * up``,
+``passes.fuse_gate_up_silu``: output column c pairs weight columns c and c + N / 2) a lane loads, at
+each word row, the 16 bytes of its 4 gate columns and the 16 bytes of the 4 matching up columns,
+holds both accumulators of its outputs, and ``cfg.paired_unroll`` word rows are in flight (twice the
+words of a row: fewer rows keep the registers of the plain case).
 
 Why not the NK templates: their lanes stream a weight row along K (the words' own order); in KN a
 column's words are ``N`` words apart, and a lane reading along K would read 4 bytes a row.
@@ -35,7 +45,7 @@ from fuselight.errors import FuselightError
 
 from .. import arch_config
 from .gemv import DTYPE_ABBREV, Q4_DTYPES, launch_blocks, read_buckets
-from .gemv_common import PIECE, PIECE_WORDS, Q4_BITS, index_dtype, static_m
+from .gemv_common import PIECE, PIECE_WORDS, Q4_BITS, index_dtype, norm_prologue, static_m
 from .operands import GemmOperands
 from .plan import WARP
 
@@ -71,6 +81,12 @@ class KnGemvConfig:
     unroll: int  # word rows a lane loads before using them
     # Blocks one SM must be able to hold (the launch-bounds hint to ptxas, as the NK GEMVs').
     min_blocks_per_sm: int
+    # Word rows a lane loads before using them with a paired epilogue (8 columns a lane); None: unroll.
+    paired_unroll: int | None = None
+
+    def rows_in_flight(self, paired: bool) -> int:
+        """Word rows a lane loads before using them: ``paired_unroll`` with a paired epilogue."""
+        return self.paired_unroll if paired and self.paired_unroll is not None else self.unroll
 
 
 def q4_dot8_source(dtype: str, zero: int) -> str:
@@ -87,6 +103,9 @@ def check_kn_config(cfg: KnGemvConfig, where: str = "KN GEMV config") -> None:
         raise FuselightError(f"{where}: field 'lanes_n' must be a power of two up to {WARP}, got {cfg.lanes_n}")
     if cfg.warps & (cfg.warps - 1) or cfg.warps * WARP > MAX_THREADS:
         raise FuselightError(f"{where}: field 'warps' must be a power of two up to {MAX_THREADS // WARP}, got {cfg.warps}")
+    for field in ("unroll", "min_blocks_per_sm", "paired_unroll"):
+        if getattr(cfg, field) is not None and getattr(cfg, field) < 1:
+            raise FuselightError(f"{where}: field {field!r} must be a positive integer, got {getattr(cfg, field)}")
 
 
 def load_kn_configs(arch: str) -> list[KnGemvConfig]:
@@ -106,8 +125,16 @@ def kn_config_for(configs: list[KnGemvConfig], m: int) -> KnGemvConfig | None:
     return next((c for c in configs if m <= c.max_m), None)
 
 
-def check_kn(ops: GemmOperands, cfg: KnGemvConfig) -> None:
-    """FuselightError where the template cannot compute ``ops`` with ``cfg`` (see the module docstring)."""
+def kn_shared_bytes(ops: GemmOperands, cfg: KnGemvConfig) -> int:
+    """Shared memory of the kernel: the warps' partial sums, and the normed token rows with a prologue."""
+    halves = 2 if ops.paired else 1
+    m = static_m(ops) or 0
+    return 4 * cfg.warps * halves * m * kn_block_cols(cfg) + (2 * m * ops.k if ops.prologue is not None else 0)
+
+
+def check_kn(ops: GemmOperands, cfg: KnGemvConfig, max_shared_bytes: int | None = None) -> None:
+    """FuselightError where the template cannot compute ``ops`` with ``cfg`` (in at most
+    ``max_shared_bytes`` of shared memory a block, if given; see the module docstring)."""
     check_kn_config(cfg)
     d = ops.dequant
     if d is None or d.layout != "KN":
@@ -123,8 +150,11 @@ def check_kn(ops: GemmOperands, cfg: KnGemvConfig) -> None:
     m = static_m(ops)
     if m is None or not 1 <= m <= cfg.max_m:
         raise FuselightError(f"KN GEMV: M must be static, 1..{cfg.max_m} (the config's max_m), got {ops.m}")
-    if ops.prologue is not None or ops.paired:
-        raise FuselightError("KN GEMV: no norm prologue or paired epilogue")
+    if ops.prologue is not None and ops.k % PIECE:
+        raise FuselightError(f"KN GEMV: a norm prologue needs K a multiple of {PIECE}, got {ops.k}")
+    if max_shared_bytes is not None and kn_shared_bytes(ops, cfg) > max_shared_bytes:
+        raise FuselightError(f"KN GEMV: needs {kn_shared_bytes(ops, cfg)} bytes of shared memory, "
+                             f"more than {max_shared_bytes}")
 
 
 def kn_vec(n: int) -> int:
@@ -140,20 +170,24 @@ def kn_block_cols(cfg: KnGemvConfig) -> int:
 
 def kn_body(ops: GemmOperands, cfg: KnGemvConfig, vec: int) -> Any:
     """The kernel body (a ``tvm.tirx.Stmt``) computing ``ops`` over its buffers, loading words and
-    scales ``vec`` at a time (4, 2 or 1; it must divide N, which a symbolic N's caller checks on the
-    host); FuselightError where the template cannot (``check_kn``)."""
+    scales ``vec`` at a time (4, 2 or 1; it must divide the output's N, which a symbolic N's caller
+    checks on the host); FuselightError where the template cannot (``check_kn``)."""
     from tvm.backend.cuda import op as cuda_op
     from tvm.script import tirx as T
 
     check_kn(ops, cfg)
-    n, k, dtype, deq = ops.n, ops.k, ops.dtype, ops.dequant
-    if vec not in (PIECE_WORDS, 2, 1) or (isinstance(n, int) and n % vec):
-        raise FuselightError(f"KN GEMV: loads of {vec} words must divide N ({n}) and be 4, 2 or 1")
-    n32 = n if isinstance(n, int) else T.Cast("int32", n)  # column arithmetic (N < 2^31)
+    n, k, dtype, deq, norm = ops.n, ops.k, ops.dtype, ops.dequant, ops.prologue
+    out_n = ops.out_n
+    if vec not in (PIECE_WORDS, 2, 1) or (isinstance(out_n, int) and out_n % vec):
+        raise FuselightError(f"KN GEMV: loads of {vec} words must divide N ({out_n}) and be 4, 2 or 1")
+    # Column arithmetic in int32 (N < 2^31); paired: the up column of output c is c + pair.
+    lim = out_n if isinstance(out_n, int) else T.Cast("int32", out_n)
+    pair = ops.out.pair_offset or 0
+    halves = 2 if ops.paired else 1  # weight columns an output reads: gate and up, or one
     m = static_m(ops)
     per_word = deq.per_word
     k_words = k // per_word  # word rows
-    lanes_n, warps, unroll = cfg.lanes_n, cfg.warps, cfg.unroll
+    lanes_n, warps, unroll = cfg.lanes_n, cfg.warps, cfg.rows_in_flight(ops.paired)
     lanes_k = WARP // lanes_n  # word rows a warp covers side by side
     slots = lanes_k * warps  # word rows a block covers side by side
     steps = -(-k_words // slots)  # word rows of a lane
@@ -161,46 +195,65 @@ def kn_body(ops: GemmOperands, cfg: KnGemvConfig, vec: int) -> Any:
     ragged = k_words % (slots * unroll) != 0
     threads = warps * WARP
     cols = kn_block_cols(cfg)
-    blocks = launch_blocks(n, cols)
+    blocks = launch_blocks(out_n, cols)
     outputs = m * cols
+    lane_accs = halves * m * PIECE_WORDS  # a lane's accumulators: [half, row, column]
     m_dtype = index_dtype(ops)
     dot, dot_source = Q4_DOT8[dtype], q4_dot8_source(dtype, int(deq.zero))
+    norm_rows = None if norm is None else norm_prologue(ops, threads, blocks, k // 2)
+
+    @T.macro
+    def load_weights(w, sc, W, S, slot, col0, r):
+        # The words and scales of round r's word rows (every load of the round before any is used).
+        for u in T.unroll(unroll):
+            kw: T.let[T.int32] = (r * unroll + u) * slots + slot
+            if not ragged or kw < k_words:
+                for h in T.unroll(halves):
+                    for v in T.unroll(PIECE_WORDS // vec):
+                        # A piece past the row reads its last one (never stored).
+                        for e in T.vectorized(vec):
+                            w[(u * halves + h) * PIECE_WORDS + v * vec + e] = W[T.Cast("int64", kw) * n + T.Cast("int64", T.min(col0 + v * vec, lim - vec) + h * pair) + e]
+                        for e in T.vectorized(vec):
+                            sc[(u * halves + h) * PIECE_WORDS + v * vec + e] = S[T.Cast("int64", kw * per_word // deq.group) * n + T.Cast("int64", T.min(col0 + v * vec, lim - vec) + h * pair) + e]
 
     # fmt: off
     @T.prim_func(s_tir=True, check_well_formed=False)
     def body():
         W = T.decl_buffer((k_words * n,), "uint32", data=ops.b.data)
         S = T.decl_buffer((k // deq.group * n,), dtype, data=deq.scale.data)
-        X = T.decl_buffer((m * k,), dtype, data=ops.a.data)
+        if norm is None:
+            X = T.decl_buffer((m * k,), dtype, data=ops.a.data)
         for bx in T.thread_binding(blocks, thread="blockIdx.x"):
             for tid in T.thread_binding(threads, thread="threadIdx.x"):
                 with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", cfg.min_blocks_per_sm), T.sblock("gemv_kn"):
                     T.reads()
                     T.writes()
-                    w = T.sblock_alloc_buffer((unroll * PIECE_WORDS,), "uint32", scope="local")
-                    sc = T.sblock_alloc_buffer((unroll * PIECE_WORDS,), dtype, scope="local")
+                    w = T.sblock_alloc_buffer((unroll * halves * PIECE_WORDS,), "uint32", scope="local")
+                    sc = T.sblock_alloc_buffer((unroll * halves * PIECE_WORDS,), dtype, scope="local")
                     xv = T.sblock_alloc_buffer((unroll * m * PIECE,), dtype, scope="local")
                     xf = T.sblock_alloc_buffer((m * PIECE,), "float32", scope="local")
-                    acc = T.sblock_alloc_buffer((m * PIECE_WORDS,), "float32", scope="local")
-                    red = T.sblock_alloc_buffer((warps * outputs,), "float32", scope="shared")
-                    total = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    acc = T.sblock_alloc_buffer((lane_accs,), "float32", scope="local")
+                    red = T.sblock_alloc_buffer((warps * halves * outputs,), "float32", scope="shared")
+                    total = T.sblock_alloc_buffer((halves,), "float32", scope="local")
                     warp: T.let[T.int32] = T.Cast("int32", tid) // WARP
                     lane: T.let[T.int32] = T.Cast("int32", tid) % WARP
                     slot: T.let[T.int32] = warp * lanes_k + lane // lanes_n
                     col0: T.let[T.int32] = T.Cast("int32", bx) * cols + lane % lanes_n * PIECE_WORDS
-                    for i in T.unroll(m * PIECE_WORDS):
+                    for i in T.unroll(lane_accs):
                         acc[i] = T.float32(0)
+                    if norm is not None:
+                        # The first round's weights are in flight while the rows are normed.
+                        load_weights(w, sc, W, S, slot, col0, 0)
+                        xs = T.sblock_alloc_buffer((m * k,), dtype, scope="shared")
+                        X = T.decl_buffer((m * k,), dtype, data=xs.data, scope="shared")
+                        norm_rows(xs, tid, bx)
+                        T.tvm_storage_sync("shared")
                     for r in T.serial(rounds):
-                        # Every load of the round first, so they are in flight together.
+                        if norm is None or r > 0:  # with a prologue, round 0's are loaded
+                            load_weights(w, sc, W, S, slot, col0, r)
                         for u in T.unroll(unroll):
                             kw: T.let[T.int32] = (r * unroll + u) * slots + slot
                             if not ragged or kw < k_words:
-                                for v in T.unroll(PIECE_WORDS // vec):
-                                    # A piece past the row reads its last one (never stored).
-                                    for e in T.vectorized(vec):
-                                        w[u * PIECE_WORDS + v * vec + e] = W[T.Cast("int64", kw) * n + T.Cast("int64", T.min(col0 + v * vec, n32 - vec)) + e]
-                                    for e in T.vectorized(vec):
-                                        sc[u * PIECE_WORDS + v * vec + e] = S[T.Cast("int64", kw * per_word // deq.group) * n + T.Cast("int64", T.min(col0 + v * vec, n32 - vec)) + e]
                                 for row in T.unroll(m):
                                     for e in T.vectorized(PIECE):
                                         xv[(u * m + row) * PIECE + e] = X[row * k + kw * per_word + e]
@@ -210,28 +263,34 @@ def kn_body(ops: GemmOperands, cfg: KnGemvConfig, vec: int) -> Any:
                                 for i in T.unroll(m * PIECE):
                                     xf[i] = T.Cast("float32", xv[u * m * PIECE + i])
                                 for j in T.unroll(PIECE_WORDS):
-                                    for row in T.unroll(m):
-                                        acc[row * PIECE_WORDS + j] = cuda_op.cuda_func_call(
-                                            dot, w[u * PIECE_WORDS + j], sc[u * PIECE_WORDS + j],
-                                            xf.access_ptr("r", offset=row * PIECE), acc[row * PIECE_WORDS + j],
-                                            source_code=dot_source, return_type="float32")
+                                    for h in T.unroll(halves):
+                                        for row in T.unroll(m):
+                                            acc[(h * m + row) * PIECE_WORDS + j] = cuda_op.cuda_func_call(
+                                                dot, w[(u * halves + h) * PIECE_WORDS + j], sc[(u * halves + h) * PIECE_WORDS + j],
+                                                xf.access_ptr("r", offset=row * PIECE), acc[(h * m + row) * PIECE_WORDS + j],
+                                                source_code=dot_source, return_type="float32")
                     # Butterfly sums over the warp's word rows (lanes lanes_n apart).
                     for sh in T.unroll((lanes_k).bit_length() - 1):
-                        for i in T.unroll(m * PIECE_WORDS):
+                        for i in T.unroll(lane_accs):
                             acc[i] = acc[i] + T.tvm_warp_shuffle_xor(
                                 T.tvm_warp_activemask(), acc[i], T.shift_right(WARP, sh + 1), WARP, WARP)
                     if lane < lanes_n:
-                        for i in T.unroll(m * PIECE_WORDS):
-                            red[(warp * m + i // PIECE_WORDS) * cols + lane * PIECE_WORDS + i % PIECE_WORDS] = acc[i]
+                        for i in T.unroll(lane_accs):
+                            red[(warp * halves * m + i // PIECE_WORDS) * cols + lane * PIECE_WORDS + i % PIECE_WORDS] = acc[i]
                     T.tvm_storage_sync("shared")
                     for it in T.serial(-(-outputs // threads)):
                         o: T.let[T.int32] = it * threads + T.Cast("int32", tid)
                         col: T.let[T.int32] = T.Cast("int32", bx) * cols + o % cols
-                        if o < outputs and col < n32:
-                            total[0] = red[o]
-                            for j in T.serial(1, warps):
-                                total[0] = total[0] + red[j * outputs + o]
-                            ops.out.buffer[ops.out.index(T.Cast(m_dtype, o // cols), T.Cast(m_dtype, col))] = ops.out.value(
-                                T.Cast(m_dtype, o // cols), T.Cast(m_dtype, col), total[0])
+                        if o < outputs and col < lim:
+                            for h in T.unroll(halves):
+                                total[h] = red[h * outputs + o]
+                                for j in T.serial(1, warps):
+                                    total[h] = total[h] + red[(j * halves + h) * outputs + o]
+                            if halves == 1:
+                                ops.out.buffer[ops.out.index(T.Cast(m_dtype, o // cols), T.Cast(m_dtype, col))] = ops.out.value(
+                                    T.Cast(m_dtype, o // cols), T.Cast(m_dtype, col), total[0])
+                            else:
+                                ops.out.buffer[ops.out.index(T.Cast(m_dtype, o // cols), T.Cast(m_dtype, col))] = ops.out.value(
+                                    T.Cast(m_dtype, o // cols), T.Cast(m_dtype, col), total[0], total[1])
     # fmt: on
     return body.body

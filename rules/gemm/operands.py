@@ -30,7 +30,7 @@ take a prologue; the analysis hands one out only to callers that ask for it.
 A "dequantized B" (``GemmOperands.dequant``, a ``dequant.Dequant``) is computed from packed integer
 words and group scales as the template loads it: ``b`` is the packed words, ``dequant.scale`` the
 scales, and B[c, k] (NT) the value the function's dequantize computes, in ``dtype``. Only templates
-that say so take one (``gemv_rows``, ``gemv``'s mma template); the analysis hands one out only to callers that ask for it.
+that say so take one (``gemv_rows``, ``gemv``'s mma template, ``gemv_kn`` for the KN layout); the analysis hands one out only to callers that ask for it.
 """
 
 from __future__ import annotations

@@ -32,14 +32,15 @@ K, HALF = 96, 40  # the MLP's hidden size and intermediate size (the weight has 
 
 
 def _mlp(rows, *, dtype="float16", swap=False, act="silu", sections=2, gate_index=0, axis=-1,
-         extra_use=False, k=K, half=HALF) -> tvm.IRModule:
-    """``main(x, w) = multiply(act(split(x @ w^T)[gate_index]), split(...)[1 - gate_index])``."""
+         extra_use=False, k=K, half=HALF, transposed=True) -> tvm.IRModule:
+    """``main(x, w) = multiply(act(split(x @ w^T)[gate_index]), split(...)[1 - gate_index])``
+    (``transposed=False``: ``x @ w``, ``w`` ``[K, 2I]``)."""
     x = relax.Var("x", relax.TensorType([1, rows, k], dtype))
-    w = relax.Var("w", relax.TensorType([2 * half, k], dtype))
+    w = relax.Var("w", relax.TensorType([2 * half, k] if transposed else [k, 2 * half], dtype))
     bb = relax.BlockBuilder()
     with bb.function("main", [x, w]):
         with bb.dataflow():
-            y = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w))))
+            y = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w)) if transposed else w))
             halves = bb.emit(relax.op.split(y, sections, axis=axis))
             gate = bb.emit(relax.TupleGetItem(halves, gate_index))
             up = bb.emit(relax.TupleGetItem(halves, 1 - gate_index))
@@ -83,8 +84,9 @@ def test_pass_fuses_and_keeps_the_numbers(dtype: str, accumulate: bool, swap: bo
 
 
 def _q4_mlp(rows, scheme: str, k: int = K, half: int = HALF) -> tvm.IRModule:
-    """``_mlp`` with its weight stored in ``scheme`` (NK): ``main(x, q, s)``, the weight a
-    ``call_tir`` of the scheme's dequantize as our model and MLC-LLM emit it."""
+    """``_mlp`` with its weight stored in ``scheme``: ``main(x, q, s)``, the weight a ``call_tir`` of
+    the scheme's dequantize as our model and MLC-LLM emit it (NK: read through ``permute_dims``; KN,
+    ``q4f16_0``: ``[K, 2I]``, read as it is)."""
     s = SCHEMES[scheme]
     (qs, ss) = s.packed_shapes(2 * half, k)
     x = relax.Var("x", relax.TensorType([1, rows, k], s.model_dtype))
@@ -94,7 +96,7 @@ def _q4_mlp(rows, scheme: str, k: int = K, half: int = HALF) -> tvm.IRModule:
     with bb.function("main", [x, q, scale]):
         with bb.dataflow():
             w = bb.emit_te(lambda q, sc: te_dequantize(q, sc, s), q, scale, primfunc_name_hint="dequantize")
-            y = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w))))
+            y = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w)) if s.layout == "NK" else w))
             halves = bb.emit(relax.op.split(y, 2, axis=-1))
             gate, up = bb.emit(relax.TupleGetItem(halves, 0)), bb.emit(relax.TupleGetItem(halves, 1))
             out = bb.emit_output(relax.op.multiply(bb.emit(relax.op.nn.silu(gate)), up))
@@ -109,7 +111,7 @@ def _q4_inputs(rng, rows: int, scheme: str, k: int = K, half: int = HALF) -> lis
     return [x, q, scale.astype(numpy_dtype(s.model_dtype))]
 
 
-@pytest.mark.parametrize("scheme", ["q4f16_1", "q4bf16_1"])
+@pytest.mark.parametrize("scheme", ["q4f16_1", "q4bf16_1", "q4f16_0"])
 @pytest.mark.parametrize("rows", [1, tirx.Var("seq_len", "int64")], ids=["decode", "prefill"])
 def test_pass_carries_the_dequantize_and_keeps_the_numbers(scheme: str, rows) -> None:
     mod = AccumulateMatmulFP32()(_q4_mlp(rows, scheme))
@@ -130,12 +132,15 @@ def test_pass_carries_the_dequantize_and_keeps_the_numbers(scheme: str, rows) ->
     assert np.abs(want).mean() > 0.05
 
 
-@pytest.mark.parametrize("rows, fused", [(1, True), (8, True), (tirx.Var("seq_len", "int64"), False)],
-                         ids=["m1", "m8", "prefill"])
-def test_pass_fuses_a_quantized_gate_up_where_the_gemv_rule_takes_it(cuda, rows, fused: bool) -> None:
+@pytest.mark.parametrize("scheme, rows, fused", [
+    ("q4f16_1", 1, True), ("q4f16_1", 8, True), ("q4f16_1", tirx.Var("seq_len", "int64"), False),
+    ("q4f16_0", 1, True), ("q4f16_0", 8, False), ("q4f16_0", tirx.Var("seq_len", "int64"), False),
+], ids=["m1", "m8", "prefill", "kn-m1", "kn-m8", "kn-prefill"])
+def test_pass_fuses_a_quantized_gate_up_where_the_gemv_rule_takes_it(cuda, scheme, rows, fused: bool) -> None:
     # A static M runs the GEMV templates, which dequantize and pair; a symbolic one would run the
-    # mma.sync plans (no paired epilogue) or DLight above the GEMV buckets: the graph stays.
-    mod = AccumulateMatmulFP32()(_q4_mlp(rows, "q4f16_1", k=512, half=256))
+    # mma.sync plans (no paired epilogue) or DLight above the GEMV buckets: the graph stays. KN
+    # (q4f16_0): the KN template at M = 1 only, DLight elsewhere.
+    mod = AccumulateMatmulFP32()(_q4_mlp(rows, scheme, k=512, half=256))
     with cuda:
         out = FuseGateUpSiLU()(mod)
     assert _fused_calls(out) == int(fused)
@@ -155,8 +160,9 @@ def test_pass_fuses_a_quantized_gate_up_where_the_gemv_rule_takes_it(cuda, rows,
         {"gate_index": 1},  # silu on the up half
         {"extra_use": True},  # the [.., 2I] product is used elsewhere
         {"axis": 1, "rows": 2 * HALF},  # split along the rows
+        {"transposed": False},  # a loaded [K, 2I] weight: only a dequantized one is taken so
     ],
-    ids=["gelu", "four-way", "silu-on-second", "product-used", "split-rows"],
+    ids=["gelu", "four-way", "silu-on-second", "product-used", "split-rows", "kn-float-weight"],
 )
 def test_pass_leaves_near_misses(changes: dict) -> None:
     changes = dict(changes)

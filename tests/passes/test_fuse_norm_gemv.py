@@ -245,7 +245,7 @@ def _llama_graph(cfg):
     return FuseTransposeMatmul()(FuseGateUpSiLU(schedule=False)(AccumulateMatmulFP32()(mod)))
 
 
-@pytest.mark.parametrize("quantization", [None, "q4f16_1"])
+@pytest.mark.parametrize("quantization", [None, "q4f16_1", "q4f16_0"])
 def test_pass_on_our_llama_matches_the_unrewritten_model(quantization):
     from fuselight import config
     from fuselight.engine import Engine
@@ -286,13 +286,18 @@ def test_pass_on_our_llama_matches_the_unrewritten_model(quantization):
         assert np.isfinite(ours).all() and relative_error(ours, ref) < 1e-3
 
 
-def _decoder_step(bb, x, res, res2, w1, wqkv, w2, wgu):
-    """add+norm -> qkv, add+norm -> gate_up/SiLU, as our model's decode step lays them out."""
+def _decoder_step(bb, x, res, res2, w1, wqkv, w2, wgu, transposed=True):
+    """add+norm -> qkv, add+norm -> gate_up/SiLU, as our model's decode step lays them out (weights
+    read through permute_dims; ``transposed=False``: as they are, ``[K, N]``, KN)."""
     op = relax.op
+
+    def weight(w):
+        return bb.emit(op.permute_dims(w)) if transposed else w
+
     h = bb.emit(op.add(x, res))
-    qkv = bb.emit(op.matmul(bb.emit(op.nn.rms_norm(h, w1, axes=[-1], epsilon=EPS)), bb.emit(op.permute_dims(wqkv))))
+    qkv = bb.emit(op.matmul(bb.emit(op.nn.rms_norm(h, w1, axes=[-1], epsilon=EPS)), weight(wqkv)))
     h2 = bb.emit(op.add(h, res2))
-    y = bb.emit(op.matmul(bb.emit(op.nn.rms_norm(h2, w2, axes=[-1], epsilon=EPS)), bb.emit(op.permute_dims(wgu))))
+    y = bb.emit(op.matmul(bb.emit(op.nn.rms_norm(h2, w2, axes=[-1], epsilon=EPS)), weight(wgu)))
     parts = bb.emit(op.split(y, 2, axis=-1))
     gate, up = bb.emit(relax.TupleGetItem(parts, 0)), bb.emit(relax.TupleGetItem(parts, 1))
     return relax.Tuple([qkv, bb.emit(op.multiply(bb.emit(op.nn.silu(gate)), up)), h2])
@@ -321,7 +326,7 @@ def _q4_step_module(scheme: str = "q4f16_1"):
         def dequantize(q, s):
             return bb.emit_te(lambda q, s: te_dequantize(q, s, sch), q, s, primfunc_name_hint="dequantize")
 
-        return _decoder_step(bb, x, res, res2, w1, dequantize(qq, qs), w2, dequantize(gq, gs))
+        return _decoder_step(bb, x, res, res2, w1, dequantize(qq, qs), w2, dequantize(gq, gs), sch.layout == "NK")
 
     return single_function(params, make)
 
@@ -349,8 +354,10 @@ def test_pass_fuses_fuse_add_rms_norm_kernels_and_the_unscheduled_gate_up(cuda):
     assert all(Gemv().apply(out[n], cuda, False) is not None for n in fused)
 
 
-def test_pass_fuses_quantized_projections_with_their_dequantize(cuda):
-    mod = _graph_passes(_q4_step_module(), cuda)
+@pytest.mark.parametrize("scheme", ["q4f16_1", "q4f16_0"])
+def test_pass_fuses_quantized_projections_with_their_dequantize(cuda, scheme):
+    # (KN, q4f16_0: QKV is still an R.matmul, which FuseTransposeMatmul leaves; the pass takes it.)
+    mod = _graph_passes(_q4_step_module(scheme), cuda)
     before = _calls(mod["main"])
     # FuseGateUpSiLU took the gate+up dequantize along; QKV's is still a call of its own.
     assert before.count("fuse_add_norm") == 2 and before.count("dequantize") == 1 and len(materialized_weights(mod)) == 1
@@ -359,14 +366,14 @@ def test_pass_fuses_quantized_projections_with_their_dequantize(cuda):
     after = _calls(out["main"])
     fused = [n for n in after if n.startswith(PRIMFUNC_NAME)]
     assert len(fused) == 2 and not {"fuse_add_norm", "dequantize", "gate_up_matmul_swiglu"} & set(after)
-    assert materialized_weights(out) == []
+    assert materialized_weights(out) == [] and "R.matmul" not in out["main"].script()
     for name in fused:
         ops = analyze_matmul(out[name], prologue=True, dequant=True).operands
-        assert ops.prologue.residual is not None and ops.dequant is not None
+        assert ops.prologue.residual is not None and ops.dequant.layout == SCHEMES[scheme].layout
         assert out[name].attrs[RULE_ATTR] == "gemv" and Gemv().apply(out[name], cuda, False) is not None
 
 
-@pytest.mark.parametrize("scheme", ["q4f16_1", "q4bf16_1"])
+@pytest.mark.parametrize("scheme", ["q4f16_1", "q4bf16_1", "q4f16_0"])
 def test_pass_with_quantized_weights_keeps_the_numbers(scheme):
     from fuselight.model.weights import numpy_dtype
 
@@ -394,6 +401,32 @@ def test_pass_leaves_many_rows_to_the_separate_norm(cuda):
     with cuda:
         out = FuseNormIntoGemv()(mod)
     tvm.ir.assert_structural_equal(out["main"], mod["main"])
+
+
+@pytest.mark.parametrize("rows", [2, tirx.Var("seq_len", "int64")], ids=["m2", "prefill"])
+def test_pass_leaves_kn_rows_the_kn_template_does_not_take(cuda, rows):
+    # KN (q4f16_0): the GEMV rule's KN template serves M = 1 only; 2 rows or prefill's symbolic rows
+    # keep the separate norm, the dequantize and the matmul (DLight's, as the baseline's).
+    sch = SCHEMES["q4f16_0"]
+    qs, ss = sch.packed_shapes(384, HIDDEN)
+    params = [relax.Var("x", _ty(1, rows, HIDDEN)), relax.Var("g", _ty(HIDDEN)), relax.Var("q", _ty(*qs, dtype="uint32")),
+              relax.Var("s", _ty(*ss))]
+
+    def make(bb, x, g, q, s):
+        w = bb.emit_te(lambda q, s: te_dequantize(q, s, sch), q, s, primfunc_name_hint="dequantize")
+        normed = bb.emit(relax.op.nn.rms_norm(x, g, axes=[-1], epsilon=EPS))
+        return bb.emit(relax.op.matmul(normed, w))
+
+    with cuda:
+        mod = FuseTransposeMatmul()(AccumulateMatmulFP32()(single_function(params, make)))
+        tvm.ir.assert_structural_equal(FuseNormIntoGemv()(mod), mod)
+    assert len(materialized_weights(mod)) == 1 and "R.nn.rms_norm" in mod["main"].script()
+    # At M = 1 the same graph is fused (the control).
+    if isinstance(rows, int):
+        params[0] = relax.Var("x", _ty(1, 1, HIDDEN))
+        with cuda:
+            one = FuseTransposeMatmul()(AccumulateMatmulFP32()(single_function(params, make)))
+            assert [n.startswith(PRIMFUNC_NAME) for n in _calls(FuseNormIntoGemv()(one)["main"])] == [True]
 
 
 def _norm_then(users):

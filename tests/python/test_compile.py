@@ -91,7 +91,7 @@ def test_demo_shows_fuselight_changes(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantization", [None, "q4f16_1"])
+@pytest.mark.parametrize("quantization", [None, "q4f16_1", "q4f16_0"])
 def test_decode_launch_estimate_is_the_pipelines_count(quantization):
     """``DECODE_LAUNCHES_PER_LAYER`` (the decode-form rule's estimate) is what the pipeline builds."""
     import dataclasses

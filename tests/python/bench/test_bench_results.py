@@ -292,12 +292,15 @@ def test_gpu_suite_covers_every_family_dtype_head_dim_and_group():
             assert {1, 7, 16, 33, 63, 127, 1000, 4095} <= swept, (op, dt)
     assert all(c.quantization == {"float16": "q4f16_1", "bfloat16": "q4bf16_1"}[c.dtype]
                for c in cases if c.op == "gemm_q4" and c.scheme is None)
-    # KN (q4f16_0) at M = 1: down's shape and a prime N (the template's narrow loads).
-    assert {(c.dims["n"], c.sweep) for c in cases if c.scheme == "q4f16_0"} == {(4096, (1,)), (127, (1,))}
+    # KN (q4f16_0) at M = 1: down's shape and a prime N (the template's narrow loads), and a normed
+    # GEMV (the KN template's norm prologue).
+    assert {(c.op, c.dims["n"], c.sweep) for c in cases if c.scheme == "q4f16_0"} == {
+        ("gemm_q4", 4096, (1,)), ("gemm_q4", 127, (1,)), ("norm_gemm_q4", 1024, (1,))}
     # The norm-prologue GEMVs, float and 4-bit weights; a 4-bit case's records name their scheme too.
     norm_q4 = [c for c in cases if c.op == "norm_gemm_q4"]
     assert {c.dtype for c in cases if c.op == "norm_gemm"} == dtypes and {c.dtype for c in norm_q4} == dtypes
-    assert all(c.shape(2)["quantization"] == {"float16": "q4f16_1", "bfloat16": "q4bf16_1"}[c.dtype] for c in norm_q4)
+    assert all(c.shape(2)["quantization"] == (c.scheme or {"float16": "q4f16_1", "bfloat16": "q4bf16_1"}[c.dtype])
+               for c in norm_q4)
     # A static M of 16 over 6144 x 4096 is the Matmul rule's (min_static_m) and its mma.sync plan.
     assert {c.dtype for c in cases if c.op == "gemm" and c.static and c.sweep == (16,)} == dtypes
 

@@ -18,19 +18,22 @@ from tir_query import evaluate, kernel, kernels
 
 tvm = pytest.importorskip("tvm")
 from cuda_source import kernel_body, kernel_names
+from fuselight.computations import fused_norm_matmul, gate_up_silu_prim_func, matmul_prim_func, with_dequantized_weight
 from fuselight.cuda_compile import compile_cuda
 from fuselight.errors import FuselightError
 from fuselight.quant_prim_funcs import q4_linear
+from fuselight.quantization import QuantScheme, te_dequantize
 from fuselight.rules.base import with_kernels
 from fuselight.rules.gemm import gemv_kn
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemv import Gemv, kn_gemv_config, symbolic_m_buckets
 from fuselight.target import resolve, to_tvm
-from tvm import te, tirx
+from tvm import relax, te, tirx
 
 # The template's parameters the tests read by hand: a lane owns 4 columns (a uint4 of words).
 COLS_PER_LANE = 4
 WARP = 32
+EPS = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +102,38 @@ def test_a_symbolic_vocabulary_branches_on_its_alignment(cuda):
     assert [[evaluate(c, {"vocab_size": v}) for v in (128256, 32001, 32002)] for c in conds] == [[1, 0, 0]]
 
 
+@pytest.mark.parametrize("name", ["qkv_norm", "gate_up_norm", "gate_up", "head_norm"])
+def test_rule_takes_the_fused_decode_functions(cuda, name):
+    # What fuse_norm_gemv and fuse_gate_up_silu emit for KN weights: one kernel, a block per 16
+    # output columns; the norm prologue's row in shared
+    # memory beside the warps' sums; paired, each lane loads the 16 bytes of its 4 gate columns and of
+    # its 4 up columns a word row, paired_unroll word rows in flight.
+    func = FUSED[name]()
+    ops = analyze_matmul(func, prologue=True, dequant=True).operands
+    scheduled = _scheduled(func, cuda)
+    assert scheduled is not None and [p.name for p in scheduled.params] == [p.name for p in func.params]
+    kern = kernel(scheduled)
+    cfg = _cfg()
+    assert kern.launch == {"blockIdx.x": -(-ops.out_n // (cfg.lanes_n * COLS_PER_LANE)), "threadIdx.x": cfg.warps * WARP}
+    shared = {buf: shape for buf, (scope, _, shape) in kern.allocs.items() if scope == "shared"}
+    halves = 2 if ops.paired else 1
+    assert shared["red"] == (cfg.warps * halves * cfg.lanes_n * COLS_PER_LANE,)
+    assert ("xs" in shared) == (ops.prologue is not None) and shared.get("xs", (ops.k,)) == (ops.k,)
+    assert ("tirx.rsqrt" in kern.calls) == (ops.prologue is not None)
+    assert kern.allocs["w"] == ("local", "uint32", (cfg.rows_in_flight(ops.paired) * halves * COLS_PER_LANE,))
+    assert cfg.rows_in_flight(True) * 2 == cfg.rows_in_flight(False)  # the same words in flight
+
+
+FUSED = {
+    "qkv_norm": lambda: kn_fused(6144, 4096),
+    "gate_up_norm": lambda: kn_fused(28672, 4096, paired=True),
+    "gate_up": lambda: kn_fused(28672, 4096, paired=True, norm=False),
+    "head_norm": lambda: kn_fused(128256, 4096, residual=False),
+    "bf16_gate_up_norm": lambda: kn_fused(2 * 1000, 1024, paired=True, dtype="bfloat16", group=128),
+    "prime_norm": lambda: kn_fused(37, 1024),
+}
+
+
 def test_rule_leaves_what_the_template_does_not_serve(cuda):
     assert _scheduled(q4_linear(4096, 4096, layout="KN", m=None), cuda) is None  # prefill / batch: DLight
     assert _scheduled(q4_linear(4096, 4096, layout="KN", m=2), cuda) is None  # no bucket past M = 1
@@ -109,10 +144,11 @@ def test_rule_leaves_what_the_template_does_not_serve(cuda):
     with pytest.raises(FuselightError, match="KN layout"):
         gemv_kn.check_kn(nk, _cfg())
     assert kn_gemv_config(nk, cuda) is None and _scheduled(q4_linear(4096, 4096), cuda) is not None
-    # A static M past the bucket, a paired epilogue or a norm prologue: refused by name.
-    ops = analyze_matmul(q4_linear(4096, 4096, layout="KN"), dequant=True).operands
-    with pytest.raises(FuselightError, match="paired"):
-        gemv_kn.check_kn(dataclasses.replace(ops, out=dataclasses.replace(ops.out, pair_offset=2048)), _cfg())
+    # A static M past the bucket, a normed row past the static shared memory: refused by name.
+    big = analyze_matmul(kn_fused(64, 32768), prologue=True, dequant=True)
+    with pytest.raises(FuselightError, match="shared memory"):
+        gemv_kn.check_kn(big.operands, _cfg(), 48 * 1024)
+    assert not Gemv.supports(big, cuda) and Gemv.supports(analyze_matmul(kn_fused(64, 16384), prologue=True, dequant=True), cuda)
     with pytest.raises(FuselightError, match="M must be static"):
         gemv_kn.check_kn(analyze_matmul(q4_linear(4096, 4096, layout="KN", m=3), dequant=True).operands, _cfg())
     # The symbolic-M paths of the Gemv and Matmul rules stay away from KN (DLight takes it).
@@ -147,11 +183,12 @@ def test_analysis_refuses_what_is_not_a_4bit_kn_dequantize():
 # ---- the kernel's data flow --------------------------------------------------------------------
 
 
-def _run_llvm(func, args):
+def _run_llvm(func, args, outputs=1):
+    """``func`` run on llvm; its last ``outputs`` arguments as numpy arrays."""
     lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target="llvm")
     tensors = [tvm.runtime.tensor(a) for a in args]
     lib["main"](*tensors)
-    return tensors[-1].numpy()
+    return [t.numpy() for t in tensors[-outputs:]]
 
 
 def _with_m(cfg, m):
@@ -159,58 +196,139 @@ def _with_m(cfg, m):
     return dataclasses.replace(cfg, max_m=max(cfg.max_m, m))
 
 
-@pytest.mark.parametrize("n,k,group,m,symbolic", [
-    (37, 1024, 128, 1, False), (42, 768, 32, 1, False), (40, 256, 32, 3, False),
-    (36, 256, 32, 1, True), (37, 256, 128, 1, True),  # a symbolic N: each arm of the host branch
-])
-def test_emulated_kernel_matches_the_unscheduled_function(cuda, n, k, group, m, symbolic):
-    # Run the kernel's data flow in numpy: every thread of every block loads the words, scales and
-    # tokens at the kernel's own load indices (evaluated from its TIR), for the lanes' word rows and
-    # columns the module docstring gives; sums in float64 per column; then against the unscheduled
-    # function run on llvm (its fp16 dequantize and float32 matmul).
-    func = q4_linear(None if symbolic else n, k, layout="KN", group=group, m=m)
-    cfg = _with_m(_cfg(), m)
-    vec = 4 if n % 4 == 0 else 2 if n % 2 == 0 and not symbolic else 1
-    kern = kernel(with_kernels(func, gemv_kn.kn_body(analyze_matmul(func, dequant=True).operands, cfg, vec)))
-    (w_index,), (s_index,), (x_index,) = kern.loads["W"], kern.loads["S"], kern.loads["X"]
-    rng = np.random.default_rng(n)
-    q = rng.integers(0, 2**32, size=(k // 8, n), dtype=np.uint64).astype(np.uint32)
-    s = rng.uniform(-0.02, 0.02, size=(k // group, n)).astype(np.float16)
-    x = rng.standard_normal((m, 1, k)).astype(np.float16)
-    words, scales, tokens = q.reshape(-1), s.reshape(-1), x.reshape(-1)
+def _emulate(kern, cfg, n_out, k, group, m, words, scales, tokens, pair=None, vec=4, symbolic=False):
+    """The kernel's data flow in numpy: every thread of every block loads the words, scales and tokens
+    at the kernel's own load indices (evaluated from its TIR), for the lanes' word rows and columns the
+    module docstring gives, and sums in float64: ``[halves, m, n_out]`` (paired: the gate, then the up
+    columns of each output), checking that each word is read exactly once."""
+    def one(name):
+        found = {str(i): i for i in kern.loads[name]}  # (a prologue loads round 0's words first: the same index)
+        assert len(found) == 1, found
+        return next(iter(found.values()))
+
+    w_index, s_index, x_index = one("W"), one("S"), one("X")
+    halves = 1 if pair is None else 2
+    unroll = cfg.rows_in_flight(pair is not None)
     lanes_k = WARP // cfg.lanes_n
     slots, cols = lanes_k * cfg.warps, cfg.lanes_n * COLS_PER_LANE
-    rounds = -(-(k // 8) // (slots * cfg.unroll))
-    out = np.zeros((m, n))
-    seen = np.zeros((k // 8, n), dtype=int)
-    blocks = -(-n // (cfg.lanes_n * COLS_PER_LANE))
+    rounds = -(-(k // 8) // (slots * unroll))
+    out = np.zeros((halves, m, n_out))
+    seen = np.zeros((k // 8, n_out * halves), dtype=int)
+    blocks = -(-n_out // cols)
     assert symbolic or kern.launch["blockIdx.x"] == blocks  # (a symbolic grid: the test above)
     for bx in range(blocks):
         for tid in range(kern.launch["threadIdx.x"]):
             warp, lane = tid // WARP, tid % WARP
             slot, col0 = warp * lanes_k + lane // cfg.lanes_n, bx * cols + lane % cfg.lanes_n * COLS_PER_LANE
             for r in range(rounds):
-                for u in range(cfg.unroll):
-                    kw = (r * cfg.unroll + u) * slots + slot
+                for u in range(unroll):
+                    kw = (r * unroll + u) * slots + slot
                     if kw >= k // 8:
                         continue
-                    at = {"kw": kw, "col0": col0, "vocab_size": n}
+                    at = {"kw": kw, "col0": col0, "vocab_size": n_out}
                     t = np.array([[tokens[evaluate(x_index, {**at, "row": row, "e": e})] for e in range(8)]
                                   for row in range(m)], dtype=np.float64)
-                    for j in range(COLS_PER_LANE):
-                        v, e = j // vec, j % vec
-                        wi, si = evaluate(w_index, {**at, "v": v, "e": e}), evaluate(s_index, {**at, "v": v, "e": e})
-                        assert 0 <= wi < words.size and 0 <= si < scales.size
-                        col = col0 + j
-                        if col >= n:
-                            continue  # read (in bounds), never stored
-                        seen[kw, col] += 1
-                        nibbles = (int(words[wi]) >> (4 * np.arange(8))) & 15
-                        out[:, col] += float(scales[si]) * ((nibbles - 7) * t).sum(axis=1)
+                    for h in range(halves):
+                        for j in range(COLS_PER_LANE):
+                            v, e = j // vec, j % vec
+                            wi, si = (evaluate(index, {**at, "v": v, "e": e, "h": h}) for index in (w_index, s_index))
+                            assert 0 <= wi < words.size and 0 <= si < scales.size
+                            col = col0 + j
+                            if col >= n_out:
+                                continue  # read (in bounds), never stored
+                            assert wi % (n_out * halves) == col + h * (pair or 0) and si // (n_out * halves) == kw * 8 // group
+                            seen[kw, col + h * (pair or 0)] += 1
+                            nibbles = (int(words[wi]) >> (4 * np.arange(8))) & 15
+                            out[h, :, col] += float(scales[si]) * ((nibbles - 7) * t).sum(axis=1)
     assert (seen == 1).all()  # every word of the weight once
-    ref = _run_llvm(func, [q, s, x, np.zeros((m, 1, n), np.float16)]).reshape(m, n).astype(np.float64)
+    return out
+
+
+@pytest.mark.parametrize("n,k,group,m,symbolic", [
+    (37, 1024, 128, 1, False), (42, 768, 32, 1, False), (40, 256, 32, 3, False),
+    (36, 256, 32, 1, True), (37, 256, 128, 1, True),  # a symbolic N: each arm of the host branch
+])
+def test_emulated_kernel_matches_the_unscheduled_function(cuda, n, k, group, m, symbolic):
+    # The kernel's data flow emulated (``_emulate``), then against the unscheduled function run on
+    # llvm (its fp16 dequantize and float32 matmul).
+    func = q4_linear(None if symbolic else n, k, layout="KN", group=group, m=m)
+    cfg = _with_m(_cfg(), m)
+    vec = 4 if n % 4 == 0 else 2 if n % 2 == 0 and not symbolic else 1
+    kern = kernel(with_kernels(func, gemv_kn.kn_body(analyze_matmul(func, dequant=True).operands, cfg, vec)))
+    rng = np.random.default_rng(n)
+    q = rng.integers(0, 2**32, size=(k // 8, n), dtype=np.uint64).astype(np.uint32)
+    s = rng.uniform(-0.02, 0.02, size=(k // group, n)).astype(np.float16)
+    x = rng.standard_normal((m, 1, k)).astype(np.float16)
+    (out,) = _emulate(kern, cfg, n, k, group, m, q.reshape(-1), s.reshape(-1), x.reshape(-1), vec=vec, symbolic=symbolic)
+    ref = _run_llvm(func, [q, s, x, np.zeros((m, 1, n), np.float16)])[0].reshape(m, n).astype(np.float64)
     assert np.abs(ref).max() > 0.1
     np.testing.assert_allclose(out, ref, rtol=2e-3, atol=2e-3 * np.abs(ref).max())
+
+
+def kn_fused(n: int, k: int, *, paired: bool = False, norm: bool = True, residual: bool = True, m: int = 1,
+             dtype: str = "float16", group: int = 32) -> tirx.PrimFunc:
+    """What the passes emit for a KN weight ``[K, n]`` (its words ``[K / 8, n]``, dequantized in the
+    function): the matmul accumulating in float32 (cast back; paired: FuseGateUpSiLU's SiLU-mul),
+    and with ``norm`` FuseNormIntoGemv's RMSNorm (of x + residual with ``residual``) in front."""
+    s = QuantScheme("kn", dtype, group, "KN")
+    i64 = "int64"
+    nn = tirx.IntImm(i64, n)
+    x_shape, w_shape = [tirx.IntImm(i64, d) for d in (m, 1, k)], [tirx.IntImm(i64, k), nn]
+    consumer = (gate_up_silu_prim_func(x_shape, dtype, w_shape, dtype, "float32", dtype, "NN") if paired
+                else matmul_prim_func(x_shape, w_shape, dtype, "float32"))
+    qs, ss = [tirx.IntImm(i64, k // 8), nn], [tirx.IntImm(i64, k // group), nn]
+    q, scale = te.placeholder(qs, "uint32", "q"), te.placeholder(ss, dtype, "s")
+    func = with_dequantized_weight(consumer, te.create_prim_func([q, scale, te_dequantize(q, scale, s)]))
+    if not norm:
+        return func
+    return fused_norm_matmul(relax.TensorType([m, 1, k], dtype), residual, relax.TensorType([k], dtype), EPS, func,
+                             [relax.TensorType(qs, "uint32"), relax.TensorType(ss, dtype)], () if paired else (dtype,))
+
+
+def _rms_norm(t: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """TOPI's rms_norm of fp16 rows: float32 statistics, the result rounded to fp16 once."""
+    t32 = t.astype(np.float32)
+    rstd = 1 / np.sqrt((t32 * t32).mean(axis=-1, keepdims=True) + np.float32(EPS))
+    return (rstd * t32 * w.astype(np.float32)).astype(np.float16)
+
+
+@pytest.mark.parametrize("n,k,group,paired,norm", [
+    (2 * 44, 512, 32, True, False),  # gate+up alone (I = 44: loads of 4 columns; 11 blocks, one ragged)
+    (2 * 42, 768, 128, True, True),  # normed gate+up (I = 42: loads of 2)
+    (37, 1024, 32, False, True),  # normed qkv-like, a prime N
+])
+def test_emulated_fused_kernels_match_the_unscheduled_function(cuda, n, k, group, paired, norm):
+    # The norm prologue and the paired epilogue: the kernel's weight and token loads emulated
+    # (``_emulate``; with the prologue, its tokens are the normed row it stages in shared memory,
+    # computed here as TOPI does, the staging itself being the NK templates' shared prologue), the
+    # epilogue applied in float64, against the unscheduled function run on llvm.
+    func = kn_fused(n, k, paired=paired, norm=norm, group=group)
+    ops = analyze_matmul(func, prologue=True, dequant=True).operands
+    assert ops.paired == paired and (ops.prologue is not None) == norm and ops.dequant.layout == "KN"
+    cfg = _cfg()
+    n_out = n // 2 if paired else n
+    vec = gemv_kn.kn_vec(n_out)
+    kern = kernel(with_kernels(func, gemv_kn.kn_body(ops, cfg, vec)))
+    assert ("tirx.rsqrt" in kern.calls) == norm
+    rng = np.random.default_rng(n + k)
+    q = rng.integers(0, 2**32, size=(k // 8, n), dtype=np.uint64).astype(np.uint32)
+    s = rng.uniform(0.01, 0.03, size=(k // group, n)).astype(np.float16)
+    x = rng.standard_normal((1, 1, k)).astype(np.float16)
+    r = rng.standard_normal((1, 1, k)).astype(np.float16)
+    w = rng.uniform(0.5, 1.5, size=k).astype(np.float16)
+    tokens = _rms_norm(x + r, w) if norm else x
+    acc = _emulate(kern, cfg, n_out, k, group, 1, q.reshape(-1), s.reshape(-1), tokens.reshape(-1),
+                   pair=n_out if paired else None, vec=vec)
+    if paired:
+        gate, up = acc.astype(np.float16).astype(np.float64)  # the accumulators cast to fp16, as the function
+        got = gate / (1 + np.exp(-gate)) * up
+    else:
+        got = acc[0]
+    out = np.zeros((1, 1, n_out), np.float16)
+    args = [x, r, w, q, s, out, np.zeros_like(x)] if norm else [x, q, s, out]
+    ref = _run_llvm(func, args, 1 + norm)[0].reshape(1, n_out).astype(np.float64)
+    assert np.abs(ref).max() > 0.1
+    np.testing.assert_allclose(got, ref, rtol=5e-3, atol=5e-3 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -245,6 +363,7 @@ def test_nvcc_compiles_the_kernels(cuda):
         "prime": q4_linear(37, 1024, layout="KN", group=128),
         "even": q4_linear(4098, 576, layout="KN"),
         "vocab": q4_linear(None, 4096, layout="KN", epilogue="cast_fp32"),  # two kernels
+        **{name: make() for name, make in FUSED.items()},  # the norm prologue, the paired epilogue
     }
     kernels = {name: _scheduled(f, cuda).with_attr("global_symbol", name) for name, f in funcs.items()}
     m3 = q4_linear(4096, 4096, layout="KN", m=3, epilogue="residual")  # the template at M = 3
