@@ -77,7 +77,7 @@ def _q4(consumer: tirx.PrimFunc, n: int, k: int = HIDDEN, scheme: str = "q4f16_1
     s = SCHEMES[scheme]
     qs, ss = s.packed_shapes(n, k)
     q, scale = _ph(qs, "q", "uint32"), _ph(ss, "s", s.model_dtype)
-    return with_dequantized_weight(consumer, te.create_prim_func([q, scale, te_dequantize(q, scale, s)]))
+    return with_dequantized_weight(consumer, te.create_prim_func([q, scale, te_dequantize((q, scale), s)]))
 
 
 def _fused_q4(consumer: tirx.PrimFunc, n: int, residual: bool = True, casts=("float16",), k: int = HIDDEN,
@@ -319,7 +319,7 @@ def _q4_step_module(scheme: str = "q4f16_1"):
 
     def make(bb, x, res, res2, w1, qq, qs, w2, gq, gs):
         def dequantize(q, s):
-            return bb.emit_te(lambda q, s: te_dequantize(q, s, sch), q, s, primfunc_name_hint="dequantize")
+            return bb.emit_te(lambda q, s: te_dequantize((q, s), sch), q, s, primfunc_name_hint="dequantize")
 
         return _decoder_step(bb, x, res, res2, w1, dequantize(qq, qs), w2, dequantize(gq, gs))
 
