@@ -61,8 +61,8 @@ class Dequant:
     stages: tuple[str, ...]  # names of the blocks computing B, in order
     # Place in its word (in values) of the packed index's value i (i = index % per_word): identity
     # for MLC's group schemes, (0, 4, 1, 5, 2, 6, 3, 7) for AWQ's.
-    places: tuple[int, ...] = ()
-    zeros: Any = None  # tvm.tirx.Buffer of packed zero points (KN_N: [K / group, N / per_word]), or None
+    places: tuple[int, ...]
+    zeros: Any  # tvm.tirx.Buffer of packed zero points (KN_N: [K / group, N / per_word]), or None
 
     @property
     def storage_dtype(self) -> str:
