@@ -206,7 +206,11 @@ def test_rejects_a_zero_point_buffer_beside_words_along_k():
 
 
 def test_every_template_declines_awq(cuda):
-    for m in (1, 7):
+    from fuselight.quant_prim_funcs import q4_linear
+
+    # The row GEMV, the mma GEMV, the GEMM (mma.sync / wgmma plans): each takes q4f16_1's form.
+    for m, rule in ((1, Gemv), (7, Gemv), (512, Matmul)):
+        assert rule.takes(q4_linear(4096, 4096, m=m).with_attr("target", cuda), cuda)  # the control
         func = _awq(4096, 4096, m=m).with_attr("target", cuda)
         assert analyze_matmul(func, dequant=True) is not None
         assert Gemv().apply(func, cuda, False) is None and not Gemv.takes(func, cuda)
