@@ -2,7 +2,7 @@
 words packed along N in AutoAWQ's order, a packed zero point per group of 128, the stages reading
 transposes as MLC's phase 3 leaves them. What it recognises (checked numerically: a float64 dequantize
 driven by the description reproduces the unscheduled function, run on the CPU), the near misses it
-rejects, and that every template declines the form (DLight keeps it) rather than computing it wrong."""
+rejects, and that the templates for words along K decline the form rather than computing it wrong."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
+from awq_linear import awq_linear as _awq
+from awq_linear import awq_shift as _awq_shift
+from awq_linear import nibble as _nib
 from fuselight.errors import FuselightError
 from fuselight.rules.gemm import gemv
 from fuselight.rules.gemm.analysis import analyze_matmul
@@ -21,70 +24,6 @@ from tvm import te, tirx
 
 AWQ_PLACES = (0, 4, 1, 5, 2, 6, 3, 7)  # place in its word of value n % 8 (AutoAWQ's packing order)
 ROWS = GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, rows_per_warp=2)
-
-
-def _awq_shift(n):
-    # AutoAWQ's place of value n % 8, written as MLC writes it (not as a table).
-    return tirx.Cast("uint32", n % 2 * 16 + n % 8 // 2 * 4)
-
-
-def _nib(word, shift):
-    return tirx.Cast("float16", tirx.bitwise_and(tirx.shift_right(word, shift), tirx.const(15, "uint32")))
-
-
-def _awq(n: int, k: int, *, group: int = 128, value=None, zero_at=None, zero_shift=None, shift=None,
-         transposes: bool = True, m: int = 1):
-    """An AWQ linear: ``qweight[K, N / 8]``, ``qzeros[K / group, N / 8]``, ``scales[K / group, N]``
-    unpacked and transposed in stages as MLC's ``q4f16_autoawq`` has them (``transposes``), then
-    ``value(w, z, s)`` (default ``(w - z) * s``) into the ``[N, K]`` weight of an NT matmul.
-    ``zero_at(z, n, k)``, ``zero_shift(n)`` and ``shift(n)`` change how the zero point and the
-    weight are read, to build near misses."""
-    i64 = "int64"
-
-    def c(v):
-        return tirx.IntImm(i64, v)
-
-    groups = -(-k // group)
-    q = te.placeholder((c(k), c(n // 8)), "uint32", name="qweight")
-    zp = te.placeholder((c(groups), c(n // 8)), "uint32", name="qzeros")
-    s = te.placeholder((c(groups), c(n)), "float16", name="scales")
-    x = te.placeholder((c(m), c(1), c(k)), "float16", name="x")
-    shift = shift or _awq_shift
-    zero_shift = zero_shift or shift
-    value = value or (lambda w, z, sc: (w - z) * sc)
-
-    nibble = _nib
-    if transposes:  # unpack [K, N], transpose to [N, K]; zero points and scales likewise
-        wu = te.compute((c(k), c(n)), lambda kk, nn: nibble(q[kk, nn // 8], shift(nn)), name="compute")
-        wt = te.compute((c(n), c(k)), lambda nn, kk: wu[kk, nn], name="T_transpose")
-        zu = te.compute((c(groups), c(n)), lambda g, nn: nibble(zp[g, nn // 8], zero_shift(nn)), name="compute_1")
-        zt = te.compute((c(n), c(groups)), lambda nn, g: zu[g, nn], name="T_transpose_1")
-        st = te.compute((c(n), c(groups)), lambda nn, g: s[g, nn], name="T_transpose_2")
-
-        def w_at(nn, kk):
-            return wt[nn, kk]
-
-        def z_at(nn, kk):
-            return zt[nn, kk // group] if zero_at is None else zero_at(zu, nn, kk)
-
-        def s_at(nn, kk):
-            return st[nn, kk // group]
-    else:  # one stage reading the parameters
-        def w_at(nn, kk):
-            return nibble(q[kk, nn // 8], shift(nn))
-
-        def z_at(nn, kk):
-            return nibble(zp[kk // group, nn // 8], zero_shift(nn)) if zero_at is None else zero_at(zp, nn, kk)
-
-        def s_at(nn, kk):
-            return s[kk // group, nn]
-
-    w = te.compute((c(n), c(k)), lambda nn, kk: value(w_at(nn, kk), z_at(nn, kk), s_at(nn, kk)), name="dequantize")
-    r = te.reduce_axis((c(0), c(k)), name="k")
-    mm = te.compute((c(m), c(1), c(n)), lambda b, t, nn: te.sum(
-        tirx.Cast("float32", x[b, t, r]) * tirx.Cast("float32", w[nn, r]), axis=r), name="NT_matmul")
-    out = te.compute((c(m), c(1), c(n)), lambda b, t, nn: tirx.Cast("float16", mm[b, t, nn]), name="compute1")
-    return te.create_prim_func([q, zp, s, x, out]).with_attr("tirx.noalias", True)
 
 
 def _dequantize_from(d, q: np.ndarray, z: np.ndarray, s: np.ndarray) -> np.ndarray:
@@ -205,15 +144,17 @@ def test_rejects_a_zero_point_buffer_beside_words_along_k():
 # ---- the rules decline it -------------------------------------------------------------------
 
 
-def test_every_template_declines_awq(cuda):
+def test_only_the_column_template_takes_awq(cuda):
     from fuselight.quant_prim_funcs import q4_linear
 
-    # The row GEMV, the mma GEMV, the GEMM (mma.sync / wgmma plans): each takes q4f16_1's form.
+    # The row GEMV, the mma GEMV, the GEMM (mma.sync / wgmma plans) each take q4f16_1's form and
+    # decline AWQ's; at M = 1 the Gemv rule takes AWQ with the column template
+    # (tests/rules/gemm/test_gemv_cols.py), above it DLight keeps it.
     for m, rule in ((1, Gemv), (7, Gemv), (512, Matmul)):
         assert rule.takes(q4_linear(4096, 4096, m=m).with_attr("target", cuda), cuda)  # the control
         func = _awq(4096, 4096, m=m).with_attr("target", cuda)
         assert analyze_matmul(func, dequant=True) is not None
-        assert Gemv().apply(func, cuda, False) is None and not Gemv.takes(func, cuda)
+        assert (Gemv().apply(func, cuda, False) is not None) == (m == 1) and Gemv.takes(func, cuda) == (m == 1)
         assert Matmul().apply(func, cuda, False) is None and not Matmul.takes(func, cuda)
     ops = analyze_matmul(_awq(4096, 4096), dequant=True).operands
     with pytest.raises(FuselightError, match="KN_N.*zero points a buffer"):
