@@ -1,6 +1,6 @@
 """Test helper: an AWQ linear layer (MLC-LLM's ``q4f16_autoawq``) as the PrimFunc MLC's phase 3 leaves.
 
-``awq_linear(n, k)``: ``qweight[K, N / 8]``, ``qzeros[K / group, N / 8]``, ``scales[K / group, N]``
+``awq_linear(n, k)``: ``(x, qweight, qzeros, scales[, r]) -> out``; ``qweight[K, N / 8]``, ``qzeros[K / group, N / 8]``, ``scales[K / group, N]``
 unpacked and transposed in stages as MLC has them, then ``value(w, z, s)`` (default ``(w - z) * s``)
 into the ``[N, K]`` weight of an NT matmul accumulating in float32, and an epilogue. The keyword
 arguments that change how the zero point and the weight are read build near misses."""
@@ -73,7 +73,7 @@ def awq_linear(n: int, k: int, *, group: int = 128, value=None, zero_at=None, ze
     r = te.reduce_axis((c(0), c(k)), name="k")
     mm = te.compute((c(m), c(1), c(n)), lambda b, t, nn: te.sum(
         tirx.Cast("float32", x[b, t, r]) * tirx.Cast("float32", w[nn, r]), axis=r), name="NT_matmul")
-    params = [q, zp, s, x]
+    params = [x, q, zp, s]  # the tokens first, as a consumer of a fused norm takes them
     if epilogue == "silu_mul":
         half = n // 2
         out = te.compute((c(m), c(1), c(half)), lambda b, t, nn: tirx.Cast(

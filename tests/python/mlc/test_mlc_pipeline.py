@@ -299,8 +299,8 @@ def test_mlc_own_pipeline_has_the_anchors() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["q4f16_1", "q4bf16_1", "q4f16_autoawq"])
 def test_mlc_quantized_build_writes_no_dequantized_weight(tmp_path, quantization) -> None:
-    """MLC's own 4-bit LLaMA with fuselight for sm_90: no kernel writes a dequantized weight. AWQ's
-    weights (words along N, zero points) no template of ours takes: MLC keeps every such kernel."""
+    """MLC's own 4-bit LLaMA with fuselight for sm_90: no kernel writes a dequantized weight, and the
+    decode GEMVs carry their norms (AWQ's too: words along N, the column template)."""
     if mlc.import_mlc_llm() is None:
         pytest.skip(f"MLC-LLM not available (install mlc_llm or set {mlc.SOURCE_ENV})")
     config = json.loads((Path(__file__).parents[3] / "configs" / "models" / "llama-3-8b.json").read_text())
@@ -318,10 +318,6 @@ def test_mlc_quantized_build_writes_no_dequantized_weight(tmp_path, quantization
     log = json.loads((dump / mp.SCHEDULE_LOG_FILE).read_text())
     assert log["materialized_weights"] == []
     assert any(name.startswith("fused_dequantize") for name in log["kernels"])  # MLC's fusions ran
-    if quantization == "q4f16_autoawq":
-        assert {log["kernels"][name] for name in log["kernels"] if "dequantize" in name} == {"mlc"}
-        assert not any(name.startswith(NORM_GEMV) for name in log["kernels"])
-        return
     # Decode's norms went into the quantized GEMVs after them (QKV, gate+up with its SiLU, the LM
     # head), dequantize and all, and the GEMV rule scheduled them.
     fused = [name for name in log["kernels"] if name.startswith(NORM_GEMV)]

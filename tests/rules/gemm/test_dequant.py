@@ -83,7 +83,7 @@ def test_the_description_reproduces_the_function(n, k):
     x = rng.standard_normal((1, 1, k)).astype(np.float16)
     lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
     out = tvm.runtime.tensor(np.zeros((1, 1, n), np.float16))
-    lib["main"](*(tvm.runtime.tensor(a) for a in (q, z, s, x)), out)
+    lib["main"](*(tvm.runtime.tensor(a) for a in (x, q, z, s)), out)
     want = x.astype(np.float64)[0, 0] @ _dequantize_from(d, q, z, s).T
     got = out.numpy().astype(np.float64)[0, 0]
     assert np.abs(want).max() > 1  # not a test on zeros

@@ -74,6 +74,28 @@ def test_rule_takes_llama_awq_decode(cuda, n, k, epilogue, split):
         assert main.outputs == {"part"}
 
 
+def _with_norm(n: int, k: int, epilogue: str = "cast"):
+    """``awq_linear`` reading the RMSNorm of ``x + r`` (fuse_norm_gemv's function, x + r written out)."""
+    from fuselight.computations import fused_norm_matmul
+    from tvm import relax
+
+    consumer = awq_linear(n, k, epilogue=epilogue)
+    tys = [relax.TensorType([int(d) for d in p.ty.shape], str(p.ty.dtype)) for p in consumer.params[1:4]]
+    x_ty = relax.TensorType([1, 1, k], "float16")
+    return fused_norm_matmul(x_ty, True, relax.TensorType([k], "float16"), 1e-5, consumer, tys)
+
+
+@pytest.mark.parametrize("epilogue", ["cast", "silu_mul"])
+def test_rule_takes_the_norm_prologue(cuda, epilogue):
+    # fuse_norm_gemv's QKV and gate+up: the block norms x + r into the token row (and writes x + r).
+    func = _with_norm(6144 if epilogue == "cast" else 28672, 4096, epilogue)
+    ops = analyze_matmul(func, prologue=True, dequant=True).operands
+    assert ops.prologue is not None and ops.prologue.residual is not None
+    main = kernels(_scheduled(func, cuda))[0]
+    assert {"xs", "red"} <= set(main.allocs) and "Tg" in main.outputs  # x + r, in slices
+    assert main.calls["tirx.rsqrt"] == 1
+
+
 def test_rule_declines_what_the_template_does_not_serve(cuda):
     assert _scheduled(awq_linear(2144, 640), cuda) is not None  # the control
     assert _scheduled(awq_linear(2144, 640, m=2), cuda) is None  # M past 1: DLight
@@ -283,7 +305,7 @@ def test_emulated_kernel_matches_the_unscheduled_function():
     q, z, s, x = _awq_arrays(np.random.default_rng(3), n, k)
     lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
     out = tvm.runtime.tensor(np.zeros((1, 1, n), np.float16))
-    lib["main"](*(tvm.runtime.tensor(a) for a in (q, z, s, x.reshape(1, 1, k))), out)
+    lib["main"](*(tvm.runtime.tensor(a) for a in (x.reshape(1, 1, k), q, z, s)), out)
     want = out.numpy().astype(np.float64).ravel()
     got = _emulate(ops, gemv_cols.cols_config(ops, "sm_90"), q, z, s, x).astype(np.float16).astype(np.float64)
     assert np.abs(want).max() > 1
@@ -335,6 +357,7 @@ def test_nvcc_compiles_the_kernels():
         "gate_up": awq_linear(28672, 4096, epilogue="silu_mul"),
         "odd": awq_linear(2144, 640),
         "bf16": awq_linear(2144, 640, dtype="bfloat16"),
+        "norm_gate_up": _with_norm(28672, 4096, "silu_mul"),
     }
     sources = {}
     for arch, names in (("sm_90", list(funcs)), ("sm_80", ["gate_up"])):
