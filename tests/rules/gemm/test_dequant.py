@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
-from awq_linear import awq_linear as _awq
-from awq_linear import awq_shift as _awq_shift
-from awq_linear import nibble as _nib
+from fuselight.quant_prim_funcs import awq_linear as _awq
+from fuselight.quant_prim_funcs import awq_shift as _awq_shift
+from fuselight.quant_prim_funcs import nibble as _nib
 from fuselight.errors import FuselightError
 from fuselight.rules.gemm import gemv
 from fuselight.rules.gemm.analysis import analyze_matmul

@@ -12,13 +12,13 @@ import dataclasses
 
 import numpy as np
 import pytest
-from awq_linear import awq_linear
+
 from conftest import require_nvcc
 from tir_query import evaluate, kernels
 
 tvm = pytest.importorskip("tvm")
 from fuselight.errors import FuselightError
-from fuselight.quant_prim_funcs import q4_linear
+from fuselight.quant_prim_funcs import awq_linear, q4_linear
 from fuselight.quantization import AWQ_PLACES, SCHEMES, dequantize
 from fuselight.rules.gemm import gemv_cols
 from fuselight.rules.gemm.analysis import analyze_matmul
@@ -122,7 +122,7 @@ def _symbolic_batch(batch):
     zp = te.placeholder((tirx.IntImm(i64, k // 128), tirx.IntImm(i64, n // 8)), "uint32", name="qzeros")
     s = te.placeholder((tirx.IntImm(i64, k // 128), tirx.IntImm(i64, n)), "float16", name="scales")
     x = te.placeholder((batch, tirx.IntImm(i64, 1), tirx.IntImm(i64, k)), "float16", name="x")
-    from awq_linear import awq_shift, nibble
+    from fuselight.quant_prim_funcs import awq_shift, nibble
 
     w = te.compute((n, k), lambda nn, kk: (nibble(q[kk, nn // 8], awq_shift(nn)) - nibble(zp[kk // 128, nn // 8], awq_shift(nn)))
                    * s[kk // 128, nn], name="dequantize")
