@@ -153,6 +153,8 @@ def test_bad_configs_name_the_field():
     paired = _ops(awq_linear(512, 512, epilogue="silu_mul"))
     with pytest.raises(FuselightError, match="lanes_n of at least 2"):
         gemv_cols.check_cols(paired, dataclasses.replace(good, lanes_n=1))
+    with pytest.raises(FuselightError, match="no paired epilogue"):
+        gemv_cols.check_cols(paired, dataclasses.replace(good, split_k=2))
 
 
 def test_shipped_buckets_by_n():
@@ -287,7 +289,6 @@ CASES = {
     "split3": (2144, 640, "cast", ColsConfig(lanes_n=8, warps=2, run_rows=32, unroll=4, min_blocks_per_sm=2, split_k=3)),
     # Paired gate+up: 37 pieces of outputs (a prime), gate and up pieces in one tile.
     "paired": (2 * 1184, 384, "silu_mul", ColsConfig(lanes_n=4, warps=4, run_rows=32, unroll=8, min_blocks_per_sm=2)),
-    "paired_split": (2 * 1184, 384, "silu_mul", ColsConfig(lanes_n=2, warps=2, run_rows=64, unroll=8, min_blocks_per_sm=2, split_k=2)),
 }
 
 
@@ -367,9 +368,13 @@ def test_nvcc_compiles_the_kernels():
         "norm_gate_up": _with_norm(28672, 4096, "silu_mul"),
     }
     sources = {}
+    split = awq_linear(4096, 4096, epilogue="residual")
+    split_cfg = ColsConfig(lanes_n=4, warps=4, run_rows=16, unroll=8, min_blocks_per_sm=2, split_k=8)
     for arch, names in (("sm_90", list(funcs)), ("sm_80", ["gate_up"])):
         target = to_tvm(resolve("cuda", arch))
         mod = tvm.IRModule({name: _scheduled(funcs[name], target).with_attr("global_symbol", name) for name in names})
+        if arch == "sm_90":  # split K: the second launch's residual epilogue
+            mod["split"] = with_kernels(split, gemv_cols.cols_body(_ops(split), split_cfg)).with_attr("global_symbol", "split")
         sources[arch] = tvm.compile(mod, target=target).mod.imports[0].inspect_source("cuda")
     require_nvcc()
     for arch, source in sources.items():
