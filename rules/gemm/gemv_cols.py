@@ -17,7 +17,8 @@ dequantize's ``places`` (``pair_columns``; AutoAWQ's order makes them adjacent c
 permutation works: the accumulators are registers). Products are float32 and summed per unit;
 the unit's group scale multiplies each column's unit sum once (as the row template applies its
 scale to a piece's sum: within float32 of the exact product, the weight is not rounded to
-``dtype``). The K slots' partial sums of a block are summed in shared memory; with ``split_k`` > 1
+``dtype``). The K slots' partial sums of a block are summed in shared memory (in the token row's
+bytes, once the K loop is done); with ``split_k`` > 1
 each split writes its fp32 sums and a second launch sums them and runs the epilogue
 (``split_k.reduction``; not with a paired epilogue): small N has few column tiles of a wide tile.
 
@@ -160,8 +161,8 @@ def grid_blocks(ops: GemmOperands, cfg: ColsConfig) -> int:
 
 
 def shared_bytes(ops: GemmOperands, cfg: ColsConfig) -> int:
-    """The token row, and the block's K slots' partial sums of its tile."""
-    return ops.k * 2 + (WARP // cfg.lanes_n) * cfg.warps * tile_cols(cfg) * 4
+    """The token row, then (in the same bytes) the block's K slots' partial sums of its tile."""
+    return max(ops.k * 2, (WARP // cfg.lanes_n) * cfg.warps * tile_cols(cfg) * 4)
 
 
 def check_cols(ops: GemmOperands, cfg: ColsConfig, max_shared_bytes: int | None = None) -> None:
@@ -240,6 +241,7 @@ def cols_body(ops: GemmOperands, cfg: ColsConfig) -> Any:
     words = n // deq.per_word  # words of a row
     groups = k // deq.group
     slots = kl * warps  # K slots of a block
+    smem_words = shared_bytes(ops, cfg) // 4
     copy_pieces = -(-(k // PIECE) // threads)
     norm_rows = None if norm is None else norm_prologue(ops, threads, blocks, k // 2)
     fn, fn_source = ROW_FN[dtype], row_source(dtype, deq.places)
@@ -283,8 +285,10 @@ def cols_body(ops: GemmOperands, cfg: ColsConfig) -> Any:
                         acc_u = T.sblock_alloc_buffer((Q4_PIECE,), "float32", scope="local")
                         acc = T.sblock_alloc_buffer((Q4_PIECE,), "float32", scope="local")
                         total = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                        xs = T.sblock_alloc_buffer((k,), dtype, scope="shared")
-                        red = T.sblock_alloc_buffer((slots * tile,), "float32", scope="shared")
+                        # The token row, and after the K loop the K slots' sums, in the same bytes.
+                        smem = T.sblock_alloc_buffer((smem_words,), "float32", scope="shared")
+                        xs = T.decl_buffer((k,), dtype, data=smem.data, scope="shared")
+                        red = T.decl_buffer((slots * tile,), "float32", data=smem.data, scope="shared")
                         warp: T.let[T.int32] = T.Cast("int32", tid) // WARP
                         lane: T.let[T.int32] = T.Cast("int32", tid) % WARP
                         kq: T.let[T.int32] = lane // lanes_n
@@ -336,7 +340,9 @@ def cols_body(ops: GemmOperands, cfg: ColsConfig) -> Any:
                                         sc[h * PIECE + e] = S[T.Cast("int64", g) * n + col + h * PIECE + e]
                                 for c in T.unroll(Q4_PIECE):
                                     acc[c] = acc[c] + T.Cast("float32", sc[c]) * acc_u[c]
-                        # The block's K slots' sums of each tile column, then one thread a column.
+                        # The block's K slots' sums of each tile column (once every thread is done
+                        # with the token row), then one thread a column.
+                        T.tvm_storage_sync("shared")
                         for h in T.unroll(Q4_PIECE // 4):
                             for e in T.vectorized(4):
                                 red[(warp * kl + kq) * tile + ln * Q4_PIECE + h * 4 + e] = acc[h * 4 + e]
