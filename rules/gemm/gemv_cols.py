@@ -18,9 +18,10 @@ permutation works: the accumulators are registers). Products are float32 and sum
 the unit's group scale multiplies each column's unit sum once (as the row template applies its
 scale to a piece's sum: within float32 of the exact product, the weight is not rounded to
 ``dtype``). The K slots' partial sums of a block are summed in shared memory (in the token row's
-bytes, once the K loop is done); with ``split_k`` > 1
-each split writes its fp32 sums and a second launch sums them and runs the epilogue
-(``split_k.reduction``; not with a paired epilogue): small N has few column tiles of a wide tile.
+bytes, once the K loop is done). With ``split_k`` > 1 each split writes its fp32 sums and a second
+launch sums them and runs the epilogue (``split_k.reduction``; not with a paired epilogue): small N
+has few tiles of a wide tile. Those sums are TVM workspace, which a replayed CUDA graph may
+outlive: the shipped buckets (``configs/gemm/gemv_cols.json``) do not split.
 
 A paired epilogue (``silu(gate) * up``) gives half the lanes of N gate pieces and half their up
 pieces, so a block's tile holds both columns of each output. The norm prologue is the other
