@@ -242,8 +242,10 @@ class _Rewriter(FunctionRewriter):
                     func = with_dequantized_weight(func, deq)
                 desc = analyze_matmul(func, dequant=True)
                 ops = desc.operands if desc is not None else None
-                inputs = None if ops is None else [ops.a, ops.b] if ops.dequant is None else [ops.a, ops.b, ops.dequant.scale]
-                # Only the dequantizes the GEMV templates recognise travel: (A, q, s) -> y.
+                inputs = None if ops is None else [ops.a, ops.b] if ops.dequant is None else [
+                    ops.a, ops.b, ops.dequant.scale, *([] if ops.dequant.zeros is None else [ops.dequant.zeros])]
+                # Only the dequantizes the GEMV templates recognise travel: (A, q, s) -> y, or
+                # (A, q, z, s) -> y with packed zero points (AWQ).
                 if inputs is not None and (deq is None or ops.dequant is not None) \
                         and len(func.params) == len(inputs) + 1 and func.params[0].same_as(inputs[0]) \
                         and all(any(p.same_as(b) for b in inputs[1:]) for p in func.params[1:-1]):

@@ -9,9 +9,10 @@ matmul. A fusion may carry the dequantize into its kernel instead (``dequantized
 call computing it from loaded tensors, used by nothing else).
 
 ``materialized_weights(mod)`` is the check of the whole pipeline's result: every ``call_tir`` that
-reads a packed integer tensor and writes a floating tensor of 2, 4 or 8 elements for each packed one
-(what a dequantize of 16-, 8- or 4-bit values writes; a gather of rows such as the embedding writes a
-different count).
+reads a packed integer tensor and writes a floating tensor of 2, 4 or 8 elements for each packed one,
+and no fewer than any integer tensor it reads has (what a dequantize of 16-, 8- or 4-bit values
+writes; a gather of rows such as the embedding writes a different count, and a GEMV reading AWQ's
+small zero-point tensor beside its weight writes fewer than the weight has).
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ def materialized_weights(mod: tvm.IRModule) -> list[MaterializedWeight]:
 
 def computes_dequantize(call: relax.Expr) -> bool:
     """Whether ``call`` is a ``call_tir`` that writes a floating tensor of 2, 4 or 8 elements for
-    each element of an integer tensor it reads: a dequantize of packed weights, by what it
-    computes rather than by its callee's name."""
+    each element of an integer tensor it reads, and no fewer than any integer tensor it reads: a
+    dequantize of packed weights, by what it computes rather than by its callee's name."""
     if not isinstance(call, relax.Call) or call.op != tvm.ir.Op.get("relax.call_tir"):
         return False
     if not isinstance(call.args[1], relax.Tuple):
@@ -96,8 +97,11 @@ def computes_dequantize(call: relax.Expr) -> bool:
     packed = [_numel(a.ty) for a in call.args[1].fields if _is_tensor(a.ty, "int")]
     outs = call.ty.fields if isinstance(call.ty, relax.TupleType) else [call.ty]
     written = [_numel(t) for t in outs if _is_tensor(t, "float")]
+    # A dequantize writes no fewer values than any integer tensor it reads has: a GEMV's output can
+    # be a multiple of a small one (AWQ's zero points) by chance, but is fewer than its weight.
     return any(
         p is not None and w is not None and analyzer.can_prove_equal(w, p * r)
+        and not any(q is not None and analyzer.can_prove(w < q) for q in packed)
         for p in packed for w in written for r in _UNPACK_RATIOS
     )
 

@@ -41,6 +41,7 @@ from .gemm.gemv import (
     grid_blocks,
     load_gemv_configs,
 )
+from .gemm.gemv_cols import ColsConfig, cols_body, cols_config
 from .gemm.gemv_common import PIECE_WORDS, GemvConfig, static_m
 from .gemm.gemv_kn import KnGemvConfig, check_kn, kn_body, kn_config_for, kn_vec, load_kn_configs
 from .gemm.operands import GemmOperands
@@ -125,6 +126,8 @@ class Gemv(AnalyzeScheduleRule):
             min_static_m = load_dispatch(arch_of(target)).min_static_m
         except FuselightError:
             return False
+        if _words_along_n(desc):
+            return _cols_config(desc, target) is not None
         if desc.m_static is None:
             return not desc.operands.paired and bool(symbolic_m_buckets(desc.operands, target))
         return desc.m_static < min_static_m and gemv_config(desc.operands, desc.m_static, target) is not None
@@ -139,6 +142,9 @@ class Gemv(AnalyzeScheduleRule):
             min_static_m = load_dispatch(arch_of(target)).min_static_m
         except FuselightError:
             return None  # no GEMM config for this arch
+        if _words_along_n(desc):
+            cfg = _cols_config(desc, target)
+            return None if cfg is None else with_kernels(func, cols_body(desc.operands, cfg))
         if desc.m_static is None:
             return _symbolic_m(func, desc, target)
         if desc.m_static >= min_static_m and desc.operands.dequant is None:
@@ -155,6 +161,21 @@ def _kn_kernels(ops: GemmOperands, cfg: KnGemvConfig) -> tirx.Stmt:
         return kn_body(ops, cfg, kn_vec(ops.out_n))
     aligned = tirx.EQ(tirx.floormod(ops.n, PIECE_WORDS), tirx.IntImm(ops.n.ty.dtype, 0))
     return host_branch(aligned, kn_body(ops, cfg, PIECE_WORDS), kn_body(ops, cfg, 1))
+
+
+def _words_along_n(desc: MatmulDesc) -> bool:
+    """Whether ``desc``'s weights are 4-bit words packed along N (AutoAWQ's): the column template's."""
+    return desc.operands.dequant is not None and desc.operands.dequant.layout == "KN_N"
+
+
+def _cols_config(desc: MatmulDesc, target: Target) -> ColsConfig | None:
+    """The column template's bucket for ``desc`` (M = 1 only; a symbolic M is DLight's), or None."""
+    if desc.m_static != 1:
+        return None
+    try:
+        return cols_config(desc.operands, arch_of(target))
+    except FuselightError:
+        return None
 
 
 def _symbolic_m(func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:

@@ -12,7 +12,7 @@ from typing import Any
 from .errors import FuselightError
 from .jsonfile import read_json_object
 from .paths import config_dir
-from .quantization import QuantScheme, STORAGE_DTYPE, check_weight_shape, quantized_names, scheme
+from .quantization import PACKED_SUFFIXES, QuantScheme, STORAGE_DTYPE, check_weight_shape, quantized_names, scheme
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
 _ROPE_TYPES = ("llama3", "default")
@@ -97,21 +97,20 @@ class ModelConfig:
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Parameter name to shape, in the compiled functions' order: ``dense_weight_shapes()``, or
-        with quantization each quantized ``X.weight`` as ``X.q_weight`` and ``X.q_scale``."""
+        with quantization each quantized ``X.weight`` as its stored parameters (``quantized_names``)."""
         quantized = self.quantized_weights()
         shapes: dict[str, tuple[int, ...]] = {}
         for name, shape in self.dense_weight_shapes().items():
             if name in quantized:
-                q, s = quantized[name].packed_shapes(*shape)
-                q_name, s_name = quantized_names(name)
-                shapes[q_name], shapes[s_name] = q, s
+                shapes.update(zip(quantized_names(name, quantized[name]), quantized[name].packed_shapes(*shape)))
             else:
                 shapes[name] = shape
         return shapes
 
     def weight_dtype(self, name: str) -> str:
-        """The dtype of parameter ``name``: packed words for ``*.q_weight``, else the model dtype."""
-        return STORAGE_DTYPE if name.endswith(".q_weight") else self.dtype
+        """The dtype of parameter ``name``: packed words for ``*.q_weight`` (AWQ: ``*.qweight``,
+        ``*.qzeros``), else the model dtype."""
+        return STORAGE_DTYPE if name.endswith(PACKED_SUFFIXES) else self.dtype
 
     def dense_weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Weight name (our model's, fused QKV and gate/up as MLC-LLM lays them out) to its float shape."""

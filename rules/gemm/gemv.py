@@ -273,8 +273,9 @@ def check_dequant(ops: GemmOperands, cfg: GemvConfig) -> None:
     d = ops.dequant
     if d.bits != Q4_BITS or d.storage_dtype != "uint32" or d.per_word != 32 // Q4_BITS:
         raise FuselightError(f"GEMV: needs 4-bit values packed in uint32, got {d.bits}-bit in {d.storage_dtype}")
-    if d.layout != "NK":
-        raise FuselightError(f"GEMV: needs packed words along K (NK), got {d.layout}")
+    if not d.nk_in_order:
+        raise FuselightError(f"GEMV: needs packed words along K (NK) in place order and a constant zero point, got "
+                             f"{d.layout}, places {d.places}, zero points {'a buffer' if d.zeros is not None else d.zero}")
     if d.group % Q4_PIECE or ops.k % Q4_PIECE:
         raise FuselightError(f"GEMV: group ({d.group}) and K ({ops.k}) must be multiples of {Q4_PIECE}")
     if d.zero != int(d.zero) or not 0 <= d.zero <= (1 << d.bits):

@@ -203,8 +203,9 @@ def check_dequant(plan: GemmPlan, ops: GemmOperands, smem_limit: int | None = No
             f"mma.sync gemm: dequantize of {deq.bits}-bit values {deq.per_word} to a {deq.storage_dtype} "
             f"unsupported (supported: {Q4_BITS}-bit, {Q4_PER_WORD} to a 32-bit word)"
         )
-    if deq.layout != "NK" or ops.b_layout != "NT":
-        raise FuselightError(f"mma.sync gemm: dequantize layout {deq.layout!r} unsupported (supported: NK)")
+    if not deq.nk_in_order or ops.b_layout != "NT":
+        raise FuselightError(f"mma.sync gemm: dequantize layout {deq.layout!r} (places {deq.places}, zero point "
+                             f"buffer {deq.zeros is not None}) unsupported (supported: NK in order, a constant zero)")
     if deq.group % Q4_PIECE:
         raise FuselightError(f"mma.sync gemm: dequantize group {deq.group} is not a multiple of {Q4_PIECE}")
     if deq.zero != int(deq.zero) or not 0 <= deq.zero <= Q4_MAX_ZERO:

@@ -245,8 +245,9 @@ def check_q4(tile: WgmmaTile, ops: GemmOperands) -> None:
     deq = ops.dequant
     if (deq.bits, deq.per_word) != (4, 8) or deq.storage_dtype not in ("uint32", "int32"):
         raise FuselightError(f"wgmma gemm: dequantize of {deq.bits}-bit values {deq.per_word} to a word unsupported")
-    if deq.layout != "NK":
-        raise FuselightError(f"wgmma gemm: dequantize layout {deq.layout!r} unsupported (supported: NK)")
+    if not deq.nk_in_order:
+        raise FuselightError(f"wgmma gemm: dequantize layout {deq.layout!r} (places {deq.places}, zero point "
+                             f"buffer {deq.zeros is not None}) unsupported (supported: NK in order, a constant zero)")
     if deq.group % Q4_PIECE:
         raise FuselightError(f"wgmma gemm: dequantize group {deq.group} is not a multiple of {Q4_PIECE}")
     if deq.zero != int(deq.zero) or not 0 <= deq.zero <= 127:

@@ -95,7 +95,7 @@ def _q4_mlp(rows, scheme: str, k: int = K, half: int = HALF) -> tvm.IRModule:
     bb = relax.BlockBuilder()
     with bb.function("main", [x, q, scale]):
         with bb.dataflow():
-            w = bb.emit_te(lambda q, sc: te_dequantize(q, sc, s), q, scale, primfunc_name_hint="dequantize")
+            w = bb.emit_te(lambda q, sc: te_dequantize((q, sc), s), q, scale, primfunc_name_hint="dequantize")
             y = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w)) if s.layout == "NK" else w))
             halves = bb.emit(relax.op.split(y, 2, axis=-1))
             gate, up = bb.emit(relax.TupleGetItem(halves, 0)), bb.emit(relax.TupleGetItem(halves, 1))

@@ -77,7 +77,7 @@ def _q4(consumer: tirx.PrimFunc, n: int, k: int = HIDDEN, scheme: str = "q4f16_1
     s = SCHEMES[scheme]
     qs, ss = s.packed_shapes(n, k)
     q, scale = _ph(qs, "q", "uint32"), _ph(ss, "s", s.model_dtype)
-    return with_dequantized_weight(consumer, te.create_prim_func([q, scale, te_dequantize(q, scale, s)]))
+    return with_dequantized_weight(consumer, te.create_prim_func([q, scale, te_dequantize((q, scale), s)]))
 
 
 def _fused_q4(consumer: tirx.PrimFunc, n: int, residual: bool = True, casts=("float16",), k: int = HIDDEN,
@@ -324,7 +324,7 @@ def _q4_step_module(scheme: str = "q4f16_1"):
 
     def make(bb, x, res, res2, w1, qq, qs, w2, gq, gs):
         def dequantize(q, s):
-            return bb.emit_te(lambda q, s: te_dequantize(q, s, sch), q, s, primfunc_name_hint="dequantize")
+            return bb.emit_te(lambda q, s: te_dequantize((q, s), sch), q, s, primfunc_name_hint="dequantize")
 
         return _decoder_step(bb, x, res, res2, w1, dequantize(qq, qs), w2, dequantize(gq, gs), sch.layout == "NK")
 
@@ -413,7 +413,7 @@ def test_pass_leaves_kn_rows_the_kn_template_does_not_take(cuda, rows):
               relax.Var("s", _ty(*ss))]
 
     def make(bb, x, g, q, s):
-        w = bb.emit_te(lambda q, s: te_dequantize(q, s, sch), q, s, primfunc_name_hint="dequantize")
+        w = bb.emit_te(lambda q, s: te_dequantize((q, s), sch), q, s, primfunc_name_hint="dequantize")
         normed = bb.emit(relax.op.nn.rms_norm(x, g, axes=[-1], epsilon=EPS))
         return bb.emit(relax.op.matmul(normed, w))
 
@@ -483,3 +483,48 @@ def test_q4_mma_template_with_the_prologue_loads_scales_from_the_scales(cuda, m)
     loaded = {name: {str(v).split("[")[0] for v in values} for name, values in kern.values.items() if name in ("w", "sc")}
     assert loaded == {"w": {"W"}, "sc": {"S"}}
     assert len(kern.values["sc"]) == len(kern.values["w"])  # a scale load beside each 16-byte piece load
+
+
+def _awq_norm_module(n: int, k: int = HIDDEN) -> tvm.IRModule:
+    """``rms_norm(x, w)`` read by MLC's AWQ linear function (it dequantizes its packed words and
+    zero points itself): ``main(x, w, qweight, qzeros, scales)``."""
+    from fuselight.quant_prim_funcs import awq_linear
+
+    consumer = awq_linear(n, k)
+    x, w = relax.Var("x", _ty(1, 1, k)), relax.Var("w", _ty(k))
+    packed = [relax.Var(p.name, relax.TensorType([int(d) for d in p.ty.shape], str(p.ty.dtype)))
+              for p in consumer.params[1:4]]
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w, *packed]):
+        with bb.dataflow():
+            normed = bb.emit(relax.op.nn.rms_norm(x, w, axes=[-1], epsilon=EPS))
+            gv = bb.add_func(consumer.without_attr("global_symbol"), "awq_linear")
+            out = bb.emit_output(relax.call_tir(gv, [normed, *packed], _ty(1, 1, n)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_pass_carries_awq_zero_points_into_the_gemv(cuda):
+    # MLC's q4f16_autoawq decode QKV: the fused function reads the packed words, zero points and
+    # scales; the GEMV rule (the column template) takes it; the numbers are the unrewritten module's.
+    from fuselight.quantization import awq_stored
+
+    n = 256
+    mod = _awq_norm_module(n)
+    with cuda:
+        tagged = FuseNormIntoGemv()(mod)
+    fused = [f for gv, f in tagged.functions_items() if gv.name_hint.startswith(PRIMFUNC_NAME)]
+    assert len(fused) == 1 and fused[0].attrs[RULE_ATTR] == "gemv" and Gemv.takes(fused[0], cuda)
+    assert [str(p.ty.dtype) for p in fused[0].params].count("uint32") == 2
+    out = FuseNormIntoGemv(schedule=False)(mod)
+    rng = np.random.default_rng(11)
+    groups = HIDDEN // 128
+    q, z, s = awq_stored(rng.integers(0, 16, (n, HIDDEN), dtype=np.uint32), rng.integers(0, 16, (n, groups), dtype=np.uint32),
+                         rng.uniform(0.5, 1.5, (n, groups)).astype(np.float32) / 64)
+    args = [rng.standard_normal((1, 1, HIDDEN)).astype("float16"), (1 + 0.1 * rng.standard_normal(HIDDEN)).astype("float16"),
+            q, z, s.astype("float16")]
+    results = []
+    for m in (mod, out):
+        vm = relax.VirtualMachine(tvm.compile(m, target="llvm"), tvm.cpu())
+        results.append(vm["main"](*[tvm.runtime.tensor(a) for a in args]).numpy().astype("float64"))
+    assert np.abs(results[0]).mean() > 0.05 and relative_error(results[1], results[0]) < 2e-3

@@ -114,7 +114,7 @@ def _q4_module(rows, k: int, n: int, scheme: str) -> tvm.IRModule:
     bb = relax.BlockBuilder()
     with bb.function("main", [x, q, scale]):
         with bb.dataflow():
-            w = bb.emit_te(lambda qt, st: quantization.te_dequantize(qt, st, s), q, scale, primfunc_name_hint="dequantize")
+            w = bb.emit_te(lambda qt, st: quantization.te_dequantize((qt, st), s), q, scale, primfunc_name_hint="dequantize")
             rhs = bb.emit(relax.op.permute_dims(w)) if s.layout == "NK" else w
             out = bb.emit_output(relax.op.matmul(x, rhs))
         bb.emit_func_output(out)

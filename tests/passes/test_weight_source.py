@@ -136,6 +136,36 @@ def test_materialized_weights_ignores_a_dequantize_fused_with_its_matmul_and_a_g
     assert [m.binding for m in materialized_weights(bb.get())] == [lone.name]
 
 
+def test_materialized_weights_ignores_an_awq_gemv_whose_output_matches_its_zero_points():
+    """AWQ's GEMV reads the packed weight, a packed zero point per group and the scales: its output
+    (N values) is twice the zero points' words (K / 128 x N / 8 at K = 512), yet no dequantize."""
+    n, k = 256, 512
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([1, 1, k], "float16"))
+    q = relax.Var("q", relax.TensorType([k, n // 8], "uint32"))
+    z = relax.Var("z", relax.TensorType([k // 128, n // 8], "uint32"))
+    s = relax.Var("s", relax.TensorType([k // 128, n], "float16"))
+
+    def weight(q, z, s):
+        def nib(word, i):
+            return ((word >> (i % 8 * 4).astype("uint32")) & tirx.const(15, "uint32")).astype("float16")
+        return te.compute((n, k), lambda i, j: (nib(q[j, i // 8], i) - nib(z[j // 128, i // 8], i)) * s[j // 128, i])
+
+    def gemv(x, q, z, s):
+        w = weight(q, z, s)
+        r = te.reduce_axis((0, k), "k")
+        return te.compute((1, 1, n), lambda a, b, i: te.sum(x[a, b, r].astype("float32") * w[i, r].astype("float32"), axis=r))
+
+    with bb.function("main", [x, q, z, s]):
+        with bb.dataflow():
+            fused = bb.emit_te(gemv, x, q, z, s)
+            lone = bb.emit_te(weight, q, z, s)
+            out = bb.emit_output(relax.Tuple([fused, lone]))
+        bb.emit_func_output(out)
+    assert n == 2 * (k // 128) * (n // 8)  # the coincidence the check must see through
+    assert [m.binding for m in materialized_weights(bb.get())] == [lone.name]
+
+
 def _packed_params(func: tirx.PrimFunc) -> list[str]:
     return [str(p.ty.dtype) for p in func.params if str(p.ty.dtype) == "uint32"]
 

@@ -67,7 +67,7 @@ def random_weights(config: ModelConfig, device: Any, seed: int) -> dict[str, Any
 
 def quantize_on_device(weights: dict[str, Any], schemes: dict[str, QuantScheme]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(the library's tensors by parameter name, the float weights they store)``: each weight named
-    in ``schemes`` quantized on its device (``X.weight`` -> ``X.q_weight``, ``X.q_scale``: random packed
+    in ``schemes`` quantized on its device (``X.weight`` -> ``quantization.quantized_names``: packed
     words with the group scales of the float draw, so the dequantized matrix keeps its std) and its
     entry in ``weights`` replaced by the dequantized weight the kernels compute; the rest as they are."""
     library = {}
@@ -75,9 +75,9 @@ def quantize_on_device(weights: dict[str, Any], schemes: dict[str, QuantScheme])
         if name not in schemes:
             library[name] = w
             continue
-        q_name, s_name = quantized_names(name)
-        library[q_name], library[s_name] = quantize_torch(w, schemes[name])
-        weights[name] = dequantize_torch(library[q_name], library[s_name], schemes[name])
+        stored = quantize_torch(w, schemes[name])
+        library.update(zip(quantized_names(name, schemes[name]), stored))
+        weights[name] = dequantize_torch(stored, schemes[name])
     return library, weights
 
 

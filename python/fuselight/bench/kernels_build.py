@@ -62,7 +62,7 @@ def _q4_weight(case: Case, relax: Any) -> tuple[list, Callable]:
     q_shape, s_shape = s.packed_shapes(case.dims["n"], case.dims["k"])
     q = relax.Var("q", relax.TensorType(list(q_shape), quantization.STORAGE_DTYPE))
     scale = relax.Var("scale", relax.TensorType(list(s_shape), case.dtype))
-    return [q, scale], lambda bb: bb.emit_te(lambda qt, st: quantization.te_dequantize(qt, st, s), q, scale,
+    return [q, scale], lambda bb: bb.emit_te(lambda qt, st: quantization.te_dequantize((qt, st), s), q, scale,
                                              primfunc_name_hint="dequantize")
 
 

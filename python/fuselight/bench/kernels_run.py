@@ -187,11 +187,11 @@ def _reference(torch: Any, case: Case, inputs: list) -> Any:
         return torch.nn.functional.silu(gate) * up
     if case.op == "gemm_q4":
         x, q, scale = inputs
-        return x.double() @ quantization.dequantize_torch(q, scale.double(), _q4_scheme(case)).T
+        return x.double() @ quantization.dequantize_torch((q, scale.double()), _q4_scheme(case)).T
     if case.op in ("norm_gemm", "norm_gemm_q4"):
         x, r, w, *weight = inputs
         matrix = weight[0].double() if case.op == "norm_gemm" else quantization.dequantize_torch(
-            weight[0], weight[1].double(), _q4_scheme(case))
+            (weight[0], weight[1].double()), _q4_scheme(case))
         total = x.double() + r.double()
         return _rmsnorm64(torch, total, w.double(), case.attrs["eps"]) @ matrix.T, total
     if case.op == "rmsnorm":
@@ -273,12 +273,12 @@ def _torch_fn(torch: Any, case: Case, inputs: list, device: str) -> Callable[[],
     if case.op == "gemm_q4":
         # PyTorch has no q4f16_1 kernel: its GEMM at the same shape, on the weight dequantized once, untimed.
         x, q, scale = inputs
-        w = quantization.dequantize_torch(q, scale, _q4_scheme(case))
+        w = quantization.dequantize_torch((q, scale), _q4_scheme(case))
         return lambda: F.linear(x, w)
     if case.op in ("norm_gemm", "norm_gemm_q4"):
         # The add, the norm and the GEMM as PyTorch's own kernels (a q4 weight dequantized once, untimed).
         x, r, w, *weight = inputs
-        matrix = weight[0] if case.op == "norm_gemm" else quantization.dequantize_torch(weight[0], weight[1], _q4_scheme(case))
+        matrix = weight[0] if case.op == "norm_gemm" else quantization.dequantize_torch((weight[0], weight[1]), _q4_scheme(case))
 
         def norm_gemm() -> Any:
             total = x + r

@@ -31,7 +31,7 @@ from ..config import ModelConfig, load
 from ..errors import FuselightError
 from ..jsonfile import read_json_object
 from ..paths import config_dir
-from ..quantization import PER_WORD, STORAGE_DTYPE
+from ..quantization import PER_WORD, STORAGE_DTYPE, QuantScheme, quantized_names
 from ..quantization import scheme as quantization_scheme
 from ..library import device_label
 from ..runtime import init_tvm, load_library, release_memory
@@ -46,7 +46,7 @@ IMPLS = MLC_IMPLS
 # "*norm.weight"; Phi-3 "transformer.h.N.", "transformer.embd", "ln.weight", "mixer.out_proj".
 _LAYER_INDEX = re.compile(r"\.(?:layers|h)\.(\d+)\.")
 _EMBED = re.compile(r"(?:^|\.)(?:embed_tokens|embd)\.(?:q_)?weight$")
-_PACKED, _SCALE = ".q_weight", ".q_scale"
+_PACKED = ".q_weight"  # the embedding's packed words, where a scheme quantizes it
 _NORM = re.compile(r"(?:norm|(?:^|\.)ln)\.weight$")
 _OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
 
@@ -143,34 +143,36 @@ def random_weights(info: ModelInfo, device: Any, seed: int) -> dict[str, Any]:
 
 
 def float_params(info: ModelInfo) -> list[tuple[str, tuple[int, ...]]]:
-    """The float parameters ``info``'s packed ones quantize, in order: ``(name, shape)``, a packed
-    pair ``X.q_weight``, ``X.q_scale`` standing for ``X.weight`` of ``[N, K]``."""
-    scheme = quantization_scheme(info.quantization)
-    shapes = {name: shape for name, shape, _ in info.params}
+    """The float parameters ``info``'s packed ones quantize, in order: ``(name, shape)``, a scheme's
+    stored parameters (``X.q_weight``, ``X.q_scale``; AWQ's ``X.qweight``, ``X.qzeros``, ``X.scales``)
+    standing for ``X.weight`` of ``[N, K]``."""
     out = []
     for name, shape, _ in info.params:
-        if name.endswith(_SCALE):
-            continue
-        if name.endswith(_PACKED):
-            base = name.removesuffix(_PACKED)
-            words, groups = (shape, shapes[base + _SCALE]) if scheme.layout == "NK" or _EMBED.search(name) else \
-                (shape[::-1], shapes[base + _SCALE][::-1])
-            out.append((base + ".weight", (words[0], words[1] * PER_WORD)))
-        else:
+        found = _stored(info, name)
+        if found is None:
             out.append((name, shape))
+        elif found[1] == 0:
+            out.append((found[0], found[2].weight_shape(shape)))
     return out
+
+
+def _stored(info: ModelInfo, name: str) -> tuple[str, int, QuantScheme] | None:
+    """``(X.weight, which of its stored parameters, its scheme)`` where parameter ``name`` stores a
+    quantized weight of ``info``'s scheme, else None. MLC's embedding is NK in every scheme."""
+    scheme = quantization_scheme(info.quantization)
+    if scheme is None:
+        return None
+    for i, suffix in enumerate(quantized_names("", scheme)):
+        if name.endswith(suffix):
+            base = name.removesuffix(suffix) + ".weight"
+            return base, i, dataclasses.replace(scheme, layout="NK") if _EMBED.search(name) else scheme
+    return None
 
 
 def quantized(info: ModelInfo, weights: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(the library's tensors by its names, the float weights they store)``: ``weights`` (float, by
     ``float_params`` name) quantized as ``info``'s packed parameters say (``e2e.quantize_on_device``)."""
-    scheme = quantization_scheme(info.quantization)
-    schemes = {}
-    for name, _, _ in info.params:
-        if name.endswith(_PACKED):
-            # MLC's embedding is NK in every scheme.
-            schemes[name.removesuffix(_PACKED) + ".weight"] = (
-                dataclasses.replace(scheme, layout="NK") if _EMBED.search(name) else scheme)
+    schemes = {found[0]: found[2] for name, _, _ in info.params if (found := _stored(info, name)) is not None}
     return quantize_on_device(weights, schemes)
 
 

@@ -24,24 +24,28 @@ from .weights import hf_rope_scaling
 class QuantLinear(nn.Module):
     """A bias-free linear layer over 4-bit weights, in MLC-LLM's graph form: a ``call_tir`` of the
     TE ``dequantize`` (``quantization.te_dequantize``), for the NK layout ``permute_dims``, then
-    ``matmul``; the compilers' phase 3 fuses the dequantize into the matmul's kernel."""
+    ``matmul``; the compilers' phase 3 fuses the dequantize into the matmul's kernel. Its parameters
+    are the scheme's (``quantization.quantized_names``: ``q_weight``, ``q_scale``; AWQ's ``qweight``,
+    ``qzeros``, ``scales``)."""
 
     def __init__(self, in_features: int, out_features: int, s: QuantScheme) -> None:
-        q_shape, s_shape = s.packed_shapes(out_features, in_features)
-        self.q_weight = nn.Parameter(q_shape, quantization.STORAGE_DTYPE)
-        self.q_scale = nn.Parameter(s_shape, s.model_dtype)
+        self.stored = tuple(name.removeprefix(".") for name in quantization.quantized_names("", s))
+        for name, shape, dtype in zip(self.stored, s.packed_shapes(out_features, in_features), s.packed_dtypes()):
+            setattr(self, name, nn.Parameter(shape, dtype))
         self.scheme = s
 
     def to(self, dtype: str | None = None) -> None:
         # The packed words keep their integer dtype; only the scales follow the model.
-        self.q_scale.to(dtype)
+        for name, stored_dtype in zip(self.stored, self.scheme.packed_dtypes()):
+            if stored_dtype != quantization.STORAGE_DTYPE:
+                getattr(self, name).to(dtype)
 
     def weight(self) -> Tensor:
-        """The dequantized weight as stored: ``[N, K]`` (NK) or ``[K, N]`` (KN)."""
+        """The dequantized weight as stored: ``[N, K]`` (NK) or ``[K, N]`` (KN, KN_N)."""
         s = self.scheme
         return op.tensor_expr_op(
-            lambda q, scale: quantization.te_dequantize(q, scale, s), name_hint="dequantize",
-            args=[self.q_weight, self.q_scale],
+            lambda *stored: quantization.te_dequantize(stored, s), name_hint="dequantize",
+            args=[getattr(self, name) for name in self.stored],
         )
 
     def forward(self, x: Tensor, out_dtype: str | None = None) -> Tensor:

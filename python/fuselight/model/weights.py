@@ -105,15 +105,22 @@ def random_weights(config: ModelConfig, seed: int = 0, dtype: str | None = None)
     for name, shape in config.dense_weight_shapes().items():
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         if name in quantized:
-            q, scale = quantization.random_quantized(rng, *shape, init_std(name, config), quantized[name])
-            q_name, s_name = quantization.quantized_names(name)
-            weights[q_name], weights[s_name] = q, scale.astype(out_dtype)
+            stored = quantization.random_quantized(rng, *shape, init_std(name, config), quantized[name])
+            weights.update(_stored_params(name, stored, quantized[name], out_dtype))
             continue
         w = rng.standard_normal(shape, dtype=np.float32) * np.float32(init_std(name, config))
         if is_norm_weight(name):
             w += np.float32(1.0)
         weights[name] = w.astype(out_dtype)
     return weights
+
+
+def _stored_params(name: str, stored: tuple[np.ndarray, ...], s: quantization.QuantScheme,
+                   float_dtype: Any) -> dict[str, np.ndarray]:
+    """The parameters of weight ``name`` stored as ``stored``: packed words as they are, scales in ``float_dtype``."""
+    names = quantization.quantized_names(name, s)
+    return {n: a if dtype == quantization.STORAGE_DTYPE else a.astype(float_dtype)
+            for n, a, dtype in zip(names, stored, s.packed_dtypes())}
 
 
 def quantize_weights(config: ModelConfig, dense: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -125,9 +132,8 @@ def quantize_weights(config: ModelConfig, dense: dict[str, np.ndarray]) -> dict[
     for name in config.dense_weight_shapes():
         w = dense[name]
         if name in quantized:
-            q, scale = quantization.quantize(np.asarray(w, dtype=np.float32), quantized[name])
-            q_name, s_name = quantization.quantized_names(name)
-            params[q_name], params[s_name] = q, scale.astype(out_dtype)
+            stored = quantization.quantize(np.asarray(w, dtype=np.float32), quantized[name])
+            params.update(_stored_params(name, stored, quantized[name], out_dtype))
         else:
             params[name] = np.asarray(w).astype(out_dtype)
     return params
@@ -144,8 +150,8 @@ def iter_dequantized(config: ModelConfig, params: dict[str, np.ndarray]) -> Iter
     quantized = config.quantized_weights()
     for name in config.dense_weight_shapes():
         if name in quantized:
-            q_name, s_name = quantization.quantized_names(name)
-            yield name, quantization.dequantize(params[q_name], params[s_name], quantized[name])
+            names = quantization.quantized_names(name, quantized[name])
+            yield name, quantization.dequantize(tuple(params[n] for n in names), quantized[name])
         else:
             yield name, params[name]
 

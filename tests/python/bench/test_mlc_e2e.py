@@ -12,17 +12,17 @@ from fuselight.errors import FuselightError
 HIDDEN, VOCAB, INTER = 64, 100, 96
 
 
-def _metadata(dtype: str = "float16") -> dict:
+def _metadata(dtype: str = "float16", hidden: int = HIDDEN, inter: int = INTER) -> dict:
     """MLC's ``_metadata`` for a 2-layer Qwen2-like model (biases on the fused QKV projection)."""
-    params = [("model.embed_tokens.weight", [VOCAB, HIDDEN])]
+    params = [("model.embed_tokens.weight", [VOCAB, hidden])]
     for i in range(2):
         p = f"model.layers.{i}."
-        params += [(p + "self_attn.c_attn.weight", [3 * HIDDEN, HIDDEN]), (p + "self_attn.c_attn.bias", [3 * HIDDEN]),
-                   (p + "self_attn.o_proj.weight", [HIDDEN, HIDDEN]), (p + "mlp.gate_up_proj.weight", [2 * INTER, HIDDEN]),
-                   (p + "mlp.down_proj.weight", [HIDDEN, INTER]), (p + "input_layernorm.weight", [HIDDEN]),
-                   (p + "post_attention_layernorm.weight", [HIDDEN])]
+        params += [(p + "self_attn.c_attn.weight", [3 * hidden, hidden]), (p + "self_attn.c_attn.bias", [3 * hidden]),
+                   (p + "self_attn.o_proj.weight", [hidden, hidden]), (p + "mlp.gate_up_proj.weight", [2 * inter, hidden]),
+                   (p + "mlp.down_proj.weight", [hidden, inter]), (p + "input_layernorm.weight", [hidden]),
+                   (p + "post_attention_layernorm.weight", [hidden])]
     # MLC leaves the vocabulary symbolic in its Llama, Mistral and Phi-3 heads.
-    params += [("model.norm.weight", [HIDDEN]), ("lm_head.weight", ["vocab_size", HIDDEN])]
+    params += [("model.norm.weight", [hidden]), ("lm_head.weight", ["vocab_size", hidden])]
     return {"model_type": "qwen2", "prefill_chunk_size": 128,
             "params": [{"name": n, "shape": s, "dtype": dtype, "preprocs": []} for n, s in params]}
 
@@ -119,6 +119,47 @@ def test_quantized_model_info_and_float_params(layout) -> None:
     assert info.params[0] == ("model.embed_tokens.q_weight", (VOCAB, HIDDEN // 8), "uint32")
     # The float weights the packed pairs store: the fp16 model's parameter list.
     assert float_params(info) == [(n, tuple(s)) for n, s, _ in model_info("qwen2", _metadata(), Path("l"), SIZES).params]
+
+
+def _awq_metadata() -> dict:
+    """MLC's q4f16_autoawq parameter list (hidden 128, intermediate 256: whole groups of 128): for
+    every linear layer but the LM head ``qweight[K, N / 8]``, ``qzeros[K / 128, N / 8]``,
+    ``scales[K / 128, N]``; the embedding and the LM head in float16."""
+    meta = _metadata(hidden=128, inter=256)
+    params = []
+    for p in meta["params"]:
+        name, shape = p["name"], p["shape"]
+        if len(shape) != 2 or "bias" in name or "embed_tokens" in name or name == "lm_head.weight":
+            params.append(p)
+            continue
+        (n, k), base = shape, name.removesuffix(".weight")
+        params += [{"name": base + ".qweight", "shape": [k, n // 8], "dtype": "uint32"},
+                   {"name": base + ".qzeros", "shape": [k // 128, n // 8], "dtype": "uint32"},
+                   {"name": base + ".scales", "shape": [k // 128, n], "dtype": "float16"}]
+    return {**meta, "params": params, "quantization": "q4f16_autoawq"}
+
+
+def test_awq_model_info_and_float_params() -> None:
+    from fuselight.bench.mlc_e2e import float_params
+
+    sizes = {**SIZES, "hidden_size": 128}
+    info = model_info("qwen2", _awq_metadata(), Path("lib.so"), sizes)
+    assert (info.hidden_size, info.vocab_size, info.quantization) == (128, VOCAB, "q4f16_autoawq")
+    fp16 = model_info("qwen2", _metadata(hidden=128, inter=256), Path("l"), sizes)
+    assert float_params(info) == [(n, tuple(s)) for n, s, _ in fp16.params]
+
+
+def test_awq_random_weights_are_the_librarys_parameters() -> None:
+    torch = pytest.importorskip("torch")
+    from fuselight.bench.mlc_e2e import quantized
+
+    sizes = {**SIZES, "hidden_size": 128}
+    info = model_info("qwen2", _awq_metadata(), Path("lib.so"), sizes)
+    weights = random_weights(info, torch.device("cpu"), seed=5)
+    assert [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in weights.items()] == list(info.params)
+    floats = model_info("qwen2", _metadata(hidden=128, inter=256), Path("l"), sizes)
+    _, stored = quantized(info, random_weights(floats, torch.device("cpu"), seed=5))
+    assert float(stored["model.layers.1.mlp.down_proj.weight"].float().std()) == pytest.approx(256**-0.5 / 2, rel=0.15)
 
 
 def test_quantized_random_weights_store_the_drawn_distribution() -> None:

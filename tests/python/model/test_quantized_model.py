@@ -40,20 +40,19 @@ def small_gpu(scheme: str) -> config.ModelConfig:
 def test_te_dequantize_is_the_numpy_dequantize(name):
     s = SCHEMES[name]
     n, k = 24, 3 * s.group_size
-    q_np, scale_np = random_quantized(np.random.default_rng(1), n, k, 0.05, s)
     from fuselight.model.weights import numpy_dtype
 
-    scale_np = scale_np.astype(numpy_dtype(s.model_dtype))
-    q = te.placeholder(q_np.shape, "uint32", name="q")
-    scale = te.placeholder(scale_np.shape, s.model_dtype, name="scale")
-    w = te_dequantize(q, scale, s)
-    func = tvm.compile(te.create_prim_func([q, scale, w]), target="llvm")
+    stored = tuple(a if dtype == "uint32" else a.astype(numpy_dtype(dtype)) for a, dtype in
+                   zip(random_quantized(np.random.default_rng(1), n, k, 0.05, s), s.packed_dtypes()))
+    tensors = tuple(te.placeholder(a.shape, dtype, name=f"p{i}") for i, (a, dtype) in enumerate(zip(stored, s.packed_dtypes())))
+    w = te_dequantize(tensors, s)
+    func = tvm.compile(te.create_prim_func([*tensors, w]), target="llvm")
     out = tvm.runtime.empty(tuple(int(d) for d in w.shape), s.model_dtype, tvm.cpu())
-    func(tvm.runtime.tensor(q_np), tvm.runtime.tensor(scale_np), out)
+    func(*(tvm.runtime.tensor(a) for a in stored), out)
     got = out.numpy().astype(np.float64)
-    want = dequantize(q_np, scale_np, s)  # float64, [N, K]
+    want = dequantize(stored, s)  # float64, [N, K]
     want = want if s.layout == "NK" else want.T
-    # One rounding of an exact product in both: (q - 7) * scale in the model dtype.
+    # One rounding of an exact product in both: (q - zero) * scale in the model dtype.
     np.testing.assert_array_equal(got, want.astype(numpy_dtype(s.model_dtype)).astype(np.float64))
     assert np.count_nonzero(got) > got.size // 2
 
@@ -72,12 +71,12 @@ def test_random_weights_have_the_float_init_std():
 
 
 @pytest.mark.parametrize("pipeline", ["baseline", "fuselight"])
-@pytest.mark.parametrize("scheme", ["q4f16_1", "q4f16_0"])
+@pytest.mark.parametrize("scheme", ["q4f16_1", "q4f16_0", "q4f16_autoawq"])
 def test_quantized_model_matches_reference_of_its_weights(pipeline, scheme):
-    cfg = tiny(scheme)
+    cfg = tiny(scheme, intermediate_size=384) if SCHEMES[scheme].group_size == 128 else tiny(scheme)
     built = build(cfg, resolve("llvm"), pipeline)
     vm = relax.VirtualMachine(built.executable, tvm.cpu())
-    seed = 17 + len(pipeline) + int(scheme[-1])
+    seed = 17 + len(pipeline) + (int(scheme[-1]) if scheme[-1].isdigit() else 2)
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, cfg.vocab_size, 21)
     decode_ids = [int(t) for t in rng.integers(0, cfg.vocab_size, DECODE_STEPS)]

@@ -278,7 +278,7 @@ def kn_fused(n: int, k: int, *, paired: bool = False, norm: bool = True, residua
                 else matmul_prim_func(x_shape, w_shape, dtype, "float32"))
     qs, ss = [tirx.IntImm(i64, k // 8), nn], [tirx.IntImm(i64, k // group), nn]
     q, scale = te.placeholder(qs, "uint32", "q"), te.placeholder(ss, dtype, "s")
-    func = with_dequantized_weight(consumer, te.create_prim_func([q, scale, te_dequantize(q, scale, s)]))
+    func = with_dequantized_weight(consumer, te.create_prim_func([q, scale, te_dequantize((q, scale), s)]))
     if not norm:
         return func
     return fused_norm_matmul(relax.TensorType([m, 1, k], dtype), residual, relax.TensorType([k], dtype), EPS, func,
