@@ -49,13 +49,13 @@ def _ops(func):
 
 
 @pytest.mark.parametrize("n,k,epilogue,lanes_n,warps", [(6144, 4096, "cast", 1, 8), (4096, 4096, "residual", 1, 8),
-                                                        (4096, 14336, "residual", 1, 8), (28672, 4096, "silu_mul", 4, 4)],
+                                                        (4096, 14336, "residual", 1, 8), (28672, 4096, "silu_mul", 4, 8)],
                          ids=["qkv", "o_proj", "down", "gate_up"])
 def test_rule_takes_llama_awq_decode(cuda, n, k, epilogue, lanes_n, warps):
     func = awq_linear(n, k, epilogue=epilogue)
     (main,) = kernels(_scheduled(func, cuda))
     # configs/gemm/gemv_cols.json, read by hand: one launch; N up to 8192 in tiles of 32 columns (one
-    # lane's 16 bytes a row) of 8 warps, gate_up in tiles of 64 gate and 64 up columns of 4 warps.
+    # lane's 16 bytes a row) of 8 warps, gate_up in tiles of 64 gate and 64 up columns of 8 warps.
     out_cols = n // 2 if epilogue == "silu_mul" else n
     tile = 32 * lanes_n
     assert main.launch["blockIdx.x"] == out_cols // (tile // 2 if epilogue == "silu_mul" else tile)
