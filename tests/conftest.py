@@ -1,4 +1,5 @@
-"""Shared test helpers: our model compiled for the CPU, once per config per session; nvcc's cache."""
+"""Shared test helpers: our model compiled for the CPU, once per config per session; nvcc's cache; the
+sm_90 target and a rule's schedule of a function."""
 
 from __future__ import annotations
 
@@ -30,6 +31,20 @@ def nvcc_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("cuda-cache")))
         yield
+
+
+@pytest.fixture(scope="module")
+def cuda() -> Any:
+    """The TVM target of fuselight's sm_90 (H100)."""
+    from fuselight.target import resolve, to_tvm
+
+    return to_tvm(resolve("cuda", "sm_90"))
+
+
+def apply_rule(rule: Any, func: Any, target: Any) -> Any:
+    """``rule``'s schedule of ``func`` for ``target`` (the scheduled PrimFunc), None where it declines."""
+    sch = rule.apply(func.with_attr("target", target), target, False)
+    return None if sch is None else sch.mod["main"]
 
 
 def compile_for_cpu(config: ModelConfig) -> tuple[Any, Any]:

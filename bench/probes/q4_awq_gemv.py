@@ -20,17 +20,13 @@ epilogues its Llama-3-8B build gives them: QKV (cast), o_proj and down (residual
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
 # beside this script (its folder is on sys.path)
-from q4_common import command_line, rel_error
+from q4_common import (TARGET, gemv_row, gemv_target, main, measure_gemv, run_gemv_cases, tensor_to_tvm,
+                       write_gemv_libraries)
 
-COPY_RATE_GBPS = 3000.0  # H100 device-to-device copy (bytes read + written), as q4_gemv.py
-TARGET = {"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024, "max_shared_memory_per_block": 49152,
-          "thread_warp_size": 32}
 CASES = {
     "qkv": dict(n=6144, k=4096, epilogue="cast"),
     "o_proj": dict(n=4096, k=4096, epilogue="residual"),
@@ -42,6 +38,7 @@ CASES = {
 SWEEP = [(4, 4, 16, 8, 4, 2), (4, 4, 32, 8, 8, 2), (4, 8, 16, 8, 4, 2), (8, 4, 16, 8, 8, 2), (2, 4, 16, 8, 8, 2),
          (4, 4, 32, 8, 1, 2), (4, 8, 32, 8, 1, 2), (8, 8, 32, 8, 1, 1), (4, 4, 16, 4, 8, 4), (2, 8, 32, 8, 1, 2),
          (1, 8, 16, 8, 1, 1), (2, 4, 16, 8, 1, 2)]
+WIDTHS = (8, 26)  # of the table's case and kernel names
 
 
 def _name(c: Any) -> str:
@@ -50,22 +47,15 @@ def _name(c: Any) -> str:
 
 def build(out: Path, sweep: bool) -> None:
     import dataclasses
-    import time
 
-    import tvm
-    from fuselight.compile import library_metadata, write_library
     from fuselight.device import require_device
     from fuselight.errors import FuselightError
     from fuselight.quant_prim_funcs import awq_linear
-    from fuselight.rules import dlight_defaults
     from fuselight.rules.base import with_kernels
     from fuselight.rules.gemm import gemv_cols
     from fuselight.rules.gemm.analysis import analyze_matmul
-    from fuselight.target import resolve
-    from tvm.s_tir import dlight as dl
 
-    spec = resolve("cuda", "sm_90")
-    target = tvm.target.Target(dict(TARGET, host={"kind": "llvm"}))
+    _, target = gemv_target()
     ours, base, manifest = {}, {}, {"cases": {}, "target": TARGET}
     for name, case in CASES.items():
         func = awq_linear(**case).with_attr("target", target)
@@ -94,19 +84,7 @@ def build(out: Path, sweep: bool) -> None:
         base[f"{name}__dlight"] = base_func.with_attr("global_symbol", f"{name}__dlight")
         manifest["cases"][name] = {**case, "params": [p.name for p in func.params], "variants": variants,
                                    "dlight_epilogue": base_epilogue}
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    with target:
-        base_mod = dl.ApplyDefaultSchedule(*dlight_defaults(target))(tvm.IRModule(base))
-    for fname, mod in (("ours.so", tvm.IRModule(ours)), ("dlight.so", base_mod)):
-        lib = tvm.compile(mod, target=target)
-        meta = library_metadata(spec, "fuselight" if fname == "ours.so" else "dlight", "dlight (MLC-LLM's GPU rules)",
-                                probe="q4_awq_gemv")
-        write_library(lib, out / fname, meta, spec)
-        print(f"{fname}: {len(mod.functions)} functions, {time.time() - t0:.0f} s", flush=True)
-    manifest["libraries"] = {"ours": "ours.so", "dlight": "dlight.so"}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    print(f"wrote {out}/manifest.json")
+    write_gemv_libraries(out, "q4_awq_gemv", ours, base, manifest)
 
 
 def _inputs(case: dict[str, Any], torch: Any, seed: int) -> dict[str, Any]:
@@ -144,68 +122,33 @@ def _reference(data: dict[str, Any], epilogue: str, torch: Any) -> Any:
     return acc.reshape(1, 1, n)
 
 
-def run(manifest_path: Path, out_json: Path, only: list[str] | None) -> None:
-    import torch
+def _case_record(idx: int, name: str, case: dict[str, Any], libs: dict[str, Any], torch: Any) -> dict[str, Any]:
+    """The case's kernels checked and timed, a row of the table each: its record of the results."""
     import tvm
-    from fuselight.bench.kernels_run import tensor_to_tvm
-    from fuselight.bench.timing import device_name, time_fn
-    from fuselight.runtime import load_module
 
-    root = manifest_path.parent
-    manifest = json.loads(manifest_path.read_text())
-    libs = {key: load_module(root / name)[0] for key, name in manifest["libraries"].items()}
-    results = {"device": device_name("cuda"), "torch": torch.__version__, "manifest": str(manifest_path),
-               "copy_rate_gbps": COPY_RATE_GBPS, "cases": {}}
-    print(f"{'case':<8} {'kernel':<26} {'us':>9} {'%copy':>6} {'rel_err':>9}")
-    for idx, (name, case) in enumerate(manifest["cases"].items()):
-        if only and name not in only:
-            continue
-        data = _inputs(case, torch, seed=8765 + idx)
-        rec: dict[str, Any] = {"shape": {"n": case["n"], "k": case["k"], "m": 1, "quantization": "q4f16_autoawq",
-                                         "epilogue": case["epilogue"]}, "bytes": data["bytes"], "kernels": {}}
-        for lib, vname in [("ours", v) for v in case["variants"]] + [("dlight", "dlight"), ("torch", "torch_fp16_linear")]:
-            entry: dict[str, Any] = {"config": case["variants"].get(vname)} if lib == "ours" else {}
-            try:
-                if lib == "torch":
-                    x2, w = data["x"].reshape(1, -1), data["w"]
-                    fn, out = (lambda: torch.nn.functional.linear(x2, w)), None
-                else:
-                    ref = _reference(data, case["epilogue"] if lib == "ours" else case["dlight_epilogue"], torch)
-                    out = torch.full(tuple(ref.shape), float("nan"), dtype=torch.float16, device="cuda")
-                    params = case["params"][:-1] if lib == "ours" or case["epilogue"] != "silu_mul" else case["params"][:4]
-                    args = [tensor_to_tvm(tvm, torch, data[p]) for p in params] + [tensor_to_tvm(tvm, torch, out)]
-                    f = libs[lib][f"{name}__{vname}"]
-                    fn = lambda f=f, args=args: f(*args)  # noqa: E731
-                fn()
-                torch.cuda.synchronize()
-                if out is not None:
-                    entry["rel_err"] = rel_error(out, ref)
-                    entry["correct"] = bool(entry["rel_err"] < 1e-3)
-                st = time_fn(fn)
-                entry.update(median_us=st.median_us, p10_us=st.p10_us, p90_us=st.p90_us, n=st.n,
-                             gbps=data["bytes"] / st.median_us / 1e3)
-                entry["copy_rate_pct"] = 100 * entry["gbps"] / COPY_RATE_GBPS
-            except Exception as err:  # noqa: BLE001 - record and go on
-                entry["error"] = f"{type(err).__name__}: {err}"[:500]
-            rec["kernels"][vname] = entry
-            us = f"{entry['median_us']:9.2f} {entry['copy_rate_pct']:6.1f}" if "median_us" in entry else f"{'error':>16}"
-            print(f"{name:<8} {vname:<26} {us} {entry.get('rel_err', float('nan')):9.2e}"
-                  f"{'' if entry.get('correct', True) else '  NOT CORRECT'}", flush=True)
-        results["cases"][name] = rec
-        torch.cuda.empty_cache()
-        print(f"{name} done", file=sys.stderr, flush=True)
-    out_json.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {out_json}")
+    data = _inputs(case, torch, seed=8765 + idx)
+    rec: dict[str, Any] = {"shape": {"n": case["n"], "k": case["k"], "m": 1, "quantization": "q4f16_autoawq",
+                                     "epilogue": case["epilogue"]}, "bytes": data["bytes"], "kernels": {}}
+    for lib, vname in [("ours", v) for v in case["variants"]] + [("dlight", "dlight"), ("torch", "torch_fp16_linear")]:
+        entry: dict[str, Any] = {"config": case["variants"].get(vname)} if lib == "ours" else {}
+        if lib == "torch":
+            x2, w = data["x"].reshape(1, -1), data["w"]
+            fn, out, ref = (lambda: torch.nn.functional.linear(x2, w)), None, None
+        else:
+            ref = _reference(data, case["epilogue"] if lib == "ours" else case["dlight_epilogue"], torch)
+            out = torch.full(tuple(ref.shape), float("nan"), dtype=torch.float16, device="cuda")
+            params = case["params"][:-1] if lib == "ours" or case["epilogue"] != "silu_mul" else case["params"][:4]
+            args = [tensor_to_tvm(tvm, torch, data[p]) for p in params] + [tensor_to_tvm(tvm, torch, out)]
+            f = libs[lib][f"{name}__{vname}"]
+            fn = lambda f=f, args=args: f(*args)  # noqa: E731
+        rec["kernels"][vname] = measure_gemv(fn, out, ref, 1e-3, data["bytes"], torch, entry)
+        print(gemv_row(name, vname, entry, WIDTHS), flush=True)
+    return rec
 
 
-def main() -> None:
-    ap, _ = command_line(__doc__, "leave out the config sweep")
-    a = ap.parse_args()
-    if a.cmd == "build":
-        build(a.out, not a.no_sweep)
-    else:
-        run(a.manifest, a.output, a.cases)
+def run(manifest_path: Path, out_json: Path, only: list[str] | None) -> None:
+    run_gemv_cases(manifest_path, out_json, only, WIDTHS, _case_record)
 
 
 if __name__ == "__main__":
-    main()
+    main(__doc__, build, run)

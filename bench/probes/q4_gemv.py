@@ -28,16 +28,13 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 # beside this script (its folder is on sys.path)
-from q4_common import CASES, command_line, kernel_args, linear_args, q4_tokens, q4_weights, rel_error
+from q4_common import (CASES, TARGET, chosen_cases, command_line, gemv_target, kernel_args, linear_args, measure_gemv,
+                       open_gemv_run, q4_tokens, q4_weights, write_gemv_libraries)
 
-COPY_RATE_GBPS = 3000.0  # H100 device-to-device copy (bytes read + written), shared/device/README.md
-TARGET = {"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024, "max_shared_memory_per_block": 49152,
-          "thread_warp_size": 32}
 # Token rows timed: decode (1) and batch decode up to the GEMV buckets' 16.
 MS = (1, 2, 3, 4, 5, 7, 8, 11, 13, 16)
 
@@ -96,21 +93,13 @@ def _dlight_batch(func: Any, target: Any) -> dict[str, tuple[Any, str]]:
 
 
 def build(out: Path, sweep: bool) -> None:
-    import tvm
-    from fuselight.compile import library_metadata, write_library
     from fuselight.quant_prim_funcs import q4_linear
-    from fuselight.rules import dlight_defaults
     from fuselight.rules.base import with_kernels
     from fuselight.rules.gemm import gemv
     from fuselight.rules.gemm.analysis import analyze_matmul
     from fuselight.rules.gemv import Gemv, gemv_config, symbolic_m_buckets
-    from fuselight.runtime import cuda_sources
-    from fuselight.target import resolve
-    from tvm.s_tir import dlight as dl
 
-    spec = resolve("cuda", "sm_90")
-    target = tvm.target.Target(dict(TARGET, host={"kind": "llvm"}))
-    assert {k: str(v) for k, v in TARGET.items()}.items() <= {k: str(v) for k, v in spec.options.items()}.items(), spec.options
+    _, target = gemv_target()
     ours, base, base_batch, manifest = {}, {}, {}, {"cases": {}, "target": TARGET, "ms": list(MS)}
     for name, case in CASES.items():
         entry: dict[str, Any] = {**case, "functions": {"decode": f"{name}__m1", "batch": f"{name}__batch"}, "variants": {}}
@@ -147,21 +136,7 @@ def build(out: Path, sweep: bool) -> None:
             base_batch[f"{name}__batch_{key}"] = f.with_attr("global_symbol", f"{name}__batch_{key}")
             entry["dlight_batch"][key] = {"function": f"{name}__batch_{key}", "rule": rule}
         manifest["cases"][name] = entry
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    with target:
-        base_mod = dl.ApplyDefaultSchedule(*dlight_defaults(target))(tvm.IRModule(base))
-    base_mod.update(tvm.IRModule(base_batch))
-    for fname, mod in (("ours.so", tvm.IRModule(ours)), ("dlight.so", base_mod)):
-        lib = tvm.compile(mod, target=target)
-        meta = library_metadata(spec, "fuselight" if fname == "ours.so" else "dlight", "dlight (MLC-LLM's GPU rules)",
-                                probe="q4_gemv")
-        write_library(lib, out / fname, meta, spec)
-        (out / fname.replace(".so", ".cu")).write_text("\n".join(cuda_sources(lib)))  # to read, and ptxas -v
-        print(f"{fname}: {len(mod.functions)} functions, {time.time() - t0:.0f} s", flush=True)
-    manifest["libraries"] = {"ours": "ours.so", "dlight": "dlight.so"}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    print(f"wrote {out}/manifest.json")
+    write_gemv_libraries(out, "q4_gemv", ours, base, manifest, scheduled_base=base_batch, sources=True)
 
 
 # ---- run --------------------------------------------------------------------------------------
@@ -169,20 +144,12 @@ def build(out: Path, sweep: bool) -> None:
 
 def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[int] | None) -> None:
     import torch
-    from fuselight.bench.timing import device_name, time_fn
-    from fuselight.runtime import load_module
 
-    root = manifest_path.parent
-    manifest = json.loads(manifest_path.read_text())
-    libs = {key: load_module(root / name)[0] for key, name in manifest["libraries"].items()}
+    manifest, libs, results = open_gemv_run(manifest_path, torch)
     import tvm
 
-    results = {"device": device_name("cuda"), "torch": torch.__version__, "manifest": str(manifest_path),
-               "copy_rate_gbps": COPY_RATE_GBPS, "cases": {}}
     rows = []
-    for idx, (name, case) in enumerate(manifest["cases"].items()):
-        if only and name not in only:
-            continue
+    for idx, name, case in chosen_cases(manifest, only):
         wd = q4_weights(case, torch, seed=1234 + idx)
         n, k = wd["n"], wd["k"]
         group = case.get("group", 32)
@@ -206,20 +173,7 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
             mrec: dict[str, Any] = {"shape": {"n": n, "k": k, "m": m, "quantization": quant}, "kernels": {}}
 
             def measure(label: str, fn: Any, out: Any | None) -> None:
-                entry: dict[str, Any] = {}
-                try:
-                    fn()
-                    torch.cuda.synchronize()
-                    if out is not None:
-                        entry["rel_err"] = rel_error(out, data["ref"])
-                        entry["correct"] = bool(entry["rel_err"] < tolerance)
-                    st = time_fn(fn)
-                    entry.update(median_us=st.median_us, p10_us=st.p10_us, p90_us=st.p90_us, n=st.n,
-                                 gbps=weight_bytes / st.median_us / 1e3)
-                    entry["copy_rate_pct"] = 100 * entry["gbps"] / COPY_RATE_GBPS
-                except Exception as err:  # noqa: BLE001 - record and go on
-                    entry["error"] = f"{type(err).__name__}: {err}"[:500]
-                mrec["kernels"][label] = entry
+                mrec["kernels"][label] = measure_gemv(fn, out, data["ref"], tolerance, weight_bytes, torch)
 
             def tvm_kernel(lib_key: str, fname: str) -> tuple[Any, Any]:
                 out = torch.full((m, 1, n), float("nan"), dtype=data["out_dtype"], device="cuda")

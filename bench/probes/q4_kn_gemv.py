@@ -19,22 +19,18 @@ model has it).
 
 from __future__ import annotations
 
-import json
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 # beside this script (its folder is on sys.path)
-from q4_common import CASES, command_line, linear_args, q4_tokens, q4_weights, rel_error
+from q4_common import (CASES, TARGET, gemv_row, gemv_target, linear_args, main, measure_gemv, q4_tokens, q4_weights,
+                       run_gemv_cases, tensor_to_tvm, write_gemv_libraries)
 
-COPY_RATE_GBPS = 3000.0  # H100 device-to-device copy (bytes read + written), as q4_gemv.py
-TARGET = {"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024, "max_shared_memory_per_block": 49152,
-          "thread_warp_size": 32}
 KN_CASES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
 # Configs tried besides the shipped one: (lanes_n, warps, unroll, min_blocks_per_sm).
 SWEEP = [(8, 8, 4, 2), (2, 8, 4, 2), (4, 4, 4, 4), (4, 8, 2, 2), (4, 8, 8, 2), (4, 16, 4, 1), (8, 4, 4, 4),
          (8, 8, 8, 1), (4, 8, 4, 1), (4, 8, 4, 3)]
+WIDTHS = (10, 16)  # of the table's case and kernel names
 
 
 def _case(name: str) -> dict[str, Any]:
@@ -51,19 +47,13 @@ def _vname(lanes_n: int, warps: int, unroll: int, blocks: int) -> str:
 def build(out: Path, sweep: bool) -> None:
     import dataclasses
 
-    import tvm
-    from fuselight.compile import library_metadata, write_library
     from fuselight.quant_prim_funcs import q4_linear
-    from fuselight.rules import dlight_defaults
     from fuselight.rules.base import with_kernels
     from fuselight.rules.gemm import gemv_kn
     from fuselight.rules.gemm.analysis import analyze_matmul
     from fuselight.rules.gemv import Gemv, kn_gemv_config
-    from fuselight.target import resolve
-    from tvm.s_tir import dlight as dl
 
-    spec = resolve("cuda", "sm_90")
-    target = tvm.target.Target(dict(TARGET, host={"kind": "llvm"}))
+    _, target = gemv_target()
     ours, base, manifest = {}, {}, {"cases": {}, "target": TARGET}
     for name in KN_CASES:
         case = _case(name)
@@ -85,92 +75,45 @@ def build(out: Path, sweep: bool) -> None:
             entry["variants"][vname] = dataclasses.asdict(cfg)
         base[f"{name}__dlight"] = func.with_attr("global_symbol", f"{name}__dlight")
         manifest["cases"][name] = entry
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    with target:
-        base_mod = dl.ApplyDefaultSchedule(*dlight_defaults(target))(tvm.IRModule(base))
-    for fname, mod in (("ours.so", tvm.IRModule(ours)), ("dlight.so", base_mod)):
-        lib = tvm.compile(mod, target=target)
-        meta = library_metadata(spec, "fuselight" if fname == "ours.so" else "dlight", "dlight (MLC-LLM's GPU rules)",
-                                probe="q4_kn_gemv")
-        write_library(lib, out / fname, meta, spec)
-        print(f"{fname}: {len(mod.functions)} functions, {time.time() - t0:.0f} s", flush=True)
-    manifest["libraries"] = {"ours": "ours.so", "dlight": "dlight.so"}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    print(f"wrote {out}/manifest.json")
+    write_gemv_libraries(out, "q4_kn_gemv", ours, base, manifest)
+
+
+def _case_record(idx: int, name: str, case: dict[str, Any], libs: dict[str, Any], torch: Any) -> dict[str, Any]:
+    """The case's kernels checked and timed, a row of the table each: its record of the results."""
+    import tvm
+
+    wd = q4_weights(case, torch, seed=4321 + idx)
+    n, k = wd["n"], wd["k"]
+    weight_bytes = n * k // 2 + n * (k // case.get("group", 32)) * 2
+    data = q4_tokens(case, wd, (1, 1), torch)
+    # The same words and scales in the KN layout: packed[K / 8, N], scale[K / group, N].
+    by_name = {"q_weight": wd["q"].T.contiguous(), "q_scale": wd["scale"].T.contiguous(), "x": data["x"],
+               "r": data.get("r")}
+    rec: dict[str, Any] = {"n": n, "k": k, "weight_bytes": weight_bytes, "shape": {"n": n, "k": k, "m": 1,
+                           "quantization": "q4f16_0"}, "kernels": {}}
+
+    def measure(label: str, fn: Any, out: Any | None, cfg: dict | None = None) -> None:
+        entry = measure_gemv(fn, out, data["ref"], 1e-3, weight_bytes, torch, None if cfg is None else {"config": cfg})
+        rec["kernels"][label] = entry
+        print(gemv_row(name, label, entry, WIDTHS), flush=True)
+
+    def kernel(lib: str, fname: str) -> tuple[Any, Any]:
+        out = torch.full((1, 1, n), float("nan"), dtype=data["out_dtype"], device="cuda")
+        args = [tensor_to_tvm(tvm, torch, by_name[p]) for p in case["params"][:-1]] + [tensor_to_tvm(tvm, torch, out)]
+        f = libs[lib][fname]
+        return (lambda: f(*args)), out
+
+    for vname, cfg in case["variants"].items():
+        measure(vname, *kernel("ours", f"{name}__{vname}"), cfg)
+    measure("dlight", *kernel("dlight", f"{name}__dlight"))
+    x2 = data["x"].reshape(1, k)
+    measure("torch_fp16_linear", lambda: torch.nn.functional.linear(x2, wd["w"]), None)
+    return rec
 
 
 def run(manifest_path: Path, out_json: Path, only: list[str] | None) -> None:
-    import torch
-    from fuselight.bench.kernels_run import tensor_to_tvm
-    from fuselight.bench.timing import device_name, time_fn
-    from fuselight.runtime import load_module
-
-    root = manifest_path.parent
-    manifest = json.loads(manifest_path.read_text())
-    libs = {key: load_module(root / name)[0] for key, name in manifest["libraries"].items()}
-    import tvm
-    results = {"device": device_name("cuda"), "torch": torch.__version__, "manifest": str(manifest_path),
-               "copy_rate_gbps": COPY_RATE_GBPS, "cases": {}}
-    print(f"{'case':<10} {'kernel':<16} {'us':>9} {'%copy':>6} {'rel_err':>9}")
-    for idx, (name, case) in enumerate(manifest["cases"].items()):
-        if only and name not in only:
-            continue
-        wd = q4_weights(case, torch, seed=4321 + idx)
-        n, k = wd["n"], wd["k"]
-        weight_bytes = n * k // 2 + n * (k // case.get("group", 32)) * 2
-        data = q4_tokens(case, wd, (1, 1), torch)
-        # The same words and scales in the KN layout: packed[K / 8, N], scale[K / group, N].
-        by_name = {"q_weight": wd["q"].T.contiguous(), "q_scale": wd["scale"].T.contiguous(), "x": data["x"],
-                   "r": data.get("r")}
-        rec: dict[str, Any] = {"n": n, "k": k, "weight_bytes": weight_bytes, "shape": {"n": n, "k": k, "m": 1,
-                               "quantization": "q4f16_0"}, "kernels": {}}
-
-        def measure(label: str, fn: Any, out: Any | None, cfg: dict | None = None) -> None:
-            entry: dict[str, Any] = {} if cfg is None else {"config": cfg}
-            try:
-                fn()
-                torch.cuda.synchronize()
-                if out is not None:
-                    entry["rel_err"] = rel_error(out, data["ref"])
-                    entry["correct"] = bool(entry["rel_err"] < 1e-3)
-                st = time_fn(fn)
-                entry.update(median_us=st.median_us, p10_us=st.p10_us, p90_us=st.p90_us, n=st.n,
-                             gbps=weight_bytes / st.median_us / 1e3)
-                entry["copy_rate_pct"] = 100 * entry["gbps"] / COPY_RATE_GBPS
-            except Exception as err:  # noqa: BLE001 - record and go on
-                entry["error"] = f"{type(err).__name__}: {err}"[:500]
-            rec["kernels"][label] = entry
-            us = f"{entry['median_us']:9.2f} {entry['copy_rate_pct']:6.1f}" if "median_us" in entry else f"{'error':>16}"
-            print(f"{name:<10} {label:<16} {us} {entry.get('rel_err', float('nan')):9.2e}"
-                  f"{'' if entry.get('correct', True) else '  NOT CORRECT'}", flush=True)
-
-        def kernel(lib: str, fname: str) -> tuple[Any, Any]:
-            out = torch.full((1, 1, n), float("nan"), dtype=data["out_dtype"], device="cuda")
-            args = [tensor_to_tvm(tvm, torch, by_name[p]) for p in case["params"][:-1]] + [tensor_to_tvm(tvm, torch, out)]
-            f = libs[lib][fname]
-            return (lambda: f(*args)), out
-
-        for vname, cfg in case["variants"].items():
-            measure(vname, *kernel("ours", f"{name}__{vname}"), cfg)
-        measure("dlight", *kernel("dlight", f"{name}__dlight"))
-        x2 = data["x"].reshape(1, k)
-        measure("torch_fp16_linear", lambda: torch.nn.functional.linear(x2, wd["w"]), None)
-        results["cases"][name] = rec
-        torch.cuda.empty_cache()
-        print(f"{name} done", file=sys.stderr, flush=True)
-    out_json.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {out_json}")
-
-
-def main() -> None:
-    ap, r = command_line(__doc__, "leave out the config sweep")
-    a = ap.parse_args()
-    if a.cmd == "build":
-        build(a.out, not a.no_sweep)
-    else:
-        run(a.manifest, a.output, a.cases)
+    run_gemv_cases(manifest_path, out_json, only, WIDTHS, _case_record)
 
 
 if __name__ == "__main__":
-    main()
+    main(__doc__, build, run)

@@ -19,7 +19,6 @@ from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemm.gemv_common import GemvConfig
 from fuselight.rules.gemv import Gemv
 from fuselight.rules.matmul import Matmul
-from fuselight.target import resolve, to_tvm
 from tvm import te, tirx
 
 AWQ_PLACES = (0, 4, 1, 5, 2, 6, 3, 7)  # place in its word of value n % 8 (AutoAWQ's packing order)
@@ -37,11 +36,6 @@ def _dequantize_from(d, q: np.ndarray, z: np.ndarray, s: np.ndarray) -> np.ndarr
     w, zeros = unpack(q), unpack(z)  # [K, N], [K / group, N]
     per_k = np.arange(q.shape[0]) // d.group  # each k's group
     return ((w - zeros[per_k]) * s.astype(np.float64)[per_k]).T
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    return to_tvm(resolve("cuda", "sm_90"))
 
 
 # ---- what it recognises ---------------------------------------------------------------------

@@ -15,7 +15,7 @@ import re
 
 import numpy as np
 import pytest
-from conftest import needs_nvcc
+from conftest import apply_rule, needs_nvcc
 from tir_query import evaluate, kernels
 from fuselight.paths import config_dir
 
@@ -25,7 +25,7 @@ from fuselight.quant_prim_funcs import q4_linear
 from fuselight.rules.arch_config import per_sm_counts
 from fuselight.rules.gemm import dispatch
 from fuselight.rules.gemm.analysis import analyze_matmul
-from fuselight.rules.gemm.mma_sync import Q4_DEQUANT, mma_sync_gemm, q4_dequant_source
+from fuselight.rules.gemm.mma_sync import Q4_DEQUANT, q4_dequant_source
 from fuselight.rules.gemm.plan import GemmPlan, GemmTile, check_plan, q4_smem, shared_bytes
 from fuselight.rules.gemm.wgmma import (
     MAX_DYNAMIC_SMEM,
@@ -36,20 +36,9 @@ from fuselight.rules.gemm.wgmma import (
 from fuselight.rules.gemm.wgmma import smem_bytes as wgmma_smem_bytes
 from fuselight.rules.gemv import symbolic_m_buckets
 from fuselight.rules.matmul import Matmul
-from fuselight.target import resolve, to_tvm
 from tvm import te, tirx
 
 LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (None, 4096)]
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    return to_tvm(resolve("cuda", "sm_90"))
-
-
-def _scheduled(func, target):
-    sch = Matmul().apply(func.with_attr("target", target), target, False)
-    return None if sch is None else sch.mod["main"]
 
 
 def _source(kernel, target) -> str:
@@ -164,7 +153,7 @@ def test_q4_ranges_cover_every_m_with_valid_plans(n, k):
 
 def test_rule_takes_mlcs_prefill_projection(cuda):
     func = q4_linear(6144, 4096, m=None)  # fused_dequantize1_fused_NT_matmul_astype
-    kernel = _scheduled(func, cuda)
+    kernel = apply_rule(Matmul(), func, cuda)
     assert kernel is not None
     assert [p.name for p in kernel.params] == [p.name for p in func.params]  # the signature stays
     ops = analyze_matmul(func, dequant=True).operands
@@ -206,7 +195,7 @@ def test_rule_takes_mlcs_prefill_projection(cuda):
 
 def test_rule_takes_the_lm_head_with_a_symbolic_vocabulary(cuda):
     func = q4_linear(None, 4096, m=None, epilogue="cast_fp32")
-    found = kernels(_scheduled(func, cuda))
+    found = kernels(apply_rule(Matmul(), func, cuda))
     # configs/gemm/gemv_q4.json's five buckets (M <= 1, 2, 4, 8, 16: the row template, then mma),
     # then mma_sync_q4.json's four ranges; all write the logits only, over a grid that follows the
     # vocabulary at run time.
@@ -229,7 +218,7 @@ def test_rule_takes_the_lm_head_with_a_symbolic_vocabulary(cuda):
 )
 def test_rule_leaves_what_the_template_does_not_dequantize(kwargs, cuda):
     func = q4_linear(4096, 4096, m=None, **kwargs)
-    assert _scheduled(func, cuda) is None
+    assert apply_rule(Matmul(), func, cuda) is None
 
 
 def test_rule_leaves_a_zero_point_buffer(cuda):
@@ -250,7 +239,7 @@ def test_rule_leaves_a_zero_point_buffer(cuda):
     r = te.reduce_axis((0, k), name="k")
     acc = te.compute((mm, n), lambda b, i: te.sum(tirx.Cast("float32", x[b, r]) * tirx.Cast("float32", w[i, r]), axis=r))
     out = te.compute((mm, n), lambda b, i: tirx.Cast("float16", acc[b, i]), name="cast")
-    assert _scheduled(te.create_prim_func([q, s, z, x, out]), cuda) is None
+    assert apply_rule(Matmul(), te.create_prim_func([q, s, z, x, out]), cuda) is None
 
 
 def test_plan_checks_name_the_problem():
@@ -347,7 +336,7 @@ def test_nvcc_compiles_every_variant(cuda):
         "g128": q4_linear(4096, 4096, m=None, group=128),
         "static_m": q4_linear(4096, 4096, m=512),
     }
-    kernels = {name: _scheduled(f, cuda).with_attr("global_symbol", name) for name, f in funcs.items()}
+    kernels = {name: apply_rule(Matmul(), f, cuda).with_attr("global_symbol", name) for name, f in funcs.items()}
     # One module a dtype: kernels of both would declare the dynamic shared buffer with two types.
     for dtype in ("float16", "bfloat16"):
         mod = tvm.IRModule({nm: k for nm, k in kernels.items() if (nm == "bf16") == (dtype == "bfloat16")})

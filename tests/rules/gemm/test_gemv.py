@@ -8,25 +8,19 @@ import dataclasses
 import json
 
 import pytest
-from conftest import needs_nvcc
+from conftest import apply_rule, needs_nvcc
 import tvm
 from fuselight.errors import FuselightError
 from fuselight.rules.gemm import estimate, gemv, gemv_common
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemv import Gemv
 from fuselight.rules.matmul import Matmul
-from fuselight.target import resolve, to_tvm
 from fuselight.tune.gemm import matmul_prim_func
 from tvm import tirx
 from tvm.script import tirx as T
 from tir_query import kernel
 
 LM_HEAD = (128256, 4096)
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    return to_tvm(resolve("cuda", "sm_90"))
 
 
 def _lm_head(n: int, k: int, m: int) -> tirx.PrimFunc:
@@ -86,11 +80,6 @@ def _linear_residual(n: int, k: int, m: int) -> tirx.PrimFunc:
     return func
 
 
-def _scheduled(func: tirx.PrimFunc, target) -> tirx.PrimFunc | None:
-    sch = Gemv().apply(func.with_attr("target", target), target, False)
-    return None if sch is None else sch.mod["main"]
-
-
 # The shipped sm_90 buckets (configs/gemm/gemv.json), read by hand. The rule sizes the grid as
 # blocks of 16 rows (16 warps, a row each): qkv's 384 blocks take the bucket for grids up to 528
 # (two blocks an SM); o_proj's and down's 256 the one for up to 256 (o_proj's K of 4096 also asks L2
@@ -100,7 +89,7 @@ def _scheduled(func: tirx.PrimFunc, target) -> tirx.PrimFunc | None:
     (28672, 4096, 3584, 8, 2, False), (4096, 14336, 256, 16, 1, False)])
 def test_rule_takes_llama_decode_gemvs_with_their_buckets(n, k, blocks, warps, min_blocks, prefetch, cuda):
     func = matmul_prim_func(n, k, "float16", m=1)
-    scheduled = _scheduled(func, cuda)
+    scheduled = apply_rule(Gemv(), func, cuda)
     assert [p.name for p in scheduled.params] == [p.name for p in func.params]  # the signature stays
     kern = kernel(scheduled)  # one launch: the cast epilogue is fused
     assert kern.launch == {"blockIdx.x": blocks, "threadIdx.x": 32 * warps}
@@ -136,7 +125,7 @@ def test_config_for_takes_the_smallest_grid_bucket_that_fits():
 def test_rule_takes_the_lm_head_with_its_two_casts(cuda):
     desc = Gemv.analyze(_lm_head(*LM_HEAD, 1))
     assert desc is not None and desc.out_dtype == "float32" and len(desc.epilogue_stages) == 2
-    kern = kernel(_scheduled(_lm_head(*LM_HEAD, 1), cuda))
+    kern = kernel(apply_rule(Gemv(), _lm_head(*LM_HEAD, 1), cuda))
     # 128256 rows in the bucket for any grid (8 warps, a row each): 16032 blocks of 256 threads
     assert kern.launch == {"blockIdx.x": 128256 // 8, "threadIdx.x": 256}
     # Both casts in the one kernel: the fp32 sum rounded to fp16, then widened, straight into O.
@@ -149,7 +138,7 @@ def test_rule_takes_the_lm_head_with_its_two_casts(cuda):
 
 def test_rule_fuses_a_residual_add_epilogue(cuda):
     func = _linear_residual(4096, 4096, 1)
-    kern = kernel(_scheduled(func, cuda))
+    kern = kernel(apply_rule(Gemv(), func, cuda))
     assert kern.outputs == {"O"}
     (value,) = kern.values["O"]  # cast(sum) + R[row]: the residual is read in the epilogue
     assert isinstance(value, tirx.Add) and isinstance(value.a, tirx.Cast) and str(value.a.ty) == "float16"
@@ -162,7 +151,7 @@ def test_rule_takes_a_target_that_does_not_state_its_shared_memory():
     # The kernel's shared memory is static: without the target's figure, CUDA's static limit bounds it.
     bare = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
     assert "max_shared_memory_per_block" not in bare.attrs
-    kern = kernel(_scheduled(matmul_prim_func(4096, 4096, "float16", m=1), bare))
+    kern = kernel(apply_rule(Gemv(), matmul_prim_func(4096, 4096, "float16", m=1), bare))
     assert kern.launch == {"blockIdx.x": 256, "threadIdx.x": 512}  # o_proj's bucket, as with the full target
     shared = [shape for scope, _, shape in kern.allocs.values() if scope == "shared"]
     assert shared == [(4096,)]  # 8 KiB of fp16: under CUDA's 48 KiB static limit
@@ -173,7 +162,7 @@ def test_rule_takes_a_target_that_does_not_state_its_shared_memory():
 # floats, for each warp). Buckets: M 2 and 8 take 16 warps, M 9 and 15 the 16-token bucket's 4.
 @pytest.mark.parametrize("m,warps", [(2, 16), (8, 16), (9, 4), (15, 4)])
 def test_rule_takes_every_static_m_below_min_static_m(m, warps, cuda):
-    kern = kernel(_scheduled(matmul_prim_func(4096, 4096, "float16", m=m), cuda))
+    kern = kernel(apply_rule(Gemv(), matmul_prim_func(4096, 4096, "float16", m=m), cuda))
     tiles = -(-m // 8)
     assert kern.launch == {"blockIdx.x": 4096 // 16, "threadIdx.x": 32 * warps}
     assert kern.calls["tirx.ptx.mma_legacy"] == 1 and "tirx.tvm_warp_shuffle_xor" not in kern.calls
@@ -185,7 +174,7 @@ def test_rule_takes_every_static_m_below_min_static_m(m, warps, cuda):
 def test_rule_leaves_matmul_m_dynamic_m_and_cpu(cuda):
     min_m = estimate.load_dispatch("sm_90").min_static_m
     at_min = matmul_prim_func(4096, 4096, "float16", m=min_m)
-    assert _scheduled(at_min, cuda) is None
+    assert apply_rule(Gemv(), at_min, cuda) is None
     assert Matmul().apply(at_min.with_attr("target", cuda), cuda, False) is not None  # the Matmul rule's
     assert Gemv.analyze(matmul_prim_func(4096, 4096, "float16")) is None  # dynamic M: the Matmul rule's
     llvm = tvm.target.Target("llvm")
@@ -193,7 +182,7 @@ def test_rule_leaves_matmul_m_dynamic_m_and_cpu(cuda):
 
 
 def test_rule_leaves_what_the_template_does_not_take(cuda):
-    assert _scheduled(matmul_prim_func(4096, 4100, "float16", m=1), cuda) is None  # K not a multiple of 32
+    assert apply_rule(Gemv(), matmul_prim_func(4096, 4100, "float16", m=1), cuda) is None  # K not a multiple of 32
 
     @T.prim_func(private=True, s_tir=True)
     def add(a: T.Buffer((1, 4096), "float16"), b: T.Buffer((1, 4096), "float16")):
@@ -228,9 +217,9 @@ def test_symbolic_m_template_builds_one_kernel_for_every_m_up_to_16(cuda):
 def test_nvcc_compiles_the_gemv_kernels(cuda):
     from fuselight.cuda_compile import compile_cuda
 
-    funcs = {"gemv": _scheduled(matmul_prim_func(4096, 14336, "float16", m=1), cuda),
-             "lm_head": _scheduled(_lm_head(*LM_HEAD, 3), cuda),
-             "m15": _scheduled(matmul_prim_func(4096, 4096, "bfloat16", m=15), cuda)}
+    funcs = {"gemv": apply_rule(Gemv(), matmul_prim_func(4096, 14336, "float16", m=1), cuda),
+             "lm_head": apply_rule(Gemv(), _lm_head(*LM_HEAD, 3), cuda),
+             "m15": apply_rule(Gemv(), matmul_prim_func(4096, 4096, "bfloat16", m=15), cuda)}
     lib = tvm.compile(tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()}), target=cuda)
     assert compile_cuda(lib.mod.imports[0].inspect_source("cuda"), "sm_90")
 

@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from conftest import require_nvcc
+from conftest import apply_rule, require_nvcc
 from tir_query import evaluate, kernels
 
 tvm = pytest.importorskip("tvm")
@@ -31,16 +31,6 @@ from tvm import tirx
 AWQ = SCHEMES["q4f16_autoawq"]
 
 
-@pytest.fixture(scope="module")
-def cuda():
-    return to_tvm(resolve("cuda", "sm_90"))
-
-
-def _scheduled(func, target):
-    sch = Gemv().apply(func.with_attr("target", target), target, False)
-    return None if sch is None else sch.mod["main"]
-
-
 def _ops(func):
     return analyze_matmul(func, dequant=True).operands
 
@@ -53,7 +43,7 @@ def _ops(func):
                          ids=["qkv", "o_proj", "down", "gate_up"])
 def test_rule_takes_llama_awq_decode(cuda, n, k, epilogue, lanes_n, warps):
     func = awq_linear(n, k, epilogue=epilogue)
-    (main,) = kernels(_scheduled(func, cuda))
+    (main,) = kernels(apply_rule(Gemv(), func, cuda))
     # configs/gemm/gemv_cols.json, read by hand: one launch; N up to 8192 in tiles of 32 columns (one
     # lane's 16 bytes a row) of 8 warps, gate_up in tiles of 64 gate and 64 up columns of 8 warps.
     out_cols = n // 2 if epilogue == "silu_mul" else n
@@ -98,15 +88,15 @@ def test_rule_takes_the_norm_prologue(cuda, epilogue):
     func = _with_norm(6144 if epilogue == "cast" else 28672, 4096, epilogue)
     ops = analyze_matmul(func, prologue=True, dequant=True).operands
     assert ops.prologue is not None and ops.prologue.residual is not None
-    main = kernels(_scheduled(func, cuda))[0]
+    main = kernels(apply_rule(Gemv(), func, cuda))[0]
     assert main.allocs["smem"][0] == "shared" and "Tg" in main.outputs  # x + r, in slices
     assert main.calls["tirx.rsqrt"] == 1
 
 
 def test_rule_declines_what_the_template_does_not_serve(cuda):
-    assert _scheduled(awq_linear(2144, 640), cuda) is not None  # the control
-    assert _scheduled(awq_linear(2144, 640, m=2), cuda) is None  # M past 1: DLight
-    assert _scheduled(awq_linear(296, 640), cuda) is None  # N not whole pieces of 32 columns (16-byte words)
+    assert apply_rule(Gemv(), awq_linear(2144, 640), cuda) is not None  # the control
+    assert apply_rule(Gemv(), awq_linear(2144, 640, m=2), cuda) is None  # M past 1: DLight
+    assert apply_rule(Gemv(), awq_linear(296, 640), cuda) is None  # N not whole pieces of 32 columns (16-byte words)
     # q4f16_1 (NK) and q4f16_0 (KN): the templates of words along K, never this one.
     for layout in ("NK", "KN"):
         ops = _ops(q4_linear(4096, 4096, layout=layout))
@@ -116,7 +106,7 @@ def test_rule_declines_what_the_template_does_not_serve(cuda):
     # A symbolic batch of AWQ: no bucket (DLight schedules it).
     sym = _symbolic_batch(tirx.Var("batch_size", "int64"))
     assert analyze_matmul(sym, dequant=True).m_static is None
-    assert _scheduled(sym, cuda) is None and not Gemv.takes(sym.with_attr("target", cuda), cuda)
+    assert apply_rule(Gemv(), sym, cuda) is None and not Gemv.takes(sym.with_attr("target", cuda), cuda)
 
 
 def _symbolic_batch(batch):
@@ -184,7 +174,7 @@ def test_kernel_indexes_as_the_emulation(cuda, n, k, epilogue):
     func = awq_linear(n, k, epilogue=epilogue)
     ops = _ops(func)
     cfg = gemv_cols.cols_config(ops, "sm_90")
-    scheduled = _scheduled(func, cuda)
+    scheduled = apply_rule(Gemv(), func, cuda)
     lets, main = _lets(scheduled), kernels(scheduled)[0]
     words, d = n // 8, ops.dequant
     for bx, by, tid, it in ((0, 0, 0, 0), (3, cfg.split_k - 1, 77, 0), (5, 0, 127, 1)):
@@ -373,7 +363,7 @@ def test_nvcc_compiles_the_kernels():
     split_cfg = ColsConfig(lanes_n=4, warps=4, run_rows=16, unroll=8, min_blocks_per_sm=2, split_k=8)
     for arch, names in (("sm_90", list(funcs)), ("sm_80", ["gate_up"])):
         target = to_tvm(resolve("cuda", arch))
-        mod = tvm.IRModule({name: _scheduled(funcs[name], target).with_attr("global_symbol", name) for name in names})
+        mod = tvm.IRModule({name: apply_rule(Gemv(), funcs[name], target).with_attr("global_symbol", name) for name in names})
         if arch == "sm_90":  # split K: the second launch's residual epilogue
             mod["split"] = with_kernels(split, gemv_cols.cols_body(_ops(split), split_cfg)).with_attr("global_symbol", "split")
         sources[arch] = tvm.compile(mod, target=target).mod.imports[0].inspect_source("cuda")

@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 import pytest
-from conftest import require_nvcc
+from conftest import apply_rule, require_nvcc
 from tir_query import evaluate, kernel, kernels
 
 tvm = pytest.importorskip("tvm")
@@ -27,23 +27,12 @@ from fuselight.rules.base import with_kernels
 from fuselight.rules.gemm import gemv_kn
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemv import Gemv, kn_gemv_config, symbolic_m_buckets
-from fuselight.target import resolve, to_tvm
 from tvm import relax, te, tirx
 
 # The template's parameters the tests read by hand: a lane owns 4 columns (a uint4 of words).
 COLS_PER_LANE = 4
 WARP = 32
 EPS = 1e-5
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    return to_tvm(resolve("cuda", "sm_90"))
-
-
-def _scheduled(func, target):
-    sch = Gemv().apply(func.with_attr("target", target), target, False)
-    return None if sch is None else sch.mod["main"]
 
 
 def _cfg():
@@ -65,7 +54,7 @@ def _cfg():
 ])
 def test_rule_takes_kn_decode_functions(cuda, n, k, kwargs):
     func = q4_linear(n, k, layout="KN", **kwargs)
-    scheduled = _scheduled(func, cuda)
+    scheduled = apply_rule(Gemv(), func, cuda)
     assert scheduled is not None
     assert [p.name for p in scheduled.params] == [p.name for p in func.params]
     kern = kernel(scheduled)
@@ -85,7 +74,7 @@ def test_rule_takes_kn_decode_functions(cuda, n, k, kwargs):
 def test_a_symbolic_vocabulary_branches_on_its_alignment(cuda):
     # MLC-LLM's LM head: N (vocab_size) known at launch. Two kernels behind a host-side branch on
     # N % 4: 16-byte loads where it holds, one word at a time otherwise; both grids follow N.
-    scheduled = _scheduled(q4_linear(None, 4096, layout="KN", epilogue="cast_fp32"), cuda)
+    scheduled = apply_rule(Gemv(), q4_linear(None, 4096, layout="KN", epilogue="cast_fp32"), cuda)
     found = kernels(scheduled)
     assert len(found) == 2
     assert [k.vectorized[4] > 0 for k in found] == [True, False] and found[1].vectorized[1] > 0
@@ -110,7 +99,7 @@ def test_rule_takes_the_fused_decode_functions(cuda, name):
     # its 4 up columns a word row, paired_unroll word rows in flight.
     func = FUSED[name]()
     ops = analyze_matmul(func, prologue=True, dequant=True).operands
-    scheduled = _scheduled(func, cuda)
+    scheduled = apply_rule(Gemv(), func, cuda)
     assert scheduled is not None and [p.name for p in scheduled.params] == [p.name for p in func.params]
     kern = kernel(scheduled)
     cfg = _cfg()
@@ -135,15 +124,15 @@ FUSED = {
 
 
 def test_rule_leaves_what_the_template_does_not_serve(cuda):
-    assert _scheduled(q4_linear(4096, 4096, layout="KN", m=None), cuda) is None  # prefill / batch: DLight
-    assert _scheduled(q4_linear(4096, 4096, layout="KN", m=2), cuda) is None  # no bucket past M = 1
-    assert _scheduled(q4_linear(4096, 4096, layout="KN", zero=20.0), cuda) is None  # zero past 16
-    assert _scheduled(q4_linear(4096, 4096, layout="KN"), tvm.target.Target("llvm")) is None
+    assert apply_rule(Gemv(), q4_linear(4096, 4096, layout="KN", m=None), cuda) is None  # prefill / batch: DLight
+    assert apply_rule(Gemv(), q4_linear(4096, 4096, layout="KN", m=2), cuda) is None  # no bucket past M = 1
+    assert apply_rule(Gemv(), q4_linear(4096, 4096, layout="KN", zero=20.0), cuda) is None  # zero past 16
+    assert apply_rule(Gemv(), q4_linear(4096, 4096, layout="KN"), tvm.target.Target("llvm")) is None
     # NK stays with the NK templates (the KN template refuses it).
     nk = analyze_matmul(q4_linear(4096, 4096), dequant=True).operands
     with pytest.raises(FuselightError, match="KN layout"):
         gemv_kn.check_kn(nk, _cfg())
-    assert kn_gemv_config(nk, cuda) is None and _scheduled(q4_linear(4096, 4096), cuda) is not None
+    assert kn_gemv_config(nk, cuda) is None and apply_rule(Gemv(), q4_linear(4096, 4096), cuda) is not None
     # A static M past the bucket, a normed row past the static shared memory: refused by name.
     big = analyze_matmul(kn_fused(64, 32768), prologue=True, dequant=True)
     with pytest.raises(FuselightError, match="shared memory"):
@@ -365,7 +354,7 @@ def test_nvcc_compiles_the_kernels(cuda):
         "vocab": q4_linear(None, 4096, layout="KN", epilogue="cast_fp32"),  # two kernels
         **{name: make() for name, make in FUSED.items()},  # the norm prologue, the paired epilogue
     }
-    kernels = {name: _scheduled(f, cuda).with_attr("global_symbol", name) for name, f in funcs.items()}
+    kernels = {name: apply_rule(Gemv(), f, cuda).with_attr("global_symbol", name) for name, f in funcs.items()}
     m3 = q4_linear(4096, 4096, layout="KN", m=3, epilogue="residual")  # the template at M = 3
     kernels["m3"] = with_kernels(m3, gemv_kn.kn_body(analyze_matmul(m3, dequant=True).operands, _with_m(_cfg(), 3), 4)).with_attr(
         "global_symbol", "m3")

@@ -14,7 +14,7 @@ import re
 
 import numpy as np
 import pytest
-from conftest import needs_nvcc
+from conftest import apply_rule, needs_nvcc
 from tir_query import evaluate, kernel
 
 tvm = pytest.importorskip("tvm")
@@ -26,7 +26,6 @@ from fuselight.rules.base import with_kernels
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemv import Gemv
 from fuselight.rules.matmul import Matmul
-from fuselight.target import resolve, to_tvm
 import tvm_ffi
 from tvm import te, tirx
 from tvm.script import tirx as T
@@ -37,11 +36,6 @@ MMA1 = gemv_common.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, l
 MMA16 = gemv_common.GemvConfig(max_m=16, warps=4, unroll=2, min_blocks_per_sm=2, lane_run=2)
 # Llama-3-8B's decode projections (N x K) and the LM head (symbolic vocabulary).
 LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    return to_tvm(resolve("cuda", "sm_90"))
 
 
 # MLC-LLM's Llama-3-8B q4f16_1 decode QKV projection, as its phase 3 leaves it (names and all).
@@ -201,11 +195,6 @@ def test_analysis_checks_the_unpacking_arithmetic():
 # ---- the rule and the kernel ---------------------------------------------------------------
 
 
-def _scheduled(func, target):
-    sch = Gemv().apply(func.with_attr("target", target), target, False)
-    return None if sch is None else sch.mod["main"]
-
-
 def _source(kernel, target) -> str:
     lib = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=target)
     return lib.mod.imports[0].inspect_source("cuda")
@@ -225,7 +214,7 @@ def _grid_and_allocs(kernel):
 
 
 def test_rule_takes_mlcs_qkv_and_the_kernel_streams_packed_words(cuda):
-    kernel = _scheduled(mlc_qkv, cuda)
+    kernel = apply_rule(Gemv(), mlc_qkv, cuda)
     assert [p.name for p in kernel.params] == [p.name for p in mlc_qkv.params]
     # configs/gemm/gemv_q4.json's M = 1 bucket for K up to 4096, read by hand: 8 warps of 2 rows, 4
     # steps unrolled, three blocks an SM: 6144 rows in 384 blocks of 16.
@@ -248,7 +237,7 @@ def test_rule_takes_mlcs_qkv_and_the_kernel_streams_packed_words(cuda):
 
 def test_rule_takes_the_lm_head_with_a_symbolic_vocabulary(cuda):
     func = q4_linear(None, 4096, epilogue="cast_fp32")
-    kernel = _scheduled(func, cuda)
+    kernel = apply_rule(Gemv(), func, cuda)
     grid, _ = _grid_and_allocs(kernel)
     cfg = gemv.config_for(gemv.load_gemv_configs("sm_90", quantized=True), 1, None, 4096)
     cols = cfg.warps * cfg.rows_per_warp
@@ -261,10 +250,10 @@ def test_rule_takes_the_lm_head_with_a_symbolic_vocabulary(cuda):
 
 def test_rule_leaves_what_the_template_does_not_serve(cuda):
     # KN: the KN template's (tests/rules/gemm/test_gemv_kn.py), not these.
-    kn = kernel(_scheduled(q4_linear(4096, 4096, layout="KN"), cuda))
+    kn = kernel(apply_rule(Gemv(), q4_linear(4096, 4096, layout="KN"), cuda))
     assert [str(a[0].value) for a in kn.call_args["tirx.cuda.func_call"]] == ["fuselight_q4_dot8_fp16"]
-    assert _scheduled(q4_linear(4096, 4096, m=17), cuda) is None  # static M past 16: DLight
-    assert _scheduled(q4_linear(4096, 4096, zero=20.0), cuda) is None  # zero point past 16
+    assert apply_rule(Gemv(), q4_linear(4096, 4096, m=17), cuda) is None  # static M past 16: DLight
+    assert apply_rule(Gemv(), q4_linear(4096, 4096, zero=20.0), cuda) is None  # zero point past 16
     # (A symbolic batch is the Matmul rule's: the quantized GEMM, tests/rules/gemm/test_gemm_q4.py.)
     assert Matmul().apply(q4_linear(4096, 4096, m=None).with_attr("target", cuda), cuda, False) is not None
     with pytest.raises(Exception, match="NK"):
@@ -296,7 +285,7 @@ def test_nvcc_compiles_every_variant(cuda):
         "bf16": q4_linear(4096, 4096, dtype="bfloat16"),
         "g128": q4_linear(4096, 4096, group=128),
     }
-    kernels = {name: _scheduled(f, cuda).with_attr("global_symbol", name) for name, f in funcs.items()}
+    kernels = {name: apply_rule(Gemv(), f, cuda).with_attr("global_symbol", name) for name, f in funcs.items()}
     mma1 = q4_linear(4096, 14336)
     kernels["mma1_down"] = with_kernels(mma1, gemv.gemv_body(analyze_matmul(mma1, dequant=True).operands, MMA1)).with_attr(
         "global_symbol", "mma1_down")
@@ -314,7 +303,7 @@ def test_each_piece_reads_its_groups_scale(cuda):
     # A piece is 32 weights (4 packed words): piece p of row r reads scale r * K / group + 32 p / group
     # (group 32: a scale a piece; group 128: one scale for 4 consecutive pieces).
     for group in (32, 128):
-        kern = kernel(_scheduled(q4_linear(4096, 4096, group=group), cuda))
+        kern = kernel(apply_rule(Gemv(), q4_linear(4096, 4096, group=group), cuda))
         assert kern.loads["S"]
         for index in kern.loads["S"]:
             for row, piece in ((0, 0), (5, 1), (6, 7), (4095, 127)):
@@ -466,7 +455,7 @@ def test_shipped_config_serves_the_llama_shapes(cuda):
     assert max(c.max_m for c in configs) == 16
     for n, k in LLAMA_SHAPES:
         for m in (1, 3, 16):
-            assert _scheduled(q4_linear(n, k, m=m), cuda) is not None, (n, k, m)
+            assert apply_rule(Gemv(), q4_linear(n, k, m=m), cuda) is not None, (n, k, m)
 
 
 # ---- the mma template --------------------------------------------------------------------------
@@ -522,11 +511,11 @@ def test_mma_kernel_streams_packed_words_into_the_tensor_cores(cuda, m, cfg):
     func = q4_linear(n, k, m=m)
     ops = analyze_matmul(func, dequant=True).operands
     if cfg is None and m is not None:
-        kernel = _scheduled(func, cuda)
+        kernel = apply_rule(Gemv(), func, cuda)
         # what the rule must have taken: configs/gemm/gemv_q4.json's bucket for M <= 8, read by hand
         cfg = gemv_common.GemvConfig(max_m=8, warps=8, unroll=1, min_blocks_per_sm=2, lane_run=1)
     elif cfg is None:
-        kernel = _scheduled(func, cuda)
+        kernel = apply_rule(Gemv(), func, cuda)
     else:
         kernel = with_kernels(func, gemv.gemv_body(ops, cfg))
     grid, allocs = _grid_and_allocs(kernel)
@@ -563,7 +552,7 @@ def block_threads(ops, cfg):
 
 def test_mma_lm_head_grid_follows_the_vocabulary(cuda):
     func = q4_linear(None, 4096, m=4, epilogue="cast_fp32")
-    kernel = _scheduled(func, cuda)
+    kernel = apply_rule(Gemv(), func, cuda)
     grid, _ = _grid_and_allocs(kernel)
     vocab = next(v for v in tirx.analysis.undefined_vars(grid[0]) if v.name == "vocab_size")
     for size in (128256, 32000, 1, 17):
@@ -575,7 +564,7 @@ def test_mma_lm_head_grid_follows_the_vocabulary(cuda):
 def test_batch_lm_head_with_a_symbolic_vocabulary(cuda):
     # Two symbolic sizes: the buckets' grids follow the vocabulary; past 16 rows a DLight rule that
     # takes it (its Matmul and LowBatchGEMV do not).
-    kernel = _scheduled(q4_linear(None, 4096, m=None, epilogue="cast_fp32"), cuda)
+    kernel = apply_rule(Gemv(), q4_linear(None, 4096, m=None, epilogue="cast_fp32"), cuda)
     assert kernel is not None
     grid, _ = _grid_and_allocs(kernel)
     tops = {c.max_m for c in gemv.load_gemv_configs("sm_90", quantized=True)}  # a kernel per M bucket
@@ -587,7 +576,7 @@ def test_batch_decode_is_scheduled_before_low_batch_gemv_specialize(cuda):
     # The pipeline runs fuselight's rules first; what they schedule, LowBatchGemvSpecialize skips.
     from fuselight.baseline.low_batch_gemv_specialize import LowBatchGemvSpecialize
 
-    scheduled = _scheduled(q4_linear(4096, 4096, m=None), cuda)
+    scheduled = apply_rule(Gemv(), q4_linear(4096, 4096, m=None), cuda)
     assert scheduled.attrs["tirx.is_scheduled"]
     with cuda:
         after = LowBatchGemvSpecialize()(tvm.IRModule({"main": scheduled}))["main"]

@@ -16,18 +16,12 @@ from fuselight.errors import FuselightError
 from fuselight.rules.base import with_kernels
 from fuselight.rules.gemm import gemv, gemv_common, gemv_rows
 from fuselight.rules.gemm.analysis import analyze_matmul
-from fuselight.target import resolve, to_tvm
 from fuselight.tune.gemm import matmul_prim_func
 from test_fuse_norm_gemv import _fused, _gate_up, _nt_matmul
 from test_gemv import _linear_residual, _lm_head
 from tir_query import constants, kernel
 
 ROWS = gemv_common.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, rows_per_warp=1)
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    return to_tvm(resolve("cuda", "sm_90"))
 
 
 def _kernel(func, cfg: gemv_common.GemvConfig = ROWS):

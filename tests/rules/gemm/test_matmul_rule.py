@@ -16,17 +16,11 @@ from fuselight.rules.gemm import dispatch, estimate
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemm.operands import GemmOperands
 from fuselight.rules.matmul import Matmul
-from fuselight.target import resolve, to_tvm
 from fuselight.tune.gemm import matmul_prim_func
 from tvm import tirx
 from tir_query import kernels
 
 LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    return to_tvm(resolve("cuda", "sm_90"))
 
 
 def _ops(n: int, k: int, m=None) -> GemmOperands:
