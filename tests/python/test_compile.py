@@ -91,7 +91,9 @@ def test_demo_shows_fuselight_changes(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantization", [None, "q4f16_1", "q4f16_0"])
+# q4f16_0 makes as many calls a step as q4f16_1 (tests/python/model/test_quantized_model.py), so its
+# estimate is q4f16_1's; not built again here (CI time).
+@pytest.mark.parametrize("quantization", [None, "q4f16_1"])
 def test_decode_launch_estimate_is_the_pipelines_count(quantization):
     """``DECODE_LAUNCHES_PER_LAYER`` (the decode-form rule's estimate) is what the pipeline builds."""
     import dataclasses
