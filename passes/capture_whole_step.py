@@ -27,12 +27,11 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 
-from ..contracts import ATTENTION_FORWARD_FUNC, DECODE_BY_POSITION_ATTR
+from ..contracts import ATTENTION_BUILTIN, ATTENTION_FORWARD_FUNC, DECODE_BY_POSITION_ATTR
 from ..contracts import FUSED_ROPE_APPEND_DECODE_ATTR as FUSED_DECODE_ATTR
 from ..relax_rewrite import FunctionRewriter
 from ..rules.paged_attention import PagedAttention
 
-ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
 # A decode function's parameters: the input embedding, the KV cache, then the weights (static).
 _INPUTS_WITH_CACHE = 2
 _INPUTS_WITHOUT_CACHE = 1

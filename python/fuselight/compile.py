@@ -15,7 +15,7 @@ from typing import Any
 
 from . import tir_pipeline
 from .config import ModelConfig
-from .contracts import ATTENTION_FORWARD_FUNC
+from .contracts import ATTENTION_BUILTIN, ATTENTION_FORWARD_FUNC
 from .contracts import FUSED_ROPE_APPEND_ATTR as FUSED_ATTR
 from .contracts import FUSED_ROPE_APPEND_DECODE_ATTR as FUSED_DECODE_ATTR
 from .contracts import KERNEL_LAUNCHES_ATTR
@@ -37,7 +37,6 @@ KV_CACHE_KERNELS_PER_DECODE_ATTENTION = 2
 # A kernel PrimFunc that launches more than one kernel says how many in this attribute.
 # Format of a library's metadata sidecar.
 METADATA_FORMAT = 1
-_ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
 # The builtin that replays (or captures) a CUDA graph of a capture function.
 _CUDA_GRAPH_BUILTIN = "vm.builtin.cuda_graph.run_or_capture"
 # The graph pass that lets one CUDA graph hold a decode step (passes.capture_whole_step); named, it
@@ -198,7 +197,7 @@ def kernel_stats(mod: Any) -> KernelStats:
             return
         if isinstance(expr.op, relax.GlobalVar) and expr.op in prims:
             calls.append(expr.op.name_hint)
-        elif isinstance(expr.op, relax.ExternFunc) and expr.op.global_symbol in (_ATTENTION_BUILTIN, ATTENTION_FORWARD_FUNC):
+        elif isinstance(expr.op, relax.ExternFunc) and expr.op.global_symbol in (ATTENTION_BUILTIN, ATTENTION_FORWARD_FUNC):
             attention_calls += 1
         elif (
             expr.op.same_as(tvm.ir.Op.get("relax.call_builtin_with_ctx"))

@@ -62,6 +62,8 @@ HOOKS_DECODE_FUNC = "fuselight.kv_cache.fuse_rope_append_decode"
 # On the function tagged FUSED_ROPE_APPEND_DECODE_ATTR: build the decode kernel that finds lengths
 # and the append slot from the q positions (``passes.capture_whole_step``; rules/flash/decode.py).
 DECODE_BY_POSITION_ATTR = "fuselight.decode_by_position"
+# TVM's KV-cache attention builtin, which a decode function's layers call (``call_dps_packed``).
+ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
 # TVM's attention builtin forwarded under our name (``kv_hooks.cc``): RewriteCUDAGraph captures calls
 # of it, never of ``vm.builtin.*`` (``passes.capture_whole_step``).
 ATTENTION_FORWARD_FUNC = "fuselight.kv_cache.attention_with_fused_qkv"

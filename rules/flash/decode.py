@@ -72,6 +72,13 @@ def load_decode_config(arch: str) -> DecodeConfig:
     return dataclasses.replace(cfg, griddepcontrol=require_device(arch).has("griddepcontrol"))
 
 
+def _num_splits(config: DecodeConfig, kv_heads: int, batch):
+    """Splits of each (sequence, KV head): an expression, not a let-bound var, since grid extents and
+    the workspace shape both use it. Rounded down: a grid just over ``target_blocks`` (whole waves)
+    would add a nearly empty wave."""
+    return T.min(T.max(T.floordiv(config.target_blocks, batch * kv_heads), 1), config.max_splits)
+
+
 def _split_rows(kv_len, num_splits, min_rows: int, align: int):
     """Rows per split of a sequence: the context spread evenly, rounded up to a multiple of
     ``align`` (a block's rows a step: every step but the last then reads whole, aligned row
@@ -130,7 +137,7 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
     H_qo, H_kv, D, G, VEC, BDX, dtype = heads.qo, heads.kv, heads.dim, heads.group, heads.vec, heads.bdx, heads.dtype
     BDY = _WARP // BDX * config.warps  # rows processed side by side in a block
     U = config.rows_per_step
-    MIN_ROWS, TARGET, MAX_SPLITS = config.min_rows_per_split, config.target_blocks, config.max_splits
+    MIN_ROWS, MAX_SPLITS = config.min_rows_per_split, config.max_splits
     MG = config.merge_groups
     PDL = config.griddepcontrol
     FOLDS = -(-MAX_SPLITS // MG)  # splits a merge thread row folds, at most
@@ -138,9 +145,7 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
     THREADS = BDY * BDX
 
     def num_splits(batch):
-        # an expression, not a let-bound var: grid extents and the workspace shape both use it.
-        # Rounded down: a grid just over TARGET (whole waves) would add a nearly empty wave.
-        return T.min(T.max(T.floordiv(TARGET, batch * H_kv), 1), MAX_SPLITS)
+        return _num_splits(config, H_kv, batch)
 
     def grid_splits(io, batch, seq):
         # Blocks a (sequence, KV head) gets: no sequence uses more splits than the longest possible
@@ -534,9 +539,8 @@ def by_position_workspace(split_rotary: SplitRotary, config: DecodeConfig, batch
     """Shapes and dtypes of the by-position kernel's last two parameters (the split partials, which
     its caller allocates) for a batch of ``batch`` sequences."""
     rot = split_rotary
-    heads = _heads(rot.num_kv_heads, rot.num_qo_heads, rot.head_dim, rot.dtype)
-    splits = int(arith.Analyzer().simplify(_kernels(heads, config, rot).num_splits(tirx.IntImm("int32", batch))))
-    return [((batch, heads.qo, splits, heads.dim), "float32"), ((batch, heads.qo, splits), "float32")]
+    splits = int(arith.Analyzer().simplify(_num_splits(config, rot.num_kv_heads, tirx.IntImm("int32", batch))))
+    return [((batch, rot.num_qo_heads, splits, rot.head_dim), "float32"), ((batch, rot.num_qo_heads, splits), "float32")]
 
 
 def flash_decode_paged(

@@ -14,12 +14,12 @@ import pytest
 import tvm
 from fuselight import compile as fc
 from fuselight import config as model_config
-from fuselight.contracts import ATTENTION_FORWARD_FUNC, DECODE_BY_POSITION_ATTR
+from fuselight.contracts import ATTENTION_BUILTIN, ATTENTION_FORWARD_FUNC, DECODE_BY_POSITION_ATTR
 from fuselight.cuda_compile import compile_cuda
 from fuselight.model.llama import export_module
 from fuselight.options import Options
 from fuselight.passes import DEFAULT, CaptureWholeStep, FuseRopeAppend, PagedAttentionKernels
-from fuselight.passes.capture_whole_step import ATTENTION_BUILTIN, attention_calls
+from fuselight.passes.capture_whole_step import attention_calls
 from fuselight.rules.flash.decode import ROTARY_GLOBAL_SYMBOL
 from fuselight.rules.paged_attention import PagedAttention
 from fuselight.target import resolve, to_tvm
