@@ -21,7 +21,6 @@ schedule streamed such float32-accumulating functions 11-20% slower than the flo
 
 from __future__ import annotations
 
-
 import tvm
 import tvm_ffi
 from tvm import relax, tirx

@@ -20,10 +20,14 @@ leaves this rule scheduled and LowBatchGemvSpecialize, which runs after fuseligh
 Those in the KN layout (MLC-LLM's ``q4f16_0``) take the KN template (``rules.gemm.gemv_kn``,
 ``configs/gemm/gemv_q4_kn.json``) at a static M of its buckets, with the norm prologue and the
 paired epilogue as the NK templates (N may be symbolic: MLC-LLM's LM head); any other KN function
-(a symbolic M: prefill, batch decode) goes on to the next rule.
+(a symbolic M: prefill, batch decode) goes on to the next rule. AutoAWQ's words along N (``q4f16_autoawq``,
+layout ``KN_N``) take the column template (``rules.gemm.gemv_cols``) at M = 1.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 from tvm import tirx
 from tvm.target import Target
@@ -78,10 +82,6 @@ def kn_gemv_config(ops: GemmOperands, target: Target) -> KnGemvConfig | None:
     return cfg
 
 
-def _kn(ops: GemmOperands) -> bool:
-    return ops.dequant is not None and ops.dequant.layout == "KN"
-
-
 def symbolic_m_buckets(ops: GemmOperands, target: Target) -> list[tuple[int, GemvConfig]]:
     """``(largest M, bucket)`` in increasing M for a matmul whose M is symbolic: each bucket of the
     arch's GEMV config that takes ``ops``, so the caller can branch on M into the template (which
@@ -120,14 +120,12 @@ class Gemv(AnalyzeScheduleRule):
         bucket that takes the operands; a symbolic M (dequantized weights), buckets that take them
         and an epilogue DLight's schedule above them takes (not a paired one: its Matmul rule fails
         an assertion on that)."""
-        if _kn(desc.operands):
-            return kn_gemv_config(desc.operands, target) is not None
+        if _layout(desc) in _LAYOUT_KERNELS:
+            return _layout_template(desc, target) is not None
         try:
             min_static_m = load_dispatch(arch_of(target)).min_static_m
         except FuselightError:
             return False
-        if _words_along_n(desc):
-            return _cols_config(desc, target) is not None
         if desc.m_static is None:
             return not desc.operands.paired and bool(symbolic_m_buckets(desc.operands, target))
         return desc.m_static < min_static_m and gemv_config(desc.operands, desc.m_static, target) is not None
@@ -135,16 +133,13 @@ class Gemv(AnalyzeScheduleRule):
     def schedule(self, func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:
         """``func`` with its body replaced by the GEMV kernel for ``desc`` on ``target``, or None where
         the template does not serve it (M left to the Matmul rule, no config for the arch)."""
-        if _kn(desc.operands):
-            cfg = kn_gemv_config(desc.operands, target)
-            return None if cfg is None else with_kernels(func, _kn_kernels(desc.operands, cfg))
+        if _layout(desc) in _LAYOUT_KERNELS:
+            template = _layout_template(desc, target)
+            return None if template is None else with_kernels(func, template[0](desc.operands, template[1]))
         try:
             min_static_m = load_dispatch(arch_of(target)).min_static_m
         except FuselightError:
             return None  # no GEMM config for this arch
-        if _words_along_n(desc):
-            cfg = _cols_config(desc, target)
-            return None if cfg is None else with_kernels(func, cols_body(desc.operands, cfg))
         if desc.m_static is None:
             return _symbolic_m(func, desc, target)
         if desc.m_static >= min_static_m and desc.operands.dequant is None:
@@ -163,11 +158,6 @@ def _kn_kernels(ops: GemmOperands, cfg: KnGemvConfig) -> tirx.Stmt:
     return host_branch(aligned, kn_body(ops, cfg, PIECE_WORDS), kn_body(ops, cfg, 1))
 
 
-def _words_along_n(desc: MatmulDesc) -> bool:
-    """Whether ``desc``'s weights are 4-bit words packed along N (AutoAWQ's): the column template's."""
-    return desc.operands.dequant is not None and desc.operands.dequant.layout == "KN_N"
-
-
 def _cols_config(desc: MatmulDesc, target: Target) -> ColsConfig | None:
     """The column template's bucket for ``desc`` (M = 1 only; a symbolic M is DLight's), or None."""
     if desc.m_static != 1:
@@ -176,6 +166,26 @@ def _cols_config(desc: MatmulDesc, target: Target) -> ColsConfig | None:
         return cols_config(desc.operands, arch_of(target))
     except FuselightError:
         return None
+
+
+def _layout(desc: MatmulDesc) -> str | None:
+    return None if desc.operands.dequant is None else desc.operands.dequant.layout
+
+
+# Dequantized layouts with a template of their own: (its bucket for the function, or None; its kernel).
+# KN: MLC-LLM's q4f16_0 (words along K, transposed); KN_N: AutoAWQ's words along N.
+_LAYOUT_KERNELS = {
+    "KN": (lambda desc, target: kn_gemv_config(desc.operands, target), _kn_kernels),
+    "KN_N": (_cols_config, cols_body),
+}
+
+
+def _layout_template(desc: MatmulDesc, target: Target) -> tuple[Callable, Any] | None:
+    """For a layout of ``_LAYOUT_KERNELS``: its kernel builder and its bucket for ``desc``, or None
+    where the template has no bucket for it."""
+    config_of, kernel = _LAYOUT_KERNELS[_layout(desc)]
+    cfg = config_of(desc, target)
+    return None if cfg is None else (kernel, cfg)
 
 
 def _symbolic_m(func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.PrimFunc | None:
