@@ -179,12 +179,12 @@ def mma_sync(device: DeviceModel, t: dict, tile_bytes: TileBytes) -> dict:
     return fitted_tiles(device, _plain(t), tile_bytes)
 
 
-def dispatch(device: DeviceModel, t: dict, measured_efficiency: dict[str, float], tiles: dict[str, Any]) -> dict:
-    """GEMM dispatch: ``t`` and, for each candidate tile, the efficiency measured on another arch for
-    its shape at any stage count (the lowest measured one for a shape never measured: no unmeasured
-    tile wins on a guess)."""
+def dispatch(device: DeviceModel, t: dict, tiles: dict[str, Any]) -> dict:
+    """GEMM dispatch: ``t`` with, for each candidate tile, ``t["efficiency"]``'s value for its shape
+    at any stage count (fitted to another arch's measured times; the lowest for a shape never
+    measured: no unmeasured tile wins on a guess)."""
     del device  # its facts enter the Dispatch directly (rules/gemm/dispatch.py)
-    by_shape = {_shape(name): e for name, e in measured_efficiency.items() if not name.startswith("wgmma")}
+    by_shape = {_shape(name): e for name, e in _plain(t["efficiency"]).items()}
     fallback = min(by_shape.values())
     return {**_plain(t), "efficiency": {name: by_shape.get(_shape(name), fallback) for name in tiles}}
 

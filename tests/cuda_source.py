@@ -13,3 +13,16 @@ def kernel_body(source: str, name: str) -> str:
     body = source[re.search(rf"{name}\([^)]*\) \{{", source).end():]
     end = body.find("extern \"C\"")
     return body if end < 0 else body[:end]
+
+
+def main_loops(body: str) -> list[str]:
+    """The K-slice loops (``for (int kt...``) of CUDA source, each up to its closing brace."""
+    loops = []
+    for match in re.finditer(r"for \(int kt\w* = 0;", body):
+        depth, i = 0, body.index("{", match.start())
+        for j in range(i, len(body)):
+            depth += {"{": 1, "}": -1}.get(body[j], 0)
+            if depth == 0:
+                loops.append(body[match.start(): j + 1])
+                break
+    return loops

@@ -17,11 +17,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Any
 
 from fuselight.device import require_device
 from fuselight.errors import FuselightError
-from fuselight.jsonfile import read_json_object
 from fuselight.paths import config_dir
 
 from .. import arch_config
@@ -76,12 +74,9 @@ def load_dispatch(arch: str) -> Dispatch:
     description). Device facts come from the device model; wgmma plans only where the device has
     wgmma and measured wgmma tiles."""
     path = config_dir() / "gemm" / "dispatch.json"
-    node: Any = read_json_object(path, missing=f"gemm dispatch config not found: {path}")
     device = require_device(arch)
     tiles = load_tiles(arch)
-    measured_efficiency = {str(k): float(v) for entry in node.values() if isinstance(entry, dict)
-                           for k, v in entry.get("efficiency", {}).items()}
-    cfg, where = arch_entry(path, arch, lambda d, t: arch_config.dispatch(d, t, measured_efficiency, tiles))
+    cfg, where = arch_entry(path, arch, lambda d, t: arch_config.dispatch(d, t, tiles))
     try:
         efficiency = {str(k): float(v) for k, v in cfg["efficiency"].items()}
         has_wgmma = WGMMA in efficiency and device.has("wgmma")

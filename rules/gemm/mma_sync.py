@@ -86,12 +86,13 @@ def q4_dequant_source(dtype: str, zero: int) -> str:
             f"int out_row, int c0, int sw) {{{body}}}\n")
 
 
-# The 4-bit path's copies into shared memory and its wait, as device functions the mainloop calls
-# with the dynamic shared buffer's data pointer and an element offset: TVM's shared-memory sync
-# planner does not see them (it would put a block-wide barrier at the top of every K slice), so the
-# template's own barriers are all there is (one a slice, see ``compute``); the "memory" clobbers
-# keep the compiler from moving shared-memory loads and stores across them.
-Q4_CP_ASYNC = {
+# The mainloop's copies into shared memory and its waits, as device functions it calls with the
+# dynamic shared buffer's data pointer and an element offset: TVM's shared-memory sync planner does
+# not see them (seeing TVM's cp.async it put two more block-wide barriers in every K slice: at its
+# top and after the refill's copies), so the template's own barriers are all there is (one a slice,
+# see ``compute``); the "memory" clobbers keep the compiler from moving shared-memory loads and
+# stores across them.
+CP_ASYNC = {
     "fuselight_cp_async_16": """
 __forceinline__ __device__ void fuselight_cp_async_16(void* smem, int off, const void* src) {
   const unsigned int dst = static_cast<unsigned int>(__cvta_generic_to_shared(static_cast<char*>(smem) + 2 * off));
@@ -145,9 +146,9 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
     n, dtype = ops.n, ops.dtype
     m, wide = rows(ops)
     deq = ops.dequant
-    if deq is not None:
-        from tvm.backend.cuda import op as cuda_op
+    from tvm.backend.cuda import op as cuda_op
 
+    if deq is not None:
         q4 = q4_smem(tile, deq.group)
         b_base = q4.half_base  # the two dequantized B tiles
         pieces_row = bk // Q4_PIECE  # 16-byte pieces of packed words in a row of a slice
@@ -171,24 +172,17 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
         return row * bk + T.bitwise_xor(chunk, (row // rows_per_line) % chunks) * CHUNK
 
     def cp_async(name, *args):
-        return T.evaluate(cuda_op.cuda_func_call(name, *args, source_code=Q4_CP_ASYNC[name]))
+        return T.evaluate(cuda_op.cuda_func_call(name, *args, source_code=CP_ASYNC[name]))
 
     def cp_async_wait(pending):
         name, src = cp_async_wait_source(pending)
         return T.evaluate(cuda_op.cuda_func_call(name, source_code=src))
 
     def copy_a(smem, offset, src, pred):
-        # 16 bytes of A into the A tile (``pred`` None: the row is below M, else zero-filled where
-        # false): by TVM's cp.async, or with a 4-bit B by the planner-invisible copies its slices use.
-        if deq is not None:
-            if pred is None:
-                return cp_async("fuselight_cp_async_16", smem.data, offset, src)
-            return cp_async("fuselight_cp_async_16_zfill", smem.data, offset, src, pred)
+        # 16 bytes of A into the A tile (``pred`` None: the row is below M, else zero-filled where false).
         if pred is None:
-            return T.evaluate(T.ptx.cp_async(smem.access_ptr("w", offset=offset), src, 16))
-        return T.evaluate(
-            T.ptx.cp_async(smem.access_ptr("w", offset=offset), src, 16, predicate=pred, fill_mode="zero")
-        )
+            return cp_async("fuselight_cp_async_16", smem.data, offset, src)
+        return cp_async("fuselight_cp_async_16_zfill", smem.data, offset, src, pred)
 
     @T.macro
     def load_a(smem, slot, k0, row0, tid):
@@ -213,17 +207,16 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
         for it in T.unroll(b_loads):
             row = (it * threads + tid) // chunks
             c = (it * threads + tid) % chunks
-            T.ptx.cp_async(
-                smem.access_ptr("w", offset=b_base + slot * b_stage + swz(row, c)),
+            cp_async(
+                "fuselight_cp_async_16", smem.data, b_base + slot * b_stage + swz(row, c),
                 ops.b.access_ptr("r", offset=ops.b_offset(col0 + row, k0 + c * CHUNK)),
-                16,
-            )
+            )  # fmt: skip
 
     @T.macro
     def load_slice_q4(smem, slot, k0, row0, col0, tid):
         # The A slice; the packed words (a quarter of the fp16 tile's bytes), unswizzled; for each
         # piece, the aligned pair of scales holding its scale, loaded by the thread that loads the
-        # piece (and dequantizes it). Planner-invisible copies (Q4_CP_ASYNC).
+        # piece (and dequantizes it). Planner-invisible copies (CP_ASYNC).
         load_a(smem, slot, k0, row0, tid)
         for it in T.unroll(p_loads):
             row = (it * threads + tid) // pieces_row
@@ -325,12 +318,10 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
             if s < k_tiles:
                 load(smem, s, k_begin + s * bk, row0, col0, tid)
             T.ptx.cp_async.commit_group()
+        cp_async_wait(stages - 2)
         if q4_b:
-            cp_async_wait(stages - 2)
             for it in T.unroll(p_loads):
                 dequant_piece(smem, 0, 0, k_begin, tid, it)
-        else:
-            T.ptx.cp_async.wait_group(stages - 2)
         T.tvm_storage_sync("shared")
         load_fragments(smem, 0, 0, 0, Af, Bf, 0, warp_row, warp_col, lane)
         for kt in T.serial(k_tiles):
@@ -347,7 +338,7 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
                     # Slice kt + 1 has landed (4-bit B: each thread waited for its own copies
                     # below) and is visible to all warps.
                     if not q4_b:
-                        T.ptx.cp_async.wait_group(stages - 2)
+                        cp_async_wait(stages - 2)
                     T.tvm_storage_sync("shared")
                 # Operands of the next k step (the next slice's first) load while this one multiplies.
                 if kk + 1 < k_steps:

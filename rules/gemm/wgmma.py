@@ -304,7 +304,7 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
     producer_regs = PRODUCER_REGS if ops.dequant is None else Q4_PRODUCER_REGS
     grown_regs = consumer_regs(tile.warpgroups, producer_regs)
     if deq is not None:
-        from .mma_sync import Q4_CP_ASYNC, Q4_DEQUANT, cp_async_wait_source, q4_dequant_source
+        from .mma_sync import CP_ASYNC, Q4_DEQUANT, cp_async_wait_source, q4_dequant_source
 
         # The staging ring after the barriers (16-byte aligned: stages x 2 barriers of 8 bytes).
         staging_base = tile.stages * (tile.slot_bytes + 2 * MBAR_BYTES) + tile.epilogue_bytes
@@ -389,7 +389,7 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
         )  # fmt: skip
 
     def cp_async(name, *args):
-        return T.evaluate(cuda_op.cuda_func_call(name, *args, source_code=Q4_CP_ASYNC[name]))
+        return T.evaluate(cuda_op.cuda_func_call(name, *args, source_code=CP_ASYNC[name]))
 
     def cp_async_wait(pending):
         name, src = cp_async_wait_source(pending)

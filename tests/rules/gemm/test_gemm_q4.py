@@ -16,6 +16,7 @@ import re
 import numpy as np
 import pytest
 from conftest import apply_rule, needs_nvcc
+from cuda_source import main_loops
 from tir_query import evaluate, kernels
 from fuselight.paths import config_dir
 
@@ -56,24 +57,11 @@ def _kernel_body(src: str, name: str) -> str:
     return src[start: nxt if nxt >= 0 else len(src)]
 
 
-def _main_loops(body: str) -> list[str]:
-    """The K-slice loops (``for (int kt...``) of a kernel body, each up to its closing brace."""
-    loops = []
-    for match in re.finditer(r"for \(int kt\w* = 0;", body):
-        depth, i = 0, body.index("{", match.start())
-        for j in range(i, len(body)):
-            depth += {"{": 1, "}": -1}.get(body[j], 0)
-            if depth == 0:
-                loops.append(body[match.start(): j + 1])
-                break
-    return loops
-
-
 def _assert_one_barrier_a_slice(body: str) -> None:
     """The 4-bit mainloop's pipeline: one barrier a K slice (none from TVM's sync planner); each
     thread waits for its own copies (a wait with a memory clobber) before it dequantizes, and the
     dequantize of the next slice sits between the mmas of this one, before the barrier."""
-    loops = _main_loops(body)
+    loops = main_loops(body)
     assert loops
     for loop in loops:
         assert loop.count("__syncthreads()") == 1

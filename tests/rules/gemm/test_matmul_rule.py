@@ -7,11 +7,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import statistics
 
 import pytest
 from conftest import needs_nvcc
 import tvm
+from fuselight.device import device_model
 from fuselight.errors import FuselightError
+from fuselight.paths import config_dir
 from fuselight.rules.gemm import dispatch, estimate
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemm.operands import GemmOperands
@@ -96,6 +99,45 @@ def test_measured_table_overrides_the_estimate():
     assert dispatch.plan_ranges(_ops(4096, 4096), forced) == [(10**9, estimate.GemmPlan(tile, None, 2))]
     # other shapes keep the estimate
     assert dispatch.best_plan(_ops(6144, 4096), 4000, forced) == dispatch.best_plan(_ops(6144, 4096), 4000, d)
+
+
+def test_unmeasured_archs_price_tiles_at_sm90s_measured_mma_sync_fractions():
+    """configs/gemm/dispatch.json's analytic efficiencies are the median sustained fraction of sm_90's
+    mma.sync peak of each tile in sm_90's measured table (no split-K or rest tile, M >= 4096)."""
+    cfg = json.loads((config_dir() / "gemm" / "dispatch.json").read_text())
+    peak = device_model("sm_90").fp16_tensor_tflops * cfg["sm_90"]["mma_sync_peak_fraction"] * 1e12
+    rows = json.loads((config_dir() / "gemm" / "measured-sm_90.json").read_text())["rows"]
+    fractions: dict[str, list[float]] = {}
+    for r in rows:
+        if r["template"] == "mma_sync" and r["split_k"] == 1 and r["rest_block_m"] == 0 and r["m"] >= 4096:
+            fractions.setdefault(r["plan"], []).append(2 * r["m"] * r["n"] * r["k"] / (r["median_us"] * 1e-6) / peak)
+    d = estimate.load_dispatch("sm_80")
+    assert len(fractions) >= 6 and set(fractions) <= set(d.tiles)  # sm_80 fits every measured tile at its stages
+    for tile, values in fractions.items():
+        assert d.efficiency[tile] == pytest.approx(statistics.median(values), abs=0.006), tile
+    # the 128 x 128 x 64 tile of 4 stages (one block of 4 warps an SM) sustains less than 128 x 256
+    assert d.efficiency["m128n128k64w2x2s4"] < d.efficiency["m128n256k64w2x4s3"] - 0.1
+
+
+@pytest.mark.parametrize("m", [1000, 1024, 1536, 2048])
+def test_sm80_prefill_gate_up_takes_the_128x256_tile(m):
+    """28672 x 4096 at prefill M on the A100's 108 SMs: 128 x 256 tiles are 112 x ceil(M / 128) blocks
+    in whole waves of 108, 128 x 128 x 64 twice as many blocks at 0.47 / 0.58 of the rate; the finer
+    waves do not make up for it (by hand: waves x block tensor time)."""
+    d = estimate.load_dispatch("sm_80")
+    ops = _ops(28672, 4096)
+    plan = next(p for upper, p in dispatch.plan_ranges(ops, d) if m <= upper)
+    assert plan == estimate.GemmPlan(d.tiles["m128n256k64w2x4s3"])
+    small = estimate.GemmPlan(d.tiles["m128n128k64w2x2s4"])
+    per_sm = device_model("sm_80").fp16_tensor_tflops * 1e12 / 108
+
+    def by_hand(block_m: int, block_n: int, eff: float) -> float:
+        blocks = -(-m // block_m) * (28672 // block_n)
+        return -(-blocks // 108) * 2 * block_m * block_n * 4096 / (per_sm * eff)
+
+    hand = by_hand(128, 128, 0.47) / by_hand(128, 256, 0.58)
+    priced = estimate.estimate_us(small, m, 28672, 4096, d) / estimate.estimate_us(plan, m, 28672, 4096, d)
+    assert hand > 1.05 and priced == pytest.approx(hand, rel=0.02)
 
 
 def test_bad_dispatch_config_names_the_problem(tmp_path, monkeypatch):
