@@ -48,7 +48,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fuselight.device import most
 from fuselight.errors import FuselightError
 
 from .operands import GemmOperands

@@ -16,7 +16,7 @@ import subprocess
 import numpy as np
 import pytest
 from conftest import require_nvcc
-from tir_query import evaluate, kernel
+from tir_query import evaluate
 
 tvm = pytest.importorskip("tvm")
 from fuselight.cuda_compile import FAST_MATH_FLAG, TVM_FLAGS, gencode
