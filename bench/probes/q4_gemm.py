@@ -22,8 +22,10 @@ Two halves, one file:
   output; outputs poisoned with NaN first), and times ours, DLight's, our fp16 GEMM and torch's fp16
   matmul of the dequantized weight with L2 flushed between calls (``fuselight.bench.timing``:
   medians). Prints a table (TFLOP/s, ours / fp16 GEMM) and writes JSON.
-      python3 bench/probes/q4_gemm.py run .build/q4_gemm/manifest.json --sweep -o q4_sweep.json [--cases ...] [--m ...]
-  checks and times every sweep plan at M 512..4095 and marks the fastest correct one per case and M.
+      python3 bench/probes/q4_gemm.py run .build/q4_gemm/manifest.json --sweep -o q4_sweep.json [--cases ...] [--m ...] [--plans q4rs- ...]
+  checks and times every sweep plan at M 512..4095 and marks the fastest correct one per case and M
+  (``--plans``: only the plans whose names start with these; ``q4rs-``: the weight-in-registers
+  template's, ``wgmma-``: the dequantizing producer's).
 
 The cases are MLC-LLM's prefill functions (``fuselight.quant_prim_funcs.q4_linear``, ``prefill``:
 tokens ``x[1, seq_len, k]``): dequantize in two stages, NT_matmul accumulating in float32, the cast epilogue (o_proj and
@@ -71,6 +73,14 @@ SWEEP_WGMMA_TILES = (
     (128, 2, 4, 7),
     (192, 2, 4, 3),
     (192, 2, 3, 6),
+)
+SWEEP_RS_TILES = (
+    # the weight as wgmma's register operand (rules/gemm/wgmma_q4.py): block_t (tokens), warpgroups
+    # (64 weight rows each), stages (group_m 8, a persistent block on each SM)
+    (256, 2, 4, "rs"),
+    (256, 2, 5, "rs"),
+    (192, 2, 5, "rs"),
+    (128, 2, 6, "rs"),
 )
 SWEEP_SPLIT_N = 6144  # split-K 2 is swept where N is at most this, for these tiles:
 SWEEP_SPLIT_TILES = ((128, 256, 64, 2, 4, 4), (256, 2, 3, 4), (128, 2, 5, 5))
@@ -208,6 +218,8 @@ def _sweep(target: Any, manifest: dict[str, Any]) -> dict[str, Any]:
     from fuselight.rules.gemm.analysis import analyze_matmul
     from fuselight.rules.gemm.plan import GemmPlan, GemmTile, check_plan
     from fuselight.rules.gemm.wgmma import WgmmaPlan, WgmmaTile, check_tile
+    from fuselight.rules.gemm.wgmma_q4 import WgmmaQ4Plan, WgmmaQ4Tile
+    from fuselight.rules.gemm.wgmma_q4 import check_tile as check_rs_tile
 
     sms = require_device("sm_90").sms  # one persistent wgmma block on each SM, as configs/gemm/wgmma.json
     funcs: dict[str, Any] = {}
@@ -217,17 +229,22 @@ def _sweep(target: Any, manifest: dict[str, Any]) -> dict[str, Any]:
         func = q4_linear(**linear_args(case), m=None, prefill=True)
         ops = analyze_matmul(func, dequant=True).operands
         plans = []
-        for fields in SWEEP_TILES + SWEEP_WGMMA_TILES:
+        for fields in SWEEP_TILES + SWEEP_WGMMA_TILES + SWEEP_RS_TILES:
             for split in (1, 2):
                 if split > 1 and (not isinstance(ops.n, int) or ops.n > SWEEP_SPLIT_N or fields not in SWEEP_SPLIT_TILES):
                     continue
-                if len(fields) == 4:
+                if fields[-1] == "rs":
+                    bt, wg, stages, _ = fields
+                    plan = WgmmaQ4Plan(WgmmaQ4Tile(bt, wg, stages, group_m=8, max_blocks=sms))
+                elif len(fields) == 4:
                     bn, wg, stages, staging = fields
                     plan = WgmmaPlan(WgmmaTile(bn, wg, stages, group_m=8, max_blocks=sms, q4_staging=staging), split)
                 else:
                     plan = GemmPlan(main=GemmTile(*fields), split_k=split)
                 try:
-                    if isinstance(plan, WgmmaPlan):
+                    if isinstance(plan, WgmmaQ4Plan):
+                        check_rs_tile(plan.tile, ops, plan.split_k)
+                    elif isinstance(plan, WgmmaPlan):
                         check_tile(plan.tile, ops, plan.split_k)
                     else:
                         check_plan(plan, ops)
@@ -247,7 +264,11 @@ def _sweep(target: Any, manifest: dict[str, Any]) -> dict[str, Any]:
 
 def _q4_name(plan: Any) -> str:
     from fuselight.rules.gemm.wgmma import WgmmaPlan
+    from fuselight.rules.gemm.wgmma_q4 import RS_PREFIX, WgmmaQ4Plan
 
+    if isinstance(plan, WgmmaQ4Plan):
+        t = plan.tile
+        return f"{RS_PREFIX}t{t.block_t}f{t.block_f}s{t.stages}"
     if isinstance(plan, WgmmaPlan):
         t = plan.tile
         return f"wgmma-m{t.block_m}n{t.block_n}s{t.stages}q{t.q4_staging}" + (f"/sk{plan.split_k}" if plan.split_k > 1 else "")
@@ -353,8 +374,10 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
     print(f"wrote {out_json}")
 
 
-def run_sweep(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[int] | None) -> None:
-    """Time every sweep plan (checked against float64 first) at each M; the best plan per case and M."""
+def run_sweep(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[int] | None,
+              plans: list[str] | None = None) -> None:
+    """Time every sweep plan (those whose names start with one of ``plans``, if given; checked
+    against float64 first) at each M; the best plan per case and M."""
     import torch
     import tvm
     from fuselight.bench.timing import device_name, time_fn
@@ -388,6 +411,8 @@ def run_sweep(manifest_path: Path, out_json: Path, only: list[str] | None, ms: l
             f16_us = time_fn(lambda: f16(*a16)).median_us
             rows = []
             for entry in entries:
+                if plans and not entry["plan"].startswith(tuple(plans)):
+                    continue
                 out = torch.full((1, m, n), float("nan"), dtype=data["out_dtype"], device="cuda")
                 args = kernel_args(case["params"], wd, data, out, tvm, torch)
                 f = lib[entry["function"]]
@@ -426,11 +451,12 @@ def main() -> None:
     ap, r = command_line(__doc__, "leave out the config sweep (sweep.so)")
     r.add_argument("--m", nargs="*", type=int)
     r.add_argument("--sweep", action="store_true", help="time the config sweep (sweep.so) instead")
+    r.add_argument("--plans", nargs="*", help="with --sweep: only the plans whose names start with these (e.g. q4rs- wgmma-)")
     a = ap.parse_args()
     if a.cmd == "build":
         build(a.out, sweep=not a.no_sweep)
     elif a.sweep:
-        run_sweep(a.manifest, a.output, a.cases, a.m)
+        run_sweep(a.manifest, a.output, a.cases, a.m, a.plans)
     else:
         run(a.manifest, a.output, a.cases, a.m)
 

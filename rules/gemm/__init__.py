@@ -13,10 +13,13 @@ from .mma_sync import mma_sync_gemm
 from .operands import GemmOperands
 from .plan import GemmPlan
 from .wgmma import WgmmaPlan, wgmma_gemm
+from .wgmma_q4 import WgmmaQ4Plan, wgmma_q4_gemm
 
 
-def gemm_body(ops: GemmOperands, plan: GemmPlan | WgmmaPlan) -> Any:
+def gemm_body(ops: GemmOperands, plan: GemmPlan | WgmmaPlan | WgmmaQ4Plan) -> Any:
     """The kernel body (a ``tvm.tirx.Stmt``) of ``plan``'s template for ``ops``."""
+    if isinstance(plan, WgmmaQ4Plan):
+        return wgmma_q4_gemm(ops, plan.tile)
     if isinstance(plan, WgmmaPlan):
         return wgmma_gemm(ops, plan.tile, plan.split_k)
     return mma_sync_gemm(ops, plan)

@@ -28,6 +28,7 @@ from .estimate import Dispatch, Plan, candidates, estimate_us, fits, parse_plan,
 from .operands import GemmOperands
 from .plan import GemmTile, check_tile as check_gemm_tile, q4_tile_bytes
 from .wgmma import WgmmaPlan, WgmmaTile
+from .wgmma_q4 import RS_PREFIX, WgmmaQ4Plan, WgmmaQ4Tile
 
 
 def _cost(plan: Plan, m: int, n: int, k: int, d: Dispatch) -> float:
@@ -110,7 +111,9 @@ def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, Plan]]:
     """``(largest M, plan)`` in increasing M for a matmul whose B is dequantized in the kernel
     (``ops.dequant``), from ``configs/gemm/mma_sync_q4.json``; the last range also serves every
     larger M. A range names a plan or a list of plans, the first that can serve ``ops`` taken (a
-    wgmma plan first, an mma.sync one where wgmma cannot: a symbolic N, the LM head). Empty: the
+    wgmma plan first, an mma.sync one where wgmma cannot: a symbolic N, the LM head; a "q4rs-"
+    name is a tile of ``wgmma_rs_tiles``, the template with the weight in registers, ``wgmma_q4``,
+    which serves fp16 with a static N and leaves the rest to the names after it). Empty: the
     arch has no entry, or no plan of a range can serve ``ops`` (the function is left to the next
     rule). A static M gets the one range holding it."""
     device = device_model(arch)
@@ -125,6 +128,14 @@ def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, Plan]]:
             check_gemm_tile(tile, name)  # its 4-bit shared memory is checked against ``limit`` by fits
         wgmma = ({wgmma_name(str(name)): WgmmaTile(**fields) for name, fields in cfg.get("wgmma_tiles", {}).items()}
                  if device.has("wgmma") else {})
+        # The weight-in-registers wgmma template's tiles (``wgmma_q4``), named "q4rs-..." in ranges.
+        rs = ({str(name): WgmmaQ4Tile(**fields) for name, fields in cfg.get("wgmma_rs_tiles", {}).items()}
+              if device.has("wgmma") else {})
+        if any(not name.startswith(RS_PREFIX) for name in rs):
+            raise ValueError(f"wgmma_rs_tiles names must start with {RS_PREFIX!r}")
+
+        def plan_of(name: str) -> Plan:
+            return WgmmaQ4Plan(rs[name]) if name in rs else parse_plan(tiles, wgmma, name)
         table = [
             (None if upper is None else int(upper), [str(n) for n in (names if isinstance(names, list) else [names])])
             for upper, names in cfg["ranges"]
@@ -137,19 +148,19 @@ def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, Plan]]:
             raise ValueError("a range names no plan")
         for _, names in table:
             for name in names:
-                parse_plan(tiles, wgmma, name)
+                plan_of(name)
     except (KeyError, TypeError, ValueError) as err:
         raise FuselightError(f"{where}: malformed config ({err!r})") from None
     ranges: list[tuple[int, Plan]] = []
     for i, (upper, names) in enumerate(table):
-        plan = next((p for p in (parse_plan(tiles, wgmma, name) for name in names) if fits(p, ops, limit)), None)
+        plan = next((p for p in map(plan_of, names) if fits(p, ops, limit)), None)
         if plan is None:
             return []
         if i == len(table) - 1:
             upper = 2**31 - 1  # every larger M
         elif isinstance(ops.n, int) and plan.split_k == 1:
             # Split K until the range's largest M fills the GPU (where K allows it).
-            tile = plan.tile if isinstance(plan, WgmmaPlan) else plan.main
+            tile = plan.tile if isinstance(plan, (WgmmaPlan, WgmmaQ4Plan)) else plan.main
             for split in splits:
                 blocks = -(-upper // tile.block_m) * (ops.n // tile.block_n) * split
                 if fits(dataclasses.replace(plan, split_k=split), ops, limit):

@@ -27,8 +27,10 @@ from ..arch_config import arch_entry
 from .operands import GemmOperands
 from .plan import GemmPlan, GemmTile, check_plan, load_tiles
 from .wgmma import WgmmaPlan, WgmmaTile, check_tile, load_wgmma_tiles
+from .wgmma_q4 import WgmmaQ4Plan
+from .wgmma_q4 import check_tile as check_q4_tile
 
-Plan = GemmPlan | WgmmaPlan
+Plan = GemmPlan | WgmmaPlan | WgmmaQ4Plan
 WGMMA = "wgmma"  # the default wgmma tile's name in tables; the others are "wgmma-<name>"; "/sk<k>": split-K
 COST_MODELS = ("analytic", "xgboost")  # what may price the plans of a shape without a measured table
 
@@ -190,7 +192,9 @@ def estimate_us(plan: Plan, m: int, n: int, k: int, d: Dispatch) -> float:
 def fits(plan: Plan, ops: GemmOperands, smem_limit: int | None = None) -> bool:
     """Whether ``plan`` can tile ``ops`` (within ``smem_limit`` bytes of shared memory a block, if given)."""
     try:
-        if isinstance(plan, WgmmaPlan):
+        if isinstance(plan, WgmmaQ4Plan):
+            check_q4_tile(plan.tile, ops, plan.split_k)
+        elif isinstance(plan, WgmmaPlan):
             check_tile(plan.tile, ops, plan.split_k)
         else:
             check_plan(plan, ops, smem_limit)

@@ -39,7 +39,7 @@ tile, fence for the async proxy and arrive on the slot's full barrier (see ``Wgm
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fuselight.errors import FuselightError
 from fuselight.jsonfile import read_json_object
@@ -77,6 +77,8 @@ DESC_LBO = 1
 DESC_SWIZZLE_128B = 3
 # cuTensorMapEncodeTiled enums: no interleave, 128-byte swizzle, 256-byte L2 promotion, zero fill.
 TMA_INTERLEAVE_NONE, TMA_SWIZZLE_128B, TMA_L2_PROMOTION_256B, TMA_OOB_ZERO = 0, 3, 3, 0
+TMA_SWIZZLE_NONE = 0
+TMA_ELEM_BYTES = {"float16": 2, "bfloat16": 2, "uint32": 4, "int32": 4}  # the dtypes the templates map
 # Shared memory a block may opt in to on the devices with wgmma (the device model's).
 MAX_DYNAMIC_SMEM = most("smem_per_block_optin", "wgmma")
 # Register split after setmaxnreg (``consumer_regs``). The producer warpgroup shrinks to
@@ -264,6 +266,117 @@ def check_q4(tile: WgmmaTile, ops: GemmOperands) -> None:
         raise FuselightError(f"wgmma tile: block_n {tile.block_n}: the producer's 128 threads cannot share its pieces")
 
 
+def matrix_desc(base: Any, byte_offset: Any) -> Any:
+    """The wgmma matrix descriptor ``base`` (encoded at the shared buffer's start) moved ``byte_offset``
+    bytes on: the start address is the descriptor's low field, in 16-byte units, so offsets add to it."""
+    from tvm.script import tirx as T
+
+    return base + T.Cast("uint64", byte_offset // 16)
+
+
+def fence_register(reg: Any) -> Any:
+    """A call keeping the compiler from reading accumulator ``reg`` before the wgmma wait above it."""
+    from tvm.backend.cuda import op as cuda_op
+
+    return cuda_op.cuda_func_call(REGISTER_FENCE, reg, source_code=REGISTER_FENCE_SOURCE)
+
+
+def float_pointer(ptr: Any, dtype: str = "float32") -> Any:
+    """``ptr`` (a shared-memory access pointer) as a pointer to ``dtype`` (default ``float*``)."""
+    import tvm
+    from tvm.script import tirx as T
+
+    return tvm.ir.expr.Call(tvm.ir.Op.get("tirx.reinterpret"), [ptr], ret_ty=T.handle(dtype).ty)
+
+
+def encode_tiled(tensor_map: Any, buf: Any, dtype: str, inner: Any, rows: Any, box_inner: int, box_rows: int,
+                 swizzle: int) -> Any:
+    """Host call encoding a TMA map of row-major ``buf`` (``rows`` x ``inner`` elements of ``dtype``),
+    boxes of ``box_rows`` x ``box_inner``, zero fill past the extents."""
+    from tvm.script import tirx as T
+
+    elem_bytes = TMA_ELEM_BYTES[dtype]
+    # Dims and box innermost first: the contiguous extent, then rows; the row stride in bytes.
+    return T.call_packed(
+        "runtime.cuTensorMapEncodeTiled", tensor_map, dtype, 2, buf.data,
+        inner, rows, inner * elem_bytes, box_inner, box_rows, 1, 1,
+        TMA_INTERLEAVE_NONE, swizzle, TMA_L2_PROMOTION_256B, TMA_OOB_ZERO,
+    )  # fmt: skip
+
+
+def tma_load_2d(smem: Any, offset: int | Any, barrier: Any, tensor_map: Any, x: Any, y: Any) -> Any:
+    """A TMA load of the box at element coordinates (``x`` innermost, ``y``) into ``smem`` at byte
+    ``offset``, completing on the mbarrier at ``barrier``."""
+    from tvm.script import tirx as T
+
+    return T.ptx.cp_async.bulk.tensor.g2s_cta(
+        2, smem.access_ptr("w", offset=offset), barrier, T.address_of(tensor_map), 1, "", x, y,
+    )  # fmt: skip
+
+
+def setup_macro(full: Any, empty: Any, stages: int, full_count: int, empty_count: int) -> Any:
+    """A block's start (``setup(smem, smem_desc, tid)``): the matrix descriptor of the shared buffer's
+    start into ``smem_desc[0]``, each slot's "full" (``full_count`` arrivals) and "empty"
+    (``empty_count``) mbarriers initialised by thread 0, then a barrier."""
+    from tvm.script import tirx as T
+
+    @T.macro
+    def setup(smem, smem_desc, tid):
+        T.ptx.wgmma.encode_matrix_descriptor(
+            T.address_of(smem_desc[0]), smem.access_ptr("r"), DESC_LBO, DESC_SBO, DESC_SWIZZLE_128B
+        )
+        if tid == 0:
+            for s in T.unroll(stages):
+                T.ptx.mbarrier.init(full(smem, s), full_count)
+                T.ptx.mbarrier.init(empty(smem, s), empty_count)
+            # The barriers are completed by TMA, through the async proxy.
+            T.ptx.fence.proxy_async("shared::cta")
+        T.tvm_storage_sync("shared")
+
+    return setup
+
+
+def retire_macro(empty: Any, stages: int, k_tiles: int, n_acc: int) -> Any:
+    """A consumer's end of a work tile (``retire(smem, acc, tid, ti)``): its last wgmma group
+    retired, the slot of its last slice released (``empty(smem, slot)``: the barrier's pointer), the
+    accumulators fenced so nothing reads them earlier."""
+    from tvm.script import tirx as T
+
+    @T.macro
+    def retire(smem, acc, tid, ti):
+        T.ptx.wgmma.wait_group(0)
+        if tid % WARP == 0:
+            T.ptx.mbarrier.arrive(empty(smem, T.truncmod(ti * k_tiles + k_tiles - 1, stages)))
+        for i in T.unroll(n_acc):
+            T.evaluate(fence_register(acc[i]))
+
+    return retire
+
+
+# Grouped order of tile t: group_m row tiles sweep the columns together. (All non-negative:
+# truncating division is floor division here, and cheaper.)
+def _rows_in_group(t: Any, m_tiles: Any, n_tiles: int, group_m: int) -> Any:
+    from tvm.script import tirx as T
+
+    return T.min(m_tiles - T.truncdiv(t, group_m * n_tiles) * group_m, group_m)
+
+
+def grouped_row(t: Any, m_tiles: Any, n_tiles: int, group_m: int) -> Any:
+    """The row-tile index of tile ``t`` in the grouped order (``group_m`` row tiles sweep the columns)."""
+    from tvm.script import tirx as T
+
+    in_group = T.truncmod(t, group_m * n_tiles)
+    group_row = T.truncmod(in_group, _rows_in_group(t, m_tiles, n_tiles, group_m))
+    return T.truncdiv(t, group_m * n_tiles) * group_m + group_row
+
+
+def grouped_col(t: Any, m_tiles: Any, n_tiles: int, group_m: int) -> Any:
+    """The column-tile index of tile ``t`` in the grouped order."""
+    from tvm.script import tirx as T
+
+    return T.truncdiv(T.truncmod(t, group_m * n_tiles), _rows_in_group(t, m_tiles, n_tiles, group_m))
+
+
 def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx.Stmt:
     """The body (a ``tvm.tirx.Stmt``: host code encoding the tensor maps, then the kernel, and with
     ``split_k`` > 1 the reduction's launch) computing ``ops``.
@@ -317,22 +430,12 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
         deq_fn, deq_src = Q4_DEQUANT[dtype], q4_dequant_source(dtype, int(deq.zero))
     full_count = 1 if deq is None else 1 + WARPGROUP
 
-    def desc(base, byte_offset):
-        # Start address is the descriptor's low field, in 16-byte units: offsets add to it.
-        return base + T.Cast("uint64", byte_offset // 16)
-
     def mma(desc_a, desc_b, acc):
         return cuda_op.ptx_wgmma_mma_async_ss(
             desc_a, desc_b, *[acc[i] for i in range(n_acc)],
             M=WGMMA_M, N=bn, K=WGMMA_K, in_dtype=dtype, out_dtype="float32",
             transA=False, transB=False, scaleA=1.0, scaleB=1.0, scaleD=1,
         )  # fmt: skip
-
-    def fence_register(reg):
-        return cuda_op.cuda_func_call(REGISTER_FENCE, reg, source_code=REGISTER_FENCE_SOURCE)
-
-    def float_pointer(ptr):
-        return tvm.ir.expr.Call(tvm.ir.Op.get("tirx.reinterpret"), [ptr], ret_ty=T.handle("float32").ty)
 
     def full(smem, slot):
         return smem.access_ptr("w", offset=bar_base + slot * MBAR_BYTES)
@@ -341,25 +444,13 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
         return smem.access_ptr("w", offset=bar_base + (stages + slot) * MBAR_BYTES)
 
     def encode(tensor_map, buf, rows, box_rows):
-        # Dims and box innermost first: K (contiguous), then rows; the row stride in bytes.
-        return T.call_packed(
-            "runtime.cuTensorMapEncodeTiled", tensor_map, dtype, 2, buf.data,
-            k, rows, k * ELEM_BYTES, BLOCK_K, box_rows, 1, 1,
-            TMA_INTERLEAVE_NONE, TMA_SWIZZLE_128B, TMA_L2_PROMOTION_256B, TMA_OOB_ZERO,
-        )  # fmt: skip
-
-    # Grouped order of tile t: group_m row tiles sweep the columns together. (All non-negative:
-    # truncating division is floor division here, and cheaper.)
-    def rows_in_group(t, m_tiles):
-        return T.min(m_tiles - T.truncdiv(t, tile.group_m * n_tiles) * tile.group_m, tile.group_m)
+        return encode_tiled(tensor_map, buf, dtype, k, rows, BLOCK_K, box_rows, TMA_SWIZZLE_128B)
 
     def tile_row(t, m_tiles):
-        in_group = T.truncmod(t, tile.group_m * n_tiles)
-        group_row = T.truncmod(in_group, rows_in_group(t, m_tiles))
-        return (T.truncdiv(t, tile.group_m * n_tiles) * tile.group_m + group_row) * bm
+        return grouped_row(t, m_tiles, n_tiles, tile.group_m) * bm
 
     def tile_col(t, m_tiles):
-        return T.truncdiv(T.truncmod(t, tile.group_m * n_tiles), rows_in_group(t, m_tiles)) * bn
+        return grouped_col(t, m_tiles, n_tiles, tile.group_m) * bn
 
     # Work unit u: tile u % tiles, K split u / tiles (concurrent units share a K range: A and B in L2).
     def unit_tile(u, m_tiles):
@@ -383,10 +474,7 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
         return cc * out_pieces + jj % out_pieces + jj // out_pieces * (out_bn // EPI_VEC)
 
     def tma_load(smem, offset, slot, tensor_map, kt, row):
-        return T.ptx.cp_async.bulk.tensor.g2s_cta(
-            2, smem.access_ptr("w", offset=offset), full(smem, slot), T.address_of(tensor_map), 1, "",
-            kt * BLOCK_K, row,
-        )  # fmt: skip
+        return tma_load_2d(smem, offset, full(smem, slot), tensor_map, kt * BLOCK_K, row)
 
     def cp_async(name, *args):
         return T.evaluate(cuda_op.cuda_func_call(name, *args, source_code=CP_ASYNC[name]))
@@ -426,6 +514,9 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
                 source_code=deq_src,
             ))  # fmt: skip
 
+    retire = retire_macro(empty, stages, k_tiles, n_acc)
+    setup = setup_macro(full, empty, stages, full_count, consumer_warps)
+
     # fmt: off
     @T.prim_func(s_tir=True, check_well_formed=False)
     def body():
@@ -460,16 +551,7 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
                     wg: T.let[T.int32] = tid // WARPGROUP
                     # This block's work units: bx, bx + blocks, ...; each at step (its count) * k_tiles.
                     my_tiles: T.let[T.int32] = T.truncdiv(units - bx + blocks - 1, blocks)
-                    T.ptx.wgmma.encode_matrix_descriptor(
-                        T.address_of(smem_desc[0]), buf_dyn_shmem.access_ptr("r"), DESC_LBO, DESC_SBO, DESC_SWIZZLE_128B
-                    )
-                    if tid == 0:
-                        for s in T.unroll(stages):
-                            T.ptx.mbarrier.init(full(buf_dyn_shmem, s), full_count)
-                            T.ptx.mbarrier.init(empty(buf_dyn_shmem, s), consumer_warps)
-                        # The barriers are completed by TMA, through the async proxy.
-                        T.ptx.fence.proxy_async("shared::cta")
-                    T.tvm_storage_sync("shared")
+                    setup(buf_dyn_shmem, smem_desc, tid)
                     if wg == tile.warpgroups:
                         if grown_regs is not None:
                             T.ptx.setmaxnreg(False, producer_regs)
@@ -535,8 +617,8 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
                                 T.ptx.wgmma.fence()
                                 for kk in T.unroll(BLOCK_K // WGMMA_K):
                                     T.evaluate(mma(
-                                        desc(smem_desc[0], slot * a_slot + (wg * WGMMA_M * BLOCK_K + kk * WGMMA_K) * ELEM_BYTES),
-                                        desc(smem_desc[0], b_base + slot * b_slot + kk * WGMMA_K * ELEM_BYTES),
+                                        matrix_desc(smem_desc[0], slot * a_slot + (wg * WGMMA_M * BLOCK_K + kk * WGMMA_K) * ELEM_BYTES),
+                                        matrix_desc(smem_desc[0], b_base + slot * b_slot + kk * WGMMA_K * ELEM_BYTES),
                                         acc,
                                     ))
                                 T.ptx.wgmma.commit_group()
@@ -544,11 +626,7 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
                                 # The group before this one has retired (in this warp): its slot is free.
                                 if kt > 0 and tid % WARP == 0:
                                     T.ptx.mbarrier.arrive(empty(buf_dyn_shmem, T.truncmod(it + stages - 1, stages)))
-                            T.ptx.wgmma.wait_group(0)
-                            if tid % WARP == 0:
-                                T.ptx.mbarrier.arrive(empty(buf_dyn_shmem, T.truncmod(ti * k_tiles + k_tiles - 1, stages)))
-                            for i in T.unroll(n_acc):
-                                T.evaluate(fence_register(acc[i]))
+                            retire(buf_dyn_shmem, acc, tid, ti)
                             # Accumulator 4j + 2h + e: row lane / 4 + 8h of the warp's 16, column
                             # 8j + 2 (lane % 4) + e; a chunk holds j = 8 cc .. 8 cc + 7 (piece j % 8).
                             for cc in T.unroll(bn // EPI_COLS):
