@@ -115,7 +115,8 @@ def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, Plan]]:
     name is a tile of ``wgmma_rs_tiles``, the template with the weight in registers, ``wgmma_q4``,
     which serves fp16 with a static N and leaves the rest to the names after it). Empty: the
     arch has no entry, or no plan of a range can serve ``ops`` (the function is left to the next
-    rule). A static M gets the one range holding it."""
+    rule). Neighbouring ranges that come to the same plan are one. A static M gets the one range
+    holding it."""
     device = device_model(arch)
     if ops.dequant is None or device is None:
         return []
@@ -167,7 +168,10 @@ def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, Plan]]:
                     plan = dataclasses.replace(plan, split_k=split)
                     if blocks >= min_blocks:
                         break
-        ranges.append((upper, plan))
+        if ranges and ranges[-1][1] == plan:  # neighbours that chose the same plan: one kernel
+            ranges[-1] = (upper, plan)
+        else:
+            ranges.append((upper, plan))
     if _static(ops.m):
         m = int(ops.m)
         return [next((r for r in ranges if m <= r[0]), ranges[-1])]

@@ -36,6 +36,8 @@ from fuselight.rules.gemm.wgmma import (
 )
 from fuselight.rules.gemm.wgmma import smem_bytes as wgmma_smem_bytes
 from fuselight.rules.gemv import symbolic_m_buckets
+from fuselight.rules.gemm.wgmma_q4 import WgmmaQ4Plan
+from fuselight.rules.gemm.wgmma_q4 import check_tile as check_rs_tile
 from fuselight.rules.matmul import Matmul
 from tvm import te, tirx
 
@@ -115,7 +117,9 @@ def test_q4_ranges_cover_every_m_with_valid_plans(n, k):
     uppers = [u for u, _ in ranges]
     assert uppers == sorted(uppers) and len(set(uppers)) == len(uppers)
     for _, plan in ranges:
-        if isinstance(plan, WgmmaPlan):
+        if isinstance(plan, WgmmaQ4Plan):
+            check_rs_tile(plan.tile, ops)
+        elif isinstance(plan, WgmmaPlan):
             check_tile(plan.tile, ops, plan.split_k)
             assert wgmma_smem_bytes(plan.tile, ops) == plan.tile.smem_bytes + plan.tile.q4_staging * q4_staging_bytes(plan.tile)
             assert wgmma_smem_bytes(plan.tile, ops) <= MAX_DYNAMIC_SMEM
@@ -123,19 +127,24 @@ def test_q4_ranges_cover_every_m_with_valid_plans(n, k):
             check_plan(plan, ops)
             assert shared_bytes(plan.main, ops) == max(q4_smem(plan.main, 32).halves * 2, plan.main.epilogue_floats * 4)
     assert ranges[-1][1].split_k == 1  # every larger M: never split
+    assert all(a[1] != b[1] for a, b in zip(ranges, ranges[1:]))  # neighbours differ: one kernel a plan
     if n is None:
         assert all(plan.split_k == 1 for _, plan in ranges)  # a symbolic N: no split-K
-    # Past M = 256 a static N takes a wgmma plan (the sweep's best, docs/experiments/q4-gemm.md); the
-    # LM head's symbolic N cannot (static N only) and falls back to mma.sync. Read by hand from
-    # configs/gemm/mma_sync_q4.json: the ranges up to 768 and above list wgmma-q4-n192s4 first, then
-    # wgmma-q4-n256s3; a tile serves where its block_n divides N (6144 = 32 x 192; 4096 and 28672
-    # only by 256).
-    wgmma = [(upper, plan.tile.block_n, plan.tile.stages) for upper, plan in ranges if isinstance(plan, WgmmaPlan)]
+    # Past M = 256 a static N takes the weight-in-registers template (the sweep's best,
+    # docs/experiments/q4-gemm.md): configs/gemm/mma_sync_q4.json names q4rs-t256s5 first up to
+    # 1536 (two ranges, one plan) and q4rs-t256s4 above. The LM head's symbolic N cannot (static N
+    # only) and falls back to mma.sync, as bf16 falls back to the producer-dequantizing wgmma tiles,
+    # which serve where their block_n divides N (6144 = 32 x 192; 4096 and 28672 only by 256).
+    rs = [(upper, plan.tile.block_t, plan.tile.stages) for upper, plan in ranges if isinstance(plan, WgmmaQ4Plan)]
+    assert not any(isinstance(plan, WgmmaPlan) for _, plan in ranges)
     if n is None:
-        assert wgmma == []
+        assert rs == []
     else:
-        tile = (192, 4) if n == 6144 else (256, 3)
-        assert wgmma == [(768, *tile), (2**31 - 1, *tile)]
+        assert rs == [(1536, 256, 5), (2**31 - 1, 256, 4)]
+        bf16 = analyze_matmul(q4_linear(n, k, m=None, dtype="bfloat16"), dequant=True).operands
+        tiles = {(plan.tile.block_n, plan.tile.stages) for upper, plan in dispatch.q4_plan_ranges(bf16, "sm_90")
+                 if upper > 256}
+        assert tiles == {(192, 4) if n == 6144 else (256, 3)}
     assert dispatch.q4_plan_ranges(ops, "sm_42") == []
 
 
@@ -153,7 +162,9 @@ def test_rule_takes_mlcs_prefill_projection(cuda):
     # one kernel per GEMV bucket and M range, a reduction per split-K range
     assert len(names) == len(gemv) + sum(2 if plan.split_k > 1 else 1 for _, plan in kept)
     gemm = [nm for nm in names if "fuselight_q4_dequant32_fp16(" in _kernel_body(src, nm)]
-    assert len(gemm) == len(kept)
+    rs = [nm for nm in names if "ptx_wgmma_mma_async_rs_" in _kernel_body(src, nm)]
+    assert len(gemm) + len(rs) == len(kept)
+    assert len(rs) == sum(isinstance(plan, WgmmaQ4Plan) for _, plan in kept) > 0
     wgmma = [nm for nm in gemm if "wgmma_mma_async_ss_" in _kernel_body(src, nm)]
     assert len(wgmma) == sum(isinstance(plan, WgmmaPlan) for _, plan in kept)
     for nm in wgmma:
