@@ -169,14 +169,16 @@ def kv_cache_kernels(mod: Any) -> int:
 
 
 def _decode_attention_launches(mod: Any) -> int:
-    """Launches of the decode attention kernel the module's KV cache uses (1 if it says nothing)."""
+    """Launches of the decode attention kernel a decode step of the module's KV cache runs: the fused
+    RoPE + append + decode kernel where the cache has one (its wrappers launch it, not the plain
+    decode kernel beside it), else the decode kernel (1 if it says nothing)."""
     from tvm import tirx
 
-    for gv, func in mod.functions.items():
-        if (isinstance(func, tirx.PrimFunc) and "decode_paged_kv" in gv.name_hint and "sliding" not in gv.name_hint
-                and func.attrs is not None and KERNEL_LAUNCHES_ATTR in func.attrs):
-            return int(func.attrs[KERNEL_LAUNCHES_ATTR])
-    return 1
+    found = [func for gv, func in mod.functions.items()
+             if isinstance(func, tirx.PrimFunc) and "decode_paged_kv" in gv.name_hint and "sliding" not in gv.name_hint
+             and func.attrs is not None and KERNEL_LAUNCHES_ATTR in func.attrs]
+    found.sort(key=lambda func: FUSED_DECODE_ATTR not in func.attrs)  # the fused kernel first
+    return int(found[0].attrs[KERNEL_LAUNCHES_ATTR]) if found else 1
 
 
 def kernel_stats(mod: Any) -> KernelStats:

@@ -21,7 +21,7 @@ import tvm
 from conftest import FakeTensor, require_nvcc
 from fuselight import config as model_config
 from fuselight import kv_hooks
-from fuselight.compile import kv_cache_kernels
+from fuselight.compile import _decode_attention_launches, kv_cache_kernels
 from fuselight.cuda_compile import compile_cuda
 from fuselight.model.llama import export_module
 from fuselight.model.weights import hf_config
@@ -182,6 +182,9 @@ def test_the_pass_gives_fuselight_decode_the_rope_and_append_and_it_builds_for_s
     assert str(fused.attrs["global_symbol"]) == ROTARY_GLOBAL_SYMBOL
     assert fused.params[-1].name == "counters"
     assert kv_cache_kernels(out) == 0  # a decode layer launches nothing for RoPE and the append
+    # a decode step launches the fused kernel, not TVM's decode kernel beside it (two launches)
+    assert int(out["fuselight_decode_paged_kv"].attrs["fuselight.kernel_launches"]) == 2
+    assert _decode_attention_launches(out) == 1
     lib = tvm.compile(tvm.IRModule({"main": fused}), target=CUDA)
     source = lib.mod.imports[0].inspect_source("cuda")
     assert len(set(re.findall(r"__global__ void __launch_bounds__\(\d+\) (\w+)\(", source))) == 1
