@@ -72,6 +72,8 @@ class DecodeConfig:
     # The rotary kernel (whose caller owns the counters it needs) merges in its last split block of
     # each (sequence, KV head) instead of a second kernel.
     merge_in_split: bool = True
+    # splits a thread row of that last block loads at once (a memory latency each such chunk)
+    merge_in_split_folds: int = 8
     # The device has griddepcontrol (``load_decode_config`` asks the device model): the merge kernel
     # launches while the split kernel runs and waits for its grid, and lets the next kernel launch early.
     griddepcontrol: bool = False
@@ -159,10 +161,12 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
     LOG_BDX = int(math.log2(BDX))
     THREADS = BDY * BDX
     IN_SPLIT = counters and config.merge_in_split
-    # The last block's thread rows: LR a head, LH heads at once, in LROUNDS rounds.
+    # The last block's thread rows: LR a head, LH heads at once, in LROUNDS rounds, each row loading
+    # LFOLDS splits at once.
     LR = max(BDY // G, 1)
     LH = BDY // LR
     LROUNDS = -(-G // LH)
+    LFOLDS = min(config.merge_in_split_folds, -(-MAX_SPLITS // LR))
 
     def num_splits(batch):
         return _num_splits(config, H_kv, batch)
@@ -398,8 +402,8 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
                                     last = T.sblock_alloc_buffer((2,), "int32", scope="local")  # flag, used
                                     last_smem = T.sblock_alloc_buffer((1,), "int32", scope="shared")
                                     mw = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                                    l_in = T.sblock_alloc_buffer((FOLDS,), "float32", scope="local")
-                                    o_in = T.sblock_alloc_buffer((FOLDS, VEC), "float32", scope="local")
+                                    l_in = T.sblock_alloc_buffer((LFOLDS,), "float32", scope="local")
+                                    o_in = T.sblock_alloc_buffer((LFOLDS, VEC), "float32", scope="local")
                                     o_sm = T.sblock_alloc_buffer((BDY, D), "float32", scope="shared")
                                     mw_sm = T.sblock_alloc_buffer((BDY, 2), "float32", scope="shared")
                                     # Every block, with rows or none, counts itself finished once its
@@ -417,7 +421,7 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
                                         last[1] = T.ceildiv(kv_len, _split_rows(kv_len, num_splits(batch), MIN_ROWS, BDY * U))
                                         for rnd in T.serial(LROUNDS):
                                             fold(io, _from_l2, T.serial, bz, by * G + rnd * LH + T.floordiv(ty, LR), ty,
-                                                 T.floormod(ty, LR), LR, FOLDS, T.ceildiv(last[1], LR * FOLDS), tx, last[1],
+                                                 T.floormod(ty, LR), LR, LFOLDS, T.ceildiv(last[1], LR * LFOLDS), tx, last[1],
                                                  T.And(ty < LH * LR, rnd * LH + T.floordiv(ty, LR) < G),
                                                  acc, mw, l_in, o_in, o_sm, mw_sm)
                                             if LROUNDS > 1:
