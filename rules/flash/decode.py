@@ -228,8 +228,8 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
         # Head h's splits merged by its log-sum-exp into io.output (and io.lse): thread row r of the
         # ``rows`` serving the head folds splits r, r + rows, ..., ``folds`` of them loaded at once (one
         # memory latency, not one a split) per chunk, into shared row ``row``; then the head's row
-        # r == 0 merges the rows' results. ``load`` reads a partial (``load_loop`` its vector loop);
-        # every thread reaches the barrier (``active``: the thread serves a head).
+        # r == 0 merges the head's shared rows from row - r on. ``load`` reads a partial (``load_loop``
+        # its vector loop); every thread reaches the barrier (``active``: the thread serves a head).
         if active:
             mw[0] = T.float32(_NEG)
             mw[1] = T.float32(0)
@@ -259,15 +259,15 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
             if r == 0:
                 mw[0] = T.float32(_NEG)
                 for j in T.serial(rows):
-                    mw[0] = T.max(mw[0], mw_sm[row + j, 0])
+                    mw[0] = T.max(mw[0], mw_sm[row - r + j, 0])
                 mw[1] = T.float32(0)
                 for e in T.serial(VEC):
                     acc[e] = T.float32(0)
                 for j in T.serial(rows):
-                    f2: T.let[T.float32] = T.exp2(mw_sm[row + j, 0] - mw[0])
-                    mw[1] += mw_sm[row + j, 1] * f2
+                    f2: T.let[T.float32] = T.exp2(mw_sm[row - r + j, 0] - mw[0])
+                    mw[1] += mw_sm[row - r + j, 1] * f2
                     for e in T.serial(VEC):
-                        acc[e] += o_sm[row + j, tx * VEC + e] * f2
+                        acc[e] += o_sm[row - r + j, tx * VEC + e] * f2
                 # an empty sequence: output 0 and lse -5e4, as TVM's kernel gives
                 for e in T.serial(VEC):
                     io.output[bz, h, tx * VEC + e] = T.cast(T.if_then_else(used > 0, acc[e] / mw[1], T.float32(0)), dtype)
