@@ -103,10 +103,12 @@ def compare_with_reference(
 
 
 class FakeTensor:
-    """What ``fuselight.kv_hooks`` reads of a tensor: its data pointer and shape."""
+    """What ``fuselight.kv_hooks`` reads of a tensor: its data pointer, shape and device (the CPU)."""
 
     def __init__(self, ptr: int, shape: tuple = (1, 2, 8)) -> None:
-        self.ptr, self.shape = ptr, shape
+        import tvm
+
+        self.ptr, self.shape, self.device = ptr, shape, tvm.cpu(0)
 
     def data_ptr(self) -> int:
         return self.ptr

@@ -10,6 +10,8 @@
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/function.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -45,6 +47,8 @@ Args Concat(Args a, const Args& b) {
   return a;
 }
 
+bool SameDevice(DLDevice a, DLDevice b) { return a.device_type == b.device_type && a.device_id == b.device_id; }
+
 // The split partials AttentionWithFusedQKV was given, while its call into the cache runs.
 thread_local std::optional<Args> decode_workspace;
 
@@ -65,6 +69,10 @@ class RopeAppendHooks {
         SameBuffer((*pending_)[4], args[2])) {
       Args pages_positions{args[0], args[3]};
       if (fused_decode_) {
+        // A decode batch has a page per sequence: counters for every page x KV head serve any batch
+        // of this cache, allocated here, where no graph is being captured yet (prefill appends first).
+        const DLTensor* pages = args[0].cast<DLTensor*>();
+        Counters(pages->device, pages->shape[0] * pages->shape[2]);
         pending_append_ = std::move(pages_positions);  // the decode attention may take both
         return;
       }
@@ -79,9 +87,12 @@ class RopeAppendHooks {
   void RunDecode(ffi::PackedArgs args, ffi::Any* rv) {  // q, pages, then the attention's own
     if (pending_ && pending_append_ && pending_->size() >= 3 && SameBuffer((*pending_)[2], args[0]) &&
         SameBuffer((*pending_append_)[0], args[1])) {
+      const DLTensor *q = args[0].cast<DLTensor*>(), *pages = args[1].cast<DLTensor*>();
+      ffi::Tensor counters = Counters(q->device, q->shape[0] * pages->shape[2]);  // [batch, KV heads]
       Args split = Take(pending_), append = Take(pending_append_);
       Args rest(args.data() + 2, args.data() + args.size());
       if (decode_workspace) rest = Concat(std::move(rest), *decode_workspace);
+      rest.push_back(counters);
       Call(*fused_decode_, Concat(Concat(std::move(split), append), rest), rv);
       return;
     }
@@ -104,6 +115,25 @@ class RopeAppendHooks {
   }
 
  private:
+  // The fused decode kernel's counters (its last argument): int32, zero between its calls (its last
+  // block of each sequence x KV head sets its counter back), at least `count` of them on `device`.
+  // Allocated and zeroed once; a larger batch gets new ones, and the old stay allocated as long as
+  // the cache: a captured CUDA graph may still replay their address.
+  ffi::Tensor Counters(DLDevice device, int64_t count) {
+    if (!counters_.empty() && SameDevice(counters_.back().device(), device) && counters_.back().size(0) >= count) {
+      return counters_.back();
+    }
+    static const ffi::Function alloc = ffi::Function::GetGlobalRequired("runtime.TVMTensorAllocWithScope");
+    static const ffi::Function copy_from_bytes = ffi::Function::GetGlobalRequired("runtime.TVMTensorCopyFromBytes");
+    count = std::max<int64_t>(count, 1);
+    ffi::Tensor counters = alloc(ffi::Shape({count}), DLDataType{kDLInt, 32, 1}, device, ffi::Optional<ffi::String>())
+                               .cast<ffi::Tensor>();
+    std::vector<int32_t> zeros(static_cast<size_t>(count), 0);
+    copy_from_bytes(counters, static_cast<void*>(zeros.data()), static_cast<int64_t>(zeros.size() * sizeof(int32_t)));
+    counters_.push_back(counters);
+    return counters;
+  }
+
   static Args Take(std::optional<Args>& slot) {
     Args out = std::move(*slot);
     slot.reset();
@@ -114,6 +144,7 @@ class RopeAppendHooks {
   std::optional<ffi::Function> fused_decode_, decode_;
   std::optional<Args> pending_;          // split-rotary's arguments
   std::optional<Args> pending_append_;   // (pages, append positions), only with fused_decode
+  std::vector<ffi::Tensor> counters_;    // the fused decode kernel's, the newest last
 };
 
 // [split-rotary wrapper, append wrapper, (decode wrapper,) then one wrapper per other kernel].
@@ -153,7 +184,7 @@ void MakeDecodeWrappers(ffi::PackedArgs args, ffi::Any* rv) {
 // passes/capture_whole_step.py points a decode step's attention calls here so one graph holds the
 // step. Arguments (cache, layer, sm_scale, qkv, out, o_part, lse_part): the builtin's, then the split
 // partials of the by-position decode kernel, which RunDecode passes it (the cache calls the kernel
-// with TVM's arguments only) while the builtin runs.
+// with TVM's arguments only) while the builtin runs, before the counters.
 void AttentionWithFusedQKV(ffi::PackedArgs args, ffi::Any* rv) {
   static const ffi::Function builtin =
       ffi::Function::GetGlobalRequired("vm.builtin.attention_kv_cache_attention_with_fused_qkv");

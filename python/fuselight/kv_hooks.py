@@ -10,7 +10,12 @@ pending append:
   the append's (one launch where there were two) or, with the fused decode kernel, records its own;
   with none pending, it appends as TVM's kernel does;
 - the decode wrapper, with both pending for its q and pages, launches the fused decode kernel (no
-  launch for RoPE and the append at all);
+  launch for RoPE and the append at all), with the counters it owns as the kernel's last argument
+  (int32, zero between calls, one a sequence x KV head at least: the kernel's last split block of
+  each merges, ``rules/flash/decode.py``); they are allocated when the append is recorded, where no
+  CUDA graph is being captured (a prefill appends before any decode), for every page x KV head of the
+  cache (a decode batch has a page per sequence), and kept as long as the hooks (a captured graph may
+  replay their address);
 - every other kernel's wrapper (and the decode wrapper otherwise) first launches what is pending
   (the fused RoPE + append, or TVM's split-rotary), then itself.
 So every kernel sees the q, k and v it would see without the pass, whatever the order of the calls.
@@ -34,6 +39,9 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import tvm
 
 from .contracts import ATTENTION_FORWARD_FUNC
 from .contracts import HOOKS_DECODE_FUNC as DECODE_GLOBAL_NAME
@@ -60,6 +68,7 @@ class RopeAppendHooks:
         self.fused_decode, self.decode = fused_decode, decode
         self.pending: tuple | None = None  # split-rotary's arguments
         self.pending_append: tuple | None = None  # (pages, append positions), only with fused_decode
+        self.counters: list[Any] = []  # the fused decode kernel's (see the module docstring), the newest last
 
     def record_split(self, *args: Any) -> None:
         self.flush()  # two splits in a row: the first still runs, in order
@@ -69,6 +78,7 @@ class RopeAppendHooks:
         pending = self.pending
         if pending is not None and self.pending_append is None and _same_buffer(pending[3], k) and _same_buffer(pending[4], v):
             if self.fused_decode is not None:
+                self.counters_for(pages.device, pages.shape[0] * pages.shape[2])
                 self.pending_append = (pages, positions)  # the decode attention may take both
                 return
             self.pending = None
@@ -81,7 +91,7 @@ class RopeAppendHooks:
         split, append = self.pending, self.pending_append
         if split is not None and append is not None and _same_buffer(split[2], q) and _same_buffer(append[0], pages):
             self.pending = self.pending_append = None
-            return self.fused_decode(*split, *append, *args)
+            return self.fused_decode(*split, *append, *args, self.counters_for(q.device, q.shape[0] * pages.shape[2]))
         self.flush()
         return self.decode(q, pages, *args)
 
@@ -94,6 +104,15 @@ class RopeAppendHooks:
             self.fused(*pending, *append)
         else:
             self.split_rotary(*pending)
+
+    def counters_for(self, device: Any, count: int) -> Any:
+        """At least ``count`` zeroed int32 counters on ``device``; new ones only where the newest are
+        fewer or elsewhere (the old stay allocated)."""
+        newest = self.counters[-1] if self.counters else None
+        if newest is None or newest.device != device or newest.shape[0] < count:
+            newest = tvm.runtime.tensor(np.zeros(max(count, 1), "int32"), device)
+            self.counters.append(newest)
+        return newest
 
     def wrap(self, kernel: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any) -> Any:

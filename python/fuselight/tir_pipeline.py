@@ -11,8 +11,8 @@ runtime launches a kernel that way when its launch parameters carry the
 ``tirx.use_programtic_dependent_launch`` flag (TVM's spelling), which its default pipeline never
 sets for scheduled (``s_tir``) functions.
 
-- ``NAME``: the flag on exactly the device kernels that wait (the decode attention's merge kernel, and
-  a one-row GEMV whose config prefetches weights before its wait: o_proj's);
+- ``NAME``: the flag on exactly the device kernels that wait (the decode attention's merge kernel where
+  it has one, and a one-row GEMV whose config prefetches weights before its wait: o_proj's);
   kernels that do not wait launch as TVM launches them. Every build uses at least this one.
 - ``NAME_EVERY_KERNEL``: first every other kernel waits at its entry, before any memory access, so
   it stays ordered after the kernel before it as without the flag, and then all get the flag: the

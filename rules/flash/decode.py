@@ -19,10 +19,17 @@ has only as many splits as the longest possible sequence can use.
 ``flash_decode_paged_rotary`` is the same kernel doing the cache's RoPE and KV append first, from
 the fused qkv (``passes.fuse_rope_append`` hands it to the cache): each split block computes its q
 heads and the new key and value rows by TVM's split-rotary expressions (``rotary.py``), writes the
-rows into the pages and attends after a barrier, so a decode layer launches nothing else for them.
+rows into the pages and attends after a barrier, so a decode layer launches nothing else for them;
+and with the counters its caller owns (``fuselight.kv_hooks``; zero between calls), it has no merge
+kernel: each split block, once its partials are visible device-wide (``__threadfence``), counts
+itself done with an atomic add on its (sequence, KV head)'s counter, and the last one merges the
+group's partials (read past L1: other SMs wrote them) by the merge kernel's fold and sets the
+counter back to zero. The next kernel, which the split kernel lets launch at its start, then waits
+for the whole grid, merge included.
 ``dense_decode`` is plain attention of one query row over dense K/V: the body
 ``prefill.flash_attention_dense`` runs where the query length is 1 at run time. Both are the same
-two kernels (``_kernels``), differing only in how a sequence's length and a K/V row are found.
+two kernels (``_kernels``), differing only in how a sequence's length and a K/V row are found; they
+keep the merge kernel (TVM's runtime and the dense caller pass no counters).
 """
 
 from __future__ import annotations
@@ -62,6 +69,11 @@ class DecodeConfig:
     max_splits: int  # bounds the workspace
     min_rows_per_split: int  # short contexts stay in few splits
     merge_groups: int  # thread rows of the merge kernel, each folding every merge_groups-th split
+    # The rotary kernel (whose caller owns the counters it needs) merges in its last split block of
+    # each (sequence, KV head) instead of a second kernel.
+    merge_in_split: bool = True
+    # splits a thread row of that last block loads at once (a memory latency each such chunk)
+    merge_in_split_folds: int = 8
     # The device has griddepcontrol (``load_decode_config`` asks the device model): the merge kernel
     # launches while the split kernel runs and waits for its grid, and lets the next kernel launch early.
     griddepcontrol: bool = False
@@ -114,8 +126,8 @@ def _heads(num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str) -> _
     return _Heads(num_qo_heads, num_kv_heads, head_dim, dtype, vec, bdx)
 
 
-def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = None) -> SimpleNamespace:
-    """The split and merge kernels as macros, and the split count, for one head layout.
+def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = None, counters: bool = False) -> SimpleNamespace:
+    """The split and merge kernels as macros, the split count and the kernel launches, for one head layout.
 
     ``split(io, batch, seq, sm_scale)`` and ``merge(io, batch, seq)`` read the query from ``io.Q``
     and write ``io.output`` (both [batch, qo heads, dim]) and, where given, ``io.lse``, through the
@@ -133,6 +145,11 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
     is then the split-rotary's q output, and ``io.rotary`` has its ``qkv``, ``positions``, ``k``,
     ``v``, ``apply_rope`` and ``append_positions``, and ``seq.append_position(io, b)`` is the page slot
     of sequence ``b``'s new row.
+
+    With ``counters`` (``io.counters``: int32, one a (sequence, KV head), zero before the call; the
+    caller owns them) and ``config.merge_in_split``, ``merge`` is not launched: the last split block
+    of each (sequence, KV head) to finish merges that group's partials (it counts the finished blocks
+    with an atomic add; ``launches`` is then 1), and sets its counter back to zero.
     """
     H_qo, H_kv, D, G, VEC, BDX, dtype = heads.qo, heads.kv, heads.dim, heads.group, heads.vec, heads.bdx, heads.dtype
     BDY = _WARP // BDX * config.warps  # rows processed side by side in a block
@@ -143,6 +160,13 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
     FOLDS = -(-MAX_SPLITS // MG)  # splits a merge thread row folds, at most
     LOG_BDX = int(math.log2(BDX))
     THREADS = BDY * BDX
+    IN_SPLIT = counters and config.merge_in_split
+    # The last block's thread rows: LR a head, LH heads at once, in LROUNDS rounds, each row loading
+    # LFOLDS splits at once.
+    LR = max(BDY // G, 1)
+    LH = BDY // LR
+    LROUNDS = -(-G // LH)
+    LFOLDS = min(config.merge_in_split_folds, -(-MAX_SPLITS // LR))
 
     def num_splits(batch):
         return _num_splits(config, H_kv, batch)
@@ -199,6 +223,57 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
                     io.rotary.v[bz, by, i * THREADS + t] = v_val
         T.tvm_storage_sync("shared")
 
+    @T.macro
+    def fold(io, load, load_loop, bz, h, row, r, rows, folds, chunks, tx, used, active, acc, mw, l_in, o_in, o_sm, mw_sm):
+        # Head h's splits merged by its log-sum-exp into io.output (and io.lse): thread row r of the
+        # ``rows`` serving the head folds splits r, r + rows, ..., ``folds`` of them loaded at once (one
+        # memory latency, not one a split) per chunk, into shared row ``row``; then the head's row
+        # r == 0 merges the head's shared rows from row - r on. ``load`` reads a partial (``load_loop``
+        # its vector loop); every thread reaches the barrier (``active``: the thread serves a head).
+        if active:
+            mw[0] = T.float32(_NEG)
+            mw[1] = T.float32(0)
+            for e in T.serial(VEC):
+                acc[e] = T.float32(0)
+            for c in T.serial(chunks):
+                for i in T.unroll(folds):
+                    if (c * folds + i) * rows + r < used:
+                        l_in[i] = load(io.lse_part[bz, h, (c * folds + i) * rows + r])
+                        for e in load_loop(VEC):
+                            o_in[i, e] = load(io.O_part[bz, h, (c * folds + i) * rows + r, tx * VEC + e])
+                for i in T.unroll(folds):
+                    if (c * folds + i) * rows + r < used:
+                        m_new: T.let[T.float32] = T.max(mw[0], l_in[i])
+                        scale: T.let[T.float32] = T.exp2(mw[0] - m_new)
+                        f: T.let[T.float32] = T.exp2(l_in[i] - m_new)
+                        mw[1] = mw[1] * scale + f
+                        for e in T.unroll(VEC):
+                            acc[e] = acc[e] * scale + o_in[i, e] * f
+                        mw[0] = m_new
+            for e in T.serial(VEC):
+                o_sm[row, tx * VEC + e] = acc[e]
+            mw_sm[row, 0] = mw[0]
+            mw_sm[row, 1] = mw[1]
+        T.tvm_storage_sync("shared")
+        if active:
+            if r == 0:
+                mw[0] = T.float32(_NEG)
+                for j in T.serial(rows):
+                    mw[0] = T.max(mw[0], mw_sm[row - r + j, 0])
+                mw[1] = T.float32(0)
+                for e in T.serial(VEC):
+                    acc[e] = T.float32(0)
+                for j in T.serial(rows):
+                    f2: T.let[T.float32] = T.exp2(mw_sm[row - r + j, 0] - mw[0])
+                    mw[1] += mw_sm[row - r + j, 1] * f2
+                    for e in T.serial(VEC):
+                        acc[e] += o_sm[row - r + j, tx * VEC + e] * f2
+                # an empty sequence: output 0 and lse -5e4, as TVM's kernel gives
+                for e in T.serial(VEC):
+                    io.output[bz, h, tx * VEC + e] = T.cast(T.if_then_else(used > 0, acc[e] / mw[1], T.float32(0)), dtype)
+                if io.lse is not None:
+                    io.lse[bz, h] = T.if_then_else(used > 0, mw[0] + T.log2(mw[1]), T.float32(_NEG))
+
     # pylint: disable=invalid-name,too-many-locals,too-many-statements
     @T.macro
     def split(io, batch, seq, sm_scale):
@@ -227,8 +302,9 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
                                 o_smem = T.sblock_alloc_buffer((BDY, G, D), "float32", scope="shared")
                                 md_smem = T.sblock_alloc_buffer((BDY, G, 2), "float32", scope="shared")
 
-                                # The merge kernel may launch now (it waits for this grid to finish
-                                # before it reads the partials): its launch overlaps this kernel.
+                                # The merge kernel (or, merged here, the next one) may launch now (it
+                                # waits for this grid to finish before it reads what this one wrote):
+                                # its launch overlaps this kernel.
                                 if PDL:
                                     T.ptx.griddepcontrol.launch_dependents()
                                 if rotary is not None:
@@ -322,6 +398,36 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
                                             for e in T.serial(VEC):
                                                 io.O_part[bz, by * G + gi * BDY + ty, bx, tx * VEC + e] = acc[e] / dsum[0]
                                             io.lse_part[bz, by * G + gi * BDY + ty, bx] = mx[0] + T.log2(dsum[0])
+                                if IN_SPLIT:
+                                    last = T.sblock_alloc_buffer((2,), "int32", scope="local")  # flag, used
+                                    last_smem = T.sblock_alloc_buffer((1,), "int32", scope="shared")
+                                    mw = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                                    l_in = T.sblock_alloc_buffer((LFOLDS,), "float32", scope="local")
+                                    o_in = T.sblock_alloc_buffer((LFOLDS, VEC), "float32", scope="local")
+                                    o_sm = T.sblock_alloc_buffer((BDY, D), "float32", scope="shared")
+                                    mw_sm = T.sblock_alloc_buffer((BDY, 2), "float32", scope="shared")
+                                    # Every block, with rows or none, counts itself finished once its
+                                    # partials are visible to the whole device; the last one merges.
+                                    T.tvm_storage_sync("shared")
+                                    if ty == 0 and tx == 0:
+                                        T.cuda.thread_fence()
+                                        done: T.let[T.int32] = T.cuda.atomic_add(T.address_of(io.counters[bz * H_kv + by]), 1)
+                                        last_smem[0] = T.if_then_else(done == grid_splits(io, batch, seq) - 1, 1, 0)
+                                    T.tvm_storage_sync("shared")
+                                    last[0] = last_smem[0]
+                                    if T.tvm_thread_invariant(last[0] == 1):
+                                        T.cuda.thread_fence()  # then read what the other blocks wrote
+                                        # the splits with rows; in a register, not a let (inlined into every use)
+                                        last[1] = T.ceildiv(kv_len, _split_rows(kv_len, num_splits(batch), MIN_ROWS, BDY * U))
+                                        for rnd in T.serial(LROUNDS):
+                                            fold(io, _from_l2, T.serial, bz, by * G + rnd * LH + T.floordiv(ty, LR), ty,
+                                                 T.floormod(ty, LR), LR, LFOLDS, T.ceildiv(last[1], LR * LFOLDS), tx, last[1],
+                                                 T.And(ty < LH * LR, rnd * LH + T.floordiv(ty, LR) < G),
+                                                 acc, mw, l_in, o_in, o_sm, mw_sm)
+                                            if LROUNDS > 1:
+                                                T.tvm_storage_sync("shared")  # the next round reuses o_sm
+                                        if ty == 0 and tx == 0:
+                                            io.counters[bz * H_kv + by] = 0  # ready for the next call
 
     @T.macro
     def merge(io, batch, seq):
@@ -350,53 +456,20 @@ def _kernels(heads: _Heads, config: DecodeConfig, rotary: SplitRotary | None = N
                             if PDL:
                                 T.ptx.griddepcontrol.wait()
                                 T.ptx.griddepcontrol.launch_dependents()
-                            # Each of the MG thread rows folds splits ty, ty + MG, ..., all loaded
-                            # first (one memory latency, not one a split), then row 0 merges the MG
-                            # partial results.
-                            for i in T.unroll(FOLDS):
-                                if i * MG + ty < used:
-                                    l_in[i] = io.lse_part[bz, h, i * MG + ty]
-                                    for e in T.vectorized(VEC):
-                                        o_in[i, e] = io.O_part[bz, h, i * MG + ty, tx * VEC + e]
-                            mw[0] = T.float32(_NEG)
-                            mw[1] = T.float32(0)
-                            for e in T.serial(VEC):
-                                acc[e] = T.float32(0)
-                            for i in T.unroll(FOLDS):
-                                if i * MG + ty < used:
-                                    m_new: T.let[T.float32] = T.max(mw[0], l_in[i])
-                                    r: T.let[T.float32] = T.exp2(mw[0] - m_new)
-                                    f: T.let[T.float32] = T.exp2(l_in[i] - m_new)
-                                    mw[1] = mw[1] * r + f
-                                    for e in T.unroll(VEC):
-                                        acc[e] = acc[e] * r + o_in[i, e] * f
-                                    mw[0] = m_new
-                            for e in T.serial(VEC):
-                                o_sm[ty, tx * VEC + e] = acc[e]
-                            mw_sm[ty, 0] = mw[0]
-                            mw_sm[ty, 1] = mw[1]
-                            T.tvm_storage_sync("shared")
-                            if ty == 0:
-                                mw[0] = T.float32(_NEG)
-                                for j in T.serial(MG):
-                                    mw[0] = T.max(mw[0], mw_sm[j, 0])
-                                mw[1] = T.float32(0)
-                                for e in T.serial(VEC):
-                                    acc[e] = T.float32(0)
-                                for j in T.serial(MG):
-                                    f2: T.let[T.float32] = T.exp2(mw_sm[j, 0] - mw[0])
-                                    mw[1] += mw_sm[j, 1] * f2
-                                    for e in T.serial(VEC):
-                                        acc[e] += o_sm[j, tx * VEC + e] * f2
-                                # an empty sequence: output 0 and lse -5e4, as TVM's kernel gives
-                                for e in T.serial(VEC):
-                                    io.output[bz, h, tx * VEC + e] = T.cast(
-                                        T.if_then_else(used > 0, acc[e] / mw[1], T.float32(0)), dtype
-                                    )
-                                if io.lse is not None:
-                                    io.lse[bz, h] = T.if_then_else(used > 0, mw[0] + T.log2(mw[1]), T.float32(_NEG))
+                            # MG thread rows a head, all splits in one chunk
+                            fold(io, _plain, T.vectorized, bz, h, ty, ty, MG, FOLDS, 1, tx, used, True,
+                                 acc, mw, l_in, o_in, o_sm, mw_sm)
 
-    return SimpleNamespace(split=split, merge=merge, num_splits=num_splits)
+    return SimpleNamespace(split=split, merge=merge, num_splits=num_splits, launches=1 if IN_SPLIT else 2)
+
+
+def _plain(load):
+    return load
+
+
+def _from_l2(load):
+    # written by other blocks of this launch, on other SMs: read past this SM's L1 (ld.global.cg)
+    return T.ptx.ld(T.address_of(load), "float32", "f32", cop="cg")
 
 
 @T.macro
@@ -443,11 +516,12 @@ _ROTARY_ONLY_PARAMS = (0, 1, 3, 4, 5, 7)
 def _paged_decode(
     heads: _Heads, config: DecodeConfig, page_size: int, rotary: SplitRotary | None, by_position: bool = False
 ) -> tvm.tirx.PrimFunc:
-    """The two kernels over TVM's paged cache with the rotary kernel's signature; without
-    ``rotary`` the split-rotary and append parameters are unused. ``by_position``: lengths and the
-    append slot from the q positions (``_PAGED_BY_POSITION``); length_info and the append positions
-    are then unused."""
-    kernels = _kernels(heads, config, rotary)
+    """The kernels over TVM's paged cache with the rotary kernel's signature; without ``rotary`` the
+    split-rotary and append parameters and the counters are unused (two kernels). ``by_position``:
+    lengths and the append slot from the q positions (``_PAGED_BY_POSITION``); length_info and the
+    append positions are then unused."""
+    kernels = _kernels(heads, config, rotary, counters=rotary is not None)
+    in_split = kernels.launches == 1
     H_qo, H_kv, D, PAGE, VEC, dtype = heads.qo, heads.kv, heads.dim, page_size, heads.vec, heads.dtype
     seq = _PAGED_BY_POSITION if by_position else _PAGED
 
@@ -475,8 +549,9 @@ def _paged_decode(
         sm_scale: T.float32,
         o_part_handle: T.handle,
         lse_part_handle: T.handle,
+        counters_handle: T.handle,
     ):
-        T.func_attr({"tirx.is_scheduled": True, "fuselight.kernel_launches": 2})
+        T.func_attr({"tirx.is_scheduled": True, "fuselight.kernel_launches": kernels.launches})
         B = T.int32()
         nnz_pages = T.int32()
         max_num_pages = T.int32()
@@ -487,6 +562,7 @@ def _paged_decode(
         k_rope_pos_offset_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
+        num_counters = T.int32()
 
         qkv = T.match_buffer(qkv_handle, (B, H_qo + 2 * H_kv, D), dtype)
         positions = T.match_buffer(positions_handle, (B,), "int32", elem_offset=positions_elem_offset)
@@ -508,6 +584,10 @@ def _paged_decode(
                   else T.alloc_buffer((B, H_qo, kernels.num_splits(B), D), "float32", scope="global"))
         lse_part = (T.match_buffer(lse_part_handle, (B, H_qo, kernels.num_splits(B)), "float32") if by_position
                     else T.alloc_buffer((B, H_qo, kernels.num_splits(B)), "float32", scope="global"))
+        # the caller's (``fuselight.kv_hooks``): zero between calls, at least one a (sequence, KV head)
+        if in_split:
+            counters = T.match_buffer(counters_handle, (num_counters,), "int32")
+            assert num_counters >= B * H_kv, "fuselight_rope_append_decode_paged_kv: fewer counters than sequences x KV heads"
         # RoPE must already be in the cache (applied on append): never attend to un-rotated keys.
         assert rotary_mode == 0, "fuselight_decode_paged_kv: rotary_mode 1 (RoPE inside attention) is not supported"
 
@@ -518,26 +598,28 @@ def _paged_decode(
             SimpleNamespace(
                 Q=Q, O_part=O_part, lse_part=lse_part, pages=pages, page_indptr=page_table_indptr,
                 page_values=page_table_values, length_info=length_info, positions=q_rope_position, page_size=PAGE, vec=VEC,
+                output=output, lse=lse, counters=counters if in_split else None,
                 rotary=SimpleNamespace(qkv=qkv, positions=positions, k=k, v=v, apply_rope=apply_rope, append_positions=append_positions),
             ),
             B, seq, sm_scale,
         )
-        kernels.merge(
-            SimpleNamespace(
-                output=output, lse=lse, O_part=O_part, lse_part=lse_part, page_indptr=page_table_indptr,
-                length_info=length_info, positions=q_rope_position, page_size=PAGE,
-            ),
-            B, seq,
-        )
+        if not in_split:
+            kernels.merge(
+                SimpleNamespace(
+                    output=output, lse=lse, O_part=O_part, lse_part=lse_part, page_indptr=page_table_indptr,
+                    length_info=length_info, positions=q_rope_position, page_size=PAGE,
+                ),
+                B, seq,
+            )
 
     if by_position:
         return decode
-    return tvm.tirx.PrimFunc(decode.params[:-2], decode.body, decode.ret_type, decode.attrs)
+    return tvm.tirx.PrimFunc([*decode.params[:-3], decode.params[-1]], decode.body, decode.ret_type, decode.attrs)
 
 
 def by_position_workspace(split_rotary: SplitRotary, config: DecodeConfig, batch: int) -> list[tuple[tuple[int, ...], str]]:
-    """Shapes and dtypes of the by-position kernel's last two parameters (the split partials, which
-    its caller allocates) for a batch of ``batch`` sequences."""
+    """Shapes and dtypes of the by-position kernel's two parameters before the counters (the split
+    partials, which its caller allocates) for a batch of ``batch`` sequences."""
     rot = split_rotary
     splits = int(arith.Analyzer().simplify(_num_splits(config, rot.num_kv_heads, tirx.IntImm("int32", batch))))
     return [((batch, rot.num_qo_heads, splits, rot.head_dim), "float32"), ((batch, rot.num_qo_heads, splits), "float32")]
@@ -548,7 +630,7 @@ def flash_decode_paged(
 ) -> tvm.tirx.PrimFunc:
     """The decode kernel for one head layout; a drop-in for TVM's ``batch_decode_paged_kv``."""
     full = _paged_decode(_heads(num_kv_heads, num_qo_heads, head_dim, dtype), config, page_size, None)
-    params = [p for i, p in enumerate(full.params) if i not in _ROTARY_ONLY_PARAMS]
+    params = [p for i, p in enumerate(full.params[:-1]) if i not in _ROTARY_ONLY_PARAMS]  # nor the counters
     return tvm.tirx.PrimFunc(params, full.body, full.ret_type, full.attrs).with_attr("global_symbol", GLOBAL_SYMBOL)
 
 
@@ -557,9 +639,13 @@ def flash_decode_paged_rotary(
 ) -> tvm.tirx.PrimFunc:
     """TVM's split-rotary, its KV append and the decode kernel in one: ``(qkv, positions, q, k, v,
     apply_rope)`` (split-rotary's parameters), ``pages, append_positions`` (the append's), then the
-    decode kernel's from ``page_table_indptr`` on. Each split block computes its q heads and new k / v
-    rows by ``split_rotary``'s expressions, so nothing waits for another launch; the split-rotary
-    outputs are written as TVM's kernel writes them. ``by_position``: see ``_PAGED_BY_POSITION``."""
+    decode kernel's from ``page_table_indptr`` on (``by_position``: and the split partials), then an
+    int32 tensor of counters, zero between calls, at least one a (sequence, KV head), that the caller
+    (``fuselight.kv_hooks``) owns: with them the last split block of each (sequence, KV head) merges
+    the partials (``DecodeConfig.merge_in_split``), and the kernel is one launch. Each split block
+    computes its q heads and new k / v rows by ``split_rotary``'s expressions, so nothing waits for
+    another launch; the split-rotary outputs are written as TVM's kernel writes them.
+    ``by_position``: see ``_PAGED_BY_POSITION``."""
     rot = split_rotary
     heads = _heads(rot.num_kv_heads, rot.num_qo_heads, rot.head_dim, rot.dtype)
     return _paged_decode(heads, config, page_size, rot, by_position).with_attr("global_symbol", ROTARY_GLOBAL_SYMBOL)

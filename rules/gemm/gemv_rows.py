@@ -11,9 +11,9 @@ shuffles, and the column's lane runs the epilogue.
 
 A bucket with ``prefetch_l2_percent`` also has each warp ask L2 for that share of its weight rows
 (``cp.async.bulk.prefetch.L2``) and only then wait for the grid before it (``griddepcontrol.wait``;
-the TIR pipeline adds no second wait). Launched early behind the decode attention's merge kernel, whose
-blocks let it launch once they have their inputs, o_proj's blocks so stream weights while the merge
-runs. The prefetches take warp-uniform addresses and sit in no branch: so placed, ptxas keeps every
+the TIR pipeline adds no second wait). Launched early behind the decode attention (its merge kernel,
+or its split kernel where the last split block merges), whose blocks let it launch once they have
+their inputs, o_proj's blocks so stream weights while the attention finishes. The prefetches take warp-uniform addresses and sit in no branch: so placed, ptxas keeps every
 load after the wait (``fuselight.pdl_audit`` checks the SASS; with a branch on the lane it moved the
 norm prologue's loads above it).
 

@@ -72,9 +72,9 @@ def _shape(ty: object) -> tuple:
 
 
 def test_decode_split_partials_come_from_the_caller(rewritten):
-    """The by-position kernel takes its split partials last (a graph replays their addresses, which
-    a block of TVM's workspace pool need not keep); the forwarder's call allocates them, as the rule
-    sizes them for one sequence."""
+    """The by-position kernel takes its split partials last but for the counters (a graph replays
+    their addresses, which a block of TVM's workspace pool need not keep); the forwarder's call
+    allocates them, as the rule sizes them for one sequence."""
     _, after = rewritten
     desc = PagedAttention.analyze(after[ROTARY_GLOBAL_SYMBOL])
     shapes = PagedAttention.by_position_workspace(desc, CUDA, 1)
@@ -88,10 +88,10 @@ def test_decode_split_partials_come_from_the_caller(rewritten):
             outputs = call.ty_args[0].fields
             assert [(_shape(t), t.dtype) for t in outputs[1:]] == shapes, name
     kernel = PagedAttention().schedule(after[ROTARY_GLOBAL_SYMBOL], desc, CUDA)
-    o_part, lse_part = kernel.params[-2:]
-    assert (o_part.name, lse_part.name) == ("O_part", "lse_part")
-    # TVM's cache passes the builtin's 19 arguments; the forwarder adds the two
-    assert len(kernel.params) == 21
+    o_part, lse_part, counters = kernel.params[-3:]
+    assert (o_part.name, lse_part.name, counters.name) == ("O_part", "lse_part", "counters")
+    # TVM's cache passes the builtin's 19 arguments; the forwarder adds the two, the hooks the counters
+    assert len(kernel.params) == 22
 
 
 def _forwarder_calls(func: relax.Function) -> list[relax.Call]:
@@ -127,7 +127,7 @@ def test_by_position_kernel_reads_only_fixed_metadata_and_compiles_for_sm_90(rew
     lib = tvm.compile(tvm.IRModule({"main": scheduled[ROTARY_GLOBAL_SYMBOL]}), target=CUDA)
     source = lib.mod.imports[0].inspect_source("cuda")
     kernels = _kernel_params(source)
-    assert len(kernels) == 2  # split, merge
+    assert len(kernels) == 1  # the last split block merges
     used = {p for params in kernels.values() for p in params}
     # q positions, page_indptr and the page table's start stay put as pages are added; these do not
     assert {"length_info", "append_positions"}.isdisjoint(used)

@@ -36,13 +36,19 @@ def _pool() -> dict[str, tvm.runtime.Tensor]:
 
 
 def _run(factory, with_decode: bool, sequence, pool) -> list[tuple]:
-    """Drive the wrappers ``factory`` returns; every launch as (kernel, arguments by slot name)."""
+    """Drive the wrappers ``factory`` returns; every launch as (kernel, arguments by slot name; a
+    tensor of the wrappers' own by its dtype and contents)."""
     names = {(t.data_ptr(), tuple(t.shape)): n for n, t in pool.items()}
     launches: list[tuple] = []
 
+    def arg(a):
+        if not hasattr(a, "shape"):
+            return int(a)
+        return names.get((a.data_ptr(), tuple(a.shape))) or (str(a.dtype), tuple(a.numpy().tolist()))
+
     def kernel(name):
         def call(*args):
-            launches.append((name, tuple(names.get((a.data_ptr(), tuple(a.shape)), a) if hasattr(a, "shape") else int(a) for a in args)))
+            launches.append((name, tuple(arg(a) for a in args)))
 
         return call
 
@@ -84,8 +90,10 @@ def test_native_wrappers_launch_what_the_python_ones_do(native, with_decode, ind
 def test_decode_layer_is_one_fused_launch(native):
     pool = _pool()
     launches = _run(native[HOOKS_DECODE_FUNC], True, SEQUENCES[0], pool)
-    # the split's arguments, the append's pages and positions, then the attention's own after q and pages
-    assert launches == [("fused_decode", ("qkv", "pos", "q", "k", "v", 1, "pages", "apos", "pos")), ("other", ())]
+    # the split's arguments, the append's pages and positions, the attention's own after q and pages,
+    # then the counters: zero, one for each of the cache's 4 pages x 3 KV heads
+    counters = ("int32", (0,) * 12)
+    assert launches == [("fused_decode", ("qkv", "pos", "q", "k", "v", 1, "pages", "apos", "pos", counters)), ("other", ())]
 
 
 def test_only_libraries_whose_cache_takes_the_wrappers_carry_them():

@@ -21,7 +21,7 @@ import tvm
 from conftest import FakeTensor, require_nvcc
 from fuselight import config as model_config
 from fuselight import kv_hooks
-from fuselight.compile import kv_cache_kernels
+from fuselight.compile import _decode_attention_launches, kv_cache_kernels
 from fuselight.cuda_compile import compile_cuda
 from fuselight.model.llama import export_module
 from fuselight.model.weights import hf_config
@@ -40,7 +40,7 @@ from fuselight.passes.paged_attention import (
     create_calls,
 )
 from fuselight.rules.flash import rotary
-from fuselight.rules.flash.decode import ROTARY_GLOBAL_SYMBOL
+from fuselight.rules.flash.decode import ROTARY_GLOBAL_SYMBOL, flash_decode_paged_rotary, load_decode_config
 from fuselight.rules.paged_attention import PagedAttention
 from fuselight.target import resolve, to_tvm
 from tvm import relax
@@ -142,12 +142,13 @@ def test_analyze_declines_what_is_not_a_split_rotary():
     assert rotary.analyze(_toy_split(1, read_k=False)) is None  # stored at another token than it reads
 
 
+def _fp16_llama_config(**changes) -> model_config.ModelConfig:
+    fields = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, dtype="float16")
+    return dataclasses.replace(model_config.load("tiny-llama"), **{**fields, **changes})
+
+
 def _fp16_llama(**changes) -> tvm.IRModule:
-    cfg = dataclasses.replace(
-        model_config.load("tiny-llama"), hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        dtype="float16", **changes,
-    )
-    return export_module(cfg, CUDA)[0]
+    return export_module(_fp16_llama_config(**changes), CUDA)[0]
 
 
 def _hooks_call(mod: tvm.IRModule) -> relax.Call:
@@ -176,15 +177,109 @@ def test_the_pass_gives_fuselight_decode_the_rope_and_append_and_it_builds_for_s
     with CUDA:
         out = dl.ApplyDefaultSchedule(PagedAttention())(out)
     fused = out[ROTARY_GLOBAL_SYMBOL]
-    assert FUSED_DECODE_ATTR in fused.attrs and int(fused.attrs["fuselight.kernel_launches"]) == 2
+    # one launch: the last split block of each (sequence, KV head) merges
+    assert FUSED_DECODE_ATTR in fused.attrs and int(fused.attrs["fuselight.kernel_launches"]) == 1
     assert str(fused.attrs["global_symbol"]) == ROTARY_GLOBAL_SYMBOL
+    assert fused.params[-1].name == "counters"
     assert kv_cache_kernels(out) == 0  # a decode layer launches nothing for RoPE and the append
+    # a decode step launches the fused kernel, not TVM's decode kernel beside it (two launches)
+    assert int(out["fuselight_decode_paged_kv"].attrs["fuselight.kernel_launches"]) == 2
+    assert _decode_attention_launches(out) == 1
     lib = tvm.compile(tvm.IRModule({"main": fused}), target=CUDA)
     source = lib.mod.imports[0].inspect_source("cuda")
-    assert len(set(re.findall(r"__global__ void __launch_bounds__\(\d+\) (\w+)\(", source))) == 2  # split, merge
+    assert len(set(re.findall(r"__global__ void __launch_bounds__\(\d+\) (\w+)\(", source))) == 1
     assert "cosf" in source and "sinf" in source  # RoPE computed in the split kernel
     require_nvcc()
     assert compile_cuda(source, "sm_90")
+
+
+def _events(func: tvm.tirx.PrimFunc) -> list[tuple]:
+    """The kernel's barriers, fences, atomics, L1-bypassing loads and stores, in program order."""
+    found: list[tuple] = []
+
+    def visit(node):
+        if isinstance(node, tvm.ir.Call) and isinstance(node.op, tvm.ir.Op):
+            name = node.op.name
+            if name == "tirx.tvm_storage_sync":
+                found.append(("sync",))
+            elif name == "tirx.cuda.thread_fence":
+                found.append(("fence",))
+            elif name == "tirx.cuda.atomic_add":
+                found.append(("atomic", node.args[0].args[0].buffer.name, node.args[0].args[0].indices[0], int(node.args[1])))
+            elif name == "tirx.ptx.ld":
+                found.append(("load", node.args[0].args[0].buffer.name, f"{node.args[4].value}.{node.args[5].value}"))
+        elif isinstance(node, tvm.tirx.BufferStore):
+            found.append(("store", node.buffer.name, node.indices[0] if node.buffer.name == "counters" else None,
+                          node.value.value if isinstance(node.value, tvm.tirx.IntImm) else None))
+        return True
+
+    tvm.tirx.stmt_functor.pre_order_visit(func.body, visit)
+    return found
+
+
+@pytest.fixture(scope="module")
+def rotary_kernels() -> dict[str, object]:
+    """The fused decode kernel of SmolLM2's head layout (GQA 9/3, head dim 64) for sm_90 and sm_80,
+    and (``desc``) what the rule read of it."""
+    mod = export_module(_fp16_llama_config(num_attention_heads=9, num_key_value_heads=3, hidden_size=576), CUDA)[0]
+    with CUDA:
+        fused = FuseRopeAppend()(PagedAttentionKernels()(mod))[ROTARY_GLOBAL_SYMBOL]
+    desc = PagedAttention.analyze(fused)
+    kernels = {arch: PagedAttention().schedule(fused, desc, target)
+               for arch, target in (("sm_90", CUDA), ("sm_80", to_tvm(resolve("cuda", "sm_80"))))}
+    return {**kernels, "desc": desc}
+
+
+def test_last_split_block_merges_after_every_block_counted_itself(rotary_kernels):
+    """Each block: its partials stored, a barrier, a device fence, one atomic add on its (sequence,
+    KV head)'s counter, the verdict shared through a barrier; the last block then fences, reads the
+    partials past L1, writes the output and lse, and sets the same counter back to zero."""
+    for arch in ("sm_90", "sm_80"):
+        kernel = rotary_kernels[arch]
+        events = _events(kernel)
+        kinds = [e[0] for e in events]
+        (atomic_at,) = [i for i, e in enumerate(events) if e[0] == "atomic"]
+        _, counters, slot, step = events[atomic_at]
+        assert (counters, step) == ("counters", 1), arch
+        partial_stores = [i for i, e in enumerate(events) if e[:2] in (("store", "O_part"), ("store", "lse_part"))]
+        assert partial_stores and max(partial_stores) < atomic_at, arch
+        # after the last partial store: barrier, then fence right before the atomic
+        assert "sync" in kinds[max(partial_stores):atomic_at - 1] and kinds[atomic_at - 1] == "fence", arch
+        after = events[atomic_at + 1:]
+        assert [e[0] for e in after[:2]] == ["store", "sync"], arch  # the verdict, shared
+        fence_at = after.index(("fence",))  # the last block fences before it reads
+        assert all(e[:2] == ("store", "last") for e in after[2:fence_at]), arch  # (its register copy)
+        loads = [e for e in after if e[0] == "load"]
+        assert {e[1] for e in loads} == {"O_part", "lse_part"} and {e[2] for e in loads} == {"global.cg"}, arch
+        stores = [e for e in after if e[0] == "store"]
+        outputs = [i for i, e in enumerate(after) if e[:2] in (("store", "output"), ("store", "lse"))]
+        first_load = next(i for i, e in enumerate(after) if e[0] == "load")
+        assert fence_at < first_load < min(outputs), arch
+        # the reset is the last store, of the counter the block added to
+        assert stores[-1][:2] == ("store", "counters") and stores[-1][3] == 0, arch
+        tvm.ir.assert_structural_equal(stores[-1][2], slot, map_free_vars=True)
+        assert not any(e[:2] == ("store", "counters") for e in events[:atomic_at]), arch
+        assert int(kernel.attrs["fuselight.kernel_launches"]) == 1, arch
+
+
+def test_fused_decode_kernel_compiles_for_sm_80(rotary_kernels):
+    """No griddepcontrol before sm_90: the atomics and fences are all it needs there."""
+    target = to_tvm(resolve("cuda", "sm_80"))
+    source = tvm.compile(tvm.IRModule({"main": rotary_kernels["sm_80"]}), target=target).mod.imports[0].inspect_source("cuda")
+    assert len(set(re.findall(r"__global__ void __launch_bounds__\(\d+\) (\w+)\(", source))) == 1
+    assert "griddepcontrol" not in source
+    require_nvcc()
+    assert compile_cuda(source, "sm_80")
+
+
+def test_without_merge_in_split_the_fused_kernel_keeps_the_merge_kernel(rotary_kernels):
+    """The config switch (A/B): two launches, the counters unused."""
+    fused, desc = rotary_kernels["sm_90"], rotary_kernels["desc"]
+    config = dataclasses.replace(load_decode_config("sm_90"), merge_in_split=False)
+    two = flash_decode_paged_rotary(desc.rotary, desc.page_size, config)
+    assert int(two.attrs["fuselight.kernel_launches"]) == 2
+    assert len(two.params) == len(fused.params)
+    assert not any(e[0] in ("atomic", "fence") for e in _events(two))
 
 
 def _factory(mod: tvm.IRModule) -> str:
@@ -243,7 +338,15 @@ def test_decode_wrapper_launches_one_kernel_for_split_append_and_attention():
     hooks.run_append(PAGES, FakeTensor(1), FakeTensor(2), "append_pos")
     assert calls == []  # both wait for the attention
     hooks.run_decode(FakeTensor(10, (1, 4, 8)), FakeTensor(20, (9, 2, 2, 16, 8)), "indptr", "out", 0.125)
-    assert calls == [("fused_decode", ("qkv", "pos", Q, K, V, 1, PAGES, "append_pos", "indptr", "out", 0.125))]
+    (name, args), = calls
+    assert (name, args[:-1]) == ("fused_decode", ("qkv", "pos", Q, K, V, 1, PAGES, "append_pos", "indptr", "out", 0.125))
+    # last, the counters the hooks own: zero, one for each of the cache's 9 pages x 2 KV heads
+    counters = args[-1]
+    assert counters.dtype == "int32" and counters.numpy().tolist() == [0] * 18
+    hooks.record_split("qkv", "pos", Q, K, V, 1)
+    hooks.run_append(PAGES, K, V, "append_pos")
+    hooks.run_decode(Q, PAGES, "indptr", "out", 0.125)
+    assert calls[-1][1][-1] is counters  # the same ones every call (a captured graph replays them)
     hooks.run_decode(Q, PAGES, "indptr", "out", 0.125)  # nothing pending: the decode kernel alone
     assert calls[-1][0] == "decode"
 
