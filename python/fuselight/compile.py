@@ -48,7 +48,7 @@ CUDA_GRAPH_CONFIG = "relax.backend.use_cuda_graph"
 # keeps these true): a layer's, float and 4-bit weights (the same fusions: the dequantize goes
 # into the norm's GEMV and the gate+up SiLU kernel), and those outside the layers (the final norm
 # and the LM head).
-DECODE_LAUNCHES_PER_LAYER = {"float": 5, "quantized": 5}
+DECODE_LAUNCHES_PER_LAYER = {"float": 6, "quantized": 6}
 DECODE_LAUNCHES_OUTSIDE_LAYERS = 2
 
 

@@ -70,8 +70,9 @@ class DecodeConfig:
     min_rows_per_split: int  # short contexts stay in few splits
     merge_groups: int  # thread rows of the merge kernel, each folding every merge_groups-th split
     # The rotary kernel (whose caller owns the counters it needs) merges in its last split block of
-    # each (sequence, KV head) instead of a second kernel.
-    merge_in_split: bool = True
+    # each (sequence, KV head) instead of a second kernel. Off where measured slower (the merge
+    # then runs after the split work instead of overlapping it: docs/experiments/config-attention-decode.md).
+    merge_in_split: bool = False
     # splits a thread row of that last block loads at once (a memory latency each such chunk)
     merge_in_split_folds: int = 8
     # The device has griddepcontrol (``load_decode_config`` asks the device model): the merge kernel

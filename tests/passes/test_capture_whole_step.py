@@ -89,7 +89,7 @@ def test_decode_split_partials_come_from_the_caller(rewritten):
             assert [(_shape(t), t.dtype) for t in outputs[1:]] == shapes, name
     kernel = PagedAttention().schedule(after[ROTARY_GLOBAL_SYMBOL], desc, CUDA)
     o_part, lse_part, counters = kernel.params[-3:]
-    assert (o_part.name, lse_part.name, counters.name) == ("O_part", "lse_part", "counters")
+    assert (o_part.name, lse_part.name) == ("O_part", "lse_part") and counters.name.startswith("counters")
     # TVM's cache passes the builtin's 19 arguments; the forwarder adds the two, the hooks the counters
     assert len(kernel.params) == 22
 
@@ -127,7 +127,7 @@ def test_by_position_kernel_reads_only_fixed_metadata_and_compiles_for_sm_90(rew
     lib = tvm.compile(tvm.IRModule({"main": scheduled[ROTARY_GLOBAL_SYMBOL]}), target=CUDA)
     source = lib.mod.imports[0].inspect_source("cuda")
     kernels = _kernel_params(source)
-    assert len(kernels) == 1  # the last split block merges
+    assert len(kernels) == 2  # split and merge (merge_in_split off as shipped)
     used = {p for params in kernels.values() for p in params}
     # q positions, page_indptr and the page table's start stay put as pages are added; these do not
     assert {"length_info", "append_positions"}.isdisjoint(used)
