@@ -67,9 +67,11 @@ def _q4_weight(case: Case, relax: Any) -> tuple[list, Callable]:
 
 
 def _as_kn(case: Case, weight: Any, relax: Any) -> Any:
-    """The dequantized weight as the matmul's ``[K, N]`` operand: NK's transposed, KN's as stored
-    (``model.llama.QuantLinear``)."""
-    return relax.op.permute_dims(weight) if quantization.SCHEMES[case.quantization].layout == "NK" else weight
+    """The (dequantized) weight as the matmul's ``[K, N]`` operand: a float weight's and NK's
+    transposed, KN's as stored (``model.llama.QuantLinear``)."""
+    if case.quantization is None or quantization.SCHEMES[case.quantization].layout == "NK":
+        return relax.op.permute_dims(weight)
+    return weight
 
 
 def _gemm_q4(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:

@@ -305,6 +305,16 @@ def test_gpu_suite_covers_every_family_dtype_head_dim_and_group():
     assert {c.dtype for c in cases if c.op == "gemm" and c.static and c.sweep == (16,)} == dtypes
 
 
+@pytest.mark.parametrize("suite", ["gpu", "full"])
+def test_every_case_of_a_suite_builds_its_relax_module(suite):
+    """Each case's Relax function is constructed (what ``bench build`` compiles): a case kind the
+    module builder mishandles fails here, not on the build host (session 19's KN change once broke
+    the float ``norm_gemm`` cases of both suites)."""
+    for case in kernels.load_suite(suite):
+        mod = kernels_build.relax_module(case)
+        assert "main" in [gv.name_hint for gv in mod.functions], case.name
+
+
 @pytest.fixture(scope="module")
 def small_suite(tmp_path_factory):
     """Small cases built for llvm through the same build path as CUDA, and their run."""
