@@ -3,12 +3,14 @@ sm_90 target and a rule's schedule of a function."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import concurrent.futures
+import os
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
 from fuselight.config import ModelConfig
-from fuselight.cuda_compile import nvcc_path
+from fuselight.cuda_compile import compile_cuda, nvcc_path
 from fuselight.library import CACHE_ENV
 
 # A test whose point is nvcc's verdict is skipped (and counted as skipped) where nvcc is absent.
@@ -22,6 +24,16 @@ def require_nvcc() -> str:
     if path is None:
         pytest.skip("nvcc not installed: the CUDA source was not compiled")
     return path
+
+
+def compile_cuda_concurrently(jobs: Iterable[tuple[str, str]]) -> list[bytes]:
+    """nvcc's fatbin of each ``(source, arch)``, the runs side by side (one process each, as many at
+    once as there are cores: a test's nvcc runs are independent, and one run keeps one core busy);
+    skips the test where nvcc is absent. ``jobs`` may be a generator that builds each source: a run
+    starts as its job is yielded, while the next source is built. The first failure is raised."""
+    require_nvcc()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(pool.map(lambda job: compile_cuda(*job), jobs))
 
 
 @pytest.fixture(scope="session", autouse=True)
