@@ -124,6 +124,23 @@ class FakeTensor:
         return self.ptr
 
 
+# ---- work started before the first test -----------------------------------------------------------
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Each selected test module's ``start_in_background(alone)``, before the first test: work of its
+    own processes (another arch's pipeline, say) then runs on the core pytest leaves idle while the
+    tests before that module run. ``alone``: no other module's tests were selected (the work may
+    take every core)."""
+    if session.config.option.collectonly:
+        return
+    modules = {item.module for item in session.items if getattr(item, "module", None) is not None}
+    for module in modules:
+        start = getattr(module, "start_in_background", None)
+        if start is not None:
+            start(alone=len(modules) == 1)
+
+
 # ---- hypothesis: a fresh seed each run, printed -------------------------------------------------------
 
 _HYPOTHESIS_SEED: list[int] = []

@@ -3,9 +3,9 @@ unmeasured archs (sm_80, sm_86, sm_89), what the rules claim of our LLaMA there 
 the CUDA of those kernels: nvcc compiles it for the arch and it has no Hopper-only instruction.
 
 One pipeline run (phases 1-3 and the rules) per arch and weight format, shared by the tests; one
-TVM build and one nvcc per arch. Each described arch's runs, build and nvcc (a minute and a half of
-CPU) go to a process of its own, started by the first test that needs them, so CI's two cores share
-them while this process runs sm_90's pipeline.
+TVM build and one nvcc per arch. The described archs' runs, builds and nvcc (a minute and a half of
+CPU each) go to processes of their own, started by conftest before the first test of the session: in
+the whole suite one process on the core that pytest leaves idle, done before these tests run.
 """
 
 from __future__ import annotations
@@ -132,24 +132,30 @@ def _build_arch(arch: str) -> _ArchBuild:
     return _ArchBuild({q: _families(c) for q, c in claimed.items()}, source, None if fatbin is None else len(fatbin))
 
 
-@functools.lru_cache(maxsize=None)
-def _arch_builds() -> dict[str, concurrent.futures.Future]:
-    """Every described arch's ``_build_arch``, each in a fresh process (spawned: TVM's runtime does
-    not survive a fork), all started at once; an nvcc error comes back as the test's FuselightError."""
-    pool = concurrent.futures.ProcessPoolExecutor(max_workers=len(UNMEASURED), mp_context=multiprocessing.get_context("spawn"))
-    runs = {arch: pool.submit(_build_arch, arch) for arch in UNMEASURED}
+_BUILDS: dict[str, concurrent.futures.Future] = {}
+
+
+def start_in_background(alone: bool) -> None:
+    """Every described arch's ``_build_arch`` in spawned processes (TVM's runtime does not survive a
+    fork): one after another in one process where other tests run too (on the core pytest leaves
+    idle), a process an arch where this module's tests are ``alone``. An nvcc error comes back as
+    the test's FuselightError."""
+    if _BUILDS:
+        return
+    workers = len(UNMEASURED) if alone else 1
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    _BUILDS.update({arch: pool.submit(_build_arch, arch) for arch in UNMEASURED})
     pool.shutdown(wait=False)
-    return runs
 
 
 def _built(arch: str) -> _ArchBuild:
-    return _arch_builds()[arch].result()
+    start_in_background(alone=True)  # where conftest did not start them
+    return _BUILDS[arch].result()
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("arch", UNMEASURED)
 def test_every_family_claims_on_every_described_arch_what_it_claims_on_sm90(arch, quantization):
-    _arch_builds()  # the described archs' runs start, in processes of their own, before sm_90's here
     hopper = _families(_claimed("sm_90", quantization))
     ours = _built(arch).families[quantization]
     families = {"matmul", "gemv", "row_reduction", "rope_append", "paged_attention"}

@@ -5,8 +5,8 @@ test_arch_config's, over the same rule families).
 
 The rules are tried in ``fuselight.rules.default``'s order, the first that schedules a function
 claiming it, as DLight's ApplyDefaultSchedule does. One scheduling pass a arch, and one build; the
-scheduling of the archs only compared by family runs in processes of their own (CI's second core),
-started by the first test, while this one schedules sm_90 and sm_80.
+scheduling of the archs only compared by family runs in processes of their own, started by conftest
+before the first test of the session (in the whole suite, on the core pytest leaves idle).
 """
 
 from __future__ import annotations
@@ -52,23 +52,27 @@ def _families_here(arch: str) -> dict[str, str]:
     return {name: family for name, (family, _) in _claimed(arch).items()}
 
 
-@functools.lru_cache(maxsize=None)
-def _elsewhere() -> dict[str, concurrent.futures.Future]:
-    """``_families_here`` of the archs that are only compared by family, each in a spawned process
-    (TVM's runtime does not survive a fork), started at once."""
-    pool = concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn"))
-    runs = {arch: pool.submit(_families_here, arch) for arch in UNMEASURED if arch != BUILT}
+_ELSEWHERE: dict[str, concurrent.futures.Future] = {}
+
+
+def start_in_background(alone: bool) -> None:
+    """``_families_here`` of the archs only compared by family, in spawned processes (TVM's runtime
+    does not survive a fork): one where other tests run too, one an arch where these are ``alone``."""
+    if _ELSEWHERE:
+        return
+    compared = [arch for arch in UNMEASURED if arch != BUILT]
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=len(compared) if alone else 1,
+                                                  mp_context=multiprocessing.get_context("spawn"))
+    _ELSEWHERE.update({arch: pool.submit(_families_here, arch) for arch in compared})
     pool.shutdown(wait=False)
-    return runs
 
 
 def _families(arch: str) -> dict[str, str]:
-    runs = _elsewhere()
-    return runs[arch].result() if arch in runs else _families_here(arch)
+    start_in_background(alone=True)  # where conftest did not start them
+    return _ELSEWHERE[arch].result() if arch in _ELSEWHERE else _families_here(arch)
 
 
 def test_sm90_claims_dlight_functions_of_each_family():
-    _elsewhere()  # started before sm_90's scheduling here
     families = _families("sm_90")
     assert len(families) >= CLAIMED_ON_SM90
     assert {"matmul", "gemv", "row_reduction"} <= set(families.values())
