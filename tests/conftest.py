@@ -4,6 +4,7 @@ sm_90 target and a rule's schedule of a function."""
 from __future__ import annotations
 
 import concurrent.futures
+import multiprocessing
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -127,18 +128,25 @@ class FakeTensor:
 # ---- work started before the first test -----------------------------------------------------------
 
 
+def in_spawned_processes(fn: Callable[[Any], Any], args: Iterable[Any], workers: int) -> dict[Any, concurrent.futures.Future]:
+    """``{arg: the future of fn(arg)}``, run by ``workers`` spawned processes (TVM's runtime does not
+    survive a fork), started now. ``fn`` must be importable: a test module's function."""
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    runs = {arg: pool.submit(fn, arg) for arg in args}
+    pool.shutdown(wait=False)
+    return runs
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Each selected test module's ``start_in_background(alone)``, before the first test: work of its
-    own processes (another arch's pipeline, say) then runs on the core pytest leaves idle while the
-    tests before that module run. ``alone``: no other module's tests were selected (the work may
-    take every core)."""
+    """``start_in_background(alone)`` of each module with a selected test marked ``background``, before
+    the first test: work of its own processes (another arch's pipeline, say) then runs on the core
+    pytest leaves idle while the tests before that module run. ``alone``: no other module's tests
+    were selected (the work may take every core)."""
     if session.config.option.collectonly:
         return
     modules = {item.module for item in session.items if getattr(item, "module", None) is not None}
-    for module in modules:
-        start = getattr(module, "start_in_background", None)
-        if start is not None:
-            start(alone=len(modules) == 1)
+    for module in {item.module for item in session.items if item.get_closest_marker("background")}:
+        module.start_in_background(alone=len(modules) == 1)
 
 
 # ---- hypothesis: a fresh seed each run, printed -------------------------------------------------------

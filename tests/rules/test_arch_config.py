@@ -14,11 +14,11 @@ import concurrent.futures
 import dataclasses
 import functools
 import json
-import multiprocessing
 import re
 
 import pytest
 import tvm
+from conftest import in_spawned_processes
 from fuselight import config, tir_pipeline
 from fuselight import pipeline as pl
 from fuselight.computations import AttentionSpec, attention_prim_func
@@ -136,16 +136,12 @@ _BUILDS: dict[str, concurrent.futures.Future] = {}
 
 
 def start_in_background(alone: bool) -> None:
-    """Every described arch's ``_build_arch`` in spawned processes (TVM's runtime does not survive a
-    fork): one after another in one process where other tests run too (on the core pytest leaves
-    idle), a process an arch where this module's tests are ``alone``. An nvcc error comes back as
-    the test's FuselightError."""
+    """Every described arch's ``_build_arch`` in spawned processes: one after another in one process
+    where other tests run too (on the core pytest leaves idle), a process an arch where this module's
+    tests are ``alone``. An nvcc error comes back as the test's FuselightError."""
     if _BUILDS:
         return
-    workers = len(UNMEASURED) if alone else 1
-    pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
-    _BUILDS.update({arch: pool.submit(_build_arch, arch) for arch in UNMEASURED})
-    pool.shutdown(wait=False)
+    _BUILDS.update(in_spawned_processes(_build_arch, UNMEASURED, workers=len(UNMEASURED) if alone else 1))
 
 
 def _built(arch: str) -> _ArchBuild:
@@ -153,6 +149,7 @@ def _built(arch: str) -> _ArchBuild:
     return _BUILDS[arch].result()
 
 
+@pytest.mark.background
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("arch", UNMEASURED)
 def test_every_family_claims_on_every_described_arch_what_it_claims_on_sm90(arch, quantization):
@@ -177,6 +174,7 @@ def test_flash_attention_claims_the_fused_attention_on_every_described_arch(arch
     assert [p.name for p in ours.params] == [p.name for p in hopper.params]
 
 
+@pytest.mark.background
 @pytest.mark.parametrize("arch", UNMEASURED)
 def test_kernels_have_no_hopper_only_instruction_and_nvcc_compiles_them(arch):
     build = _built(arch)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import multiprocessing
 import re
 
 import pytest
 import tvm
+from conftest import in_spawned_processes
 from dlight_functions import FUNCTIONS
 from fuselight import tir_pipeline
 from fuselight.rules import fuselight_rules
@@ -26,6 +26,7 @@ from tir_query import kernels
 
 UNMEASURED = ("sm_80", "sm_86", "sm_89")
 BUILT = "sm_80"  # the arch whose claimed functions are built (below)
+COMPARED = tuple(arch for arch in UNMEASURED if arch != BUILT)  # only by family
 KERNEL = re.compile(r"__global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(")  # its declaration and definition
 # Claimed on sm_90 at this commit: the 32000-wide softmax and three RMS norms (row_reduction), three
 # fp16 matmuls and two 4-bit ones (matmul), the one-output GEMV (gemv); the rest stay DLight's.
@@ -56,20 +57,18 @@ _ELSEWHERE: dict[str, concurrent.futures.Future] = {}
 
 
 def start_in_background(alone: bool) -> None:
-    """``_families_here`` of the archs only compared by family, in spawned processes (TVM's runtime
-    does not survive a fork): one where other tests run too, one an arch where these are ``alone``."""
+    """``_families_here`` of the archs only compared by family, in spawned processes: one where other
+    tests run too, one an arch where these are ``alone``."""
     if _ELSEWHERE:
         return
-    compared = [arch for arch in UNMEASURED if arch != BUILT]
-    pool = concurrent.futures.ProcessPoolExecutor(max_workers=len(compared) if alone else 1,
-                                                  mp_context=multiprocessing.get_context("spawn"))
-    _ELSEWHERE.update({arch: pool.submit(_families_here, arch) for arch in compared})
-    pool.shutdown(wait=False)
+    _ELSEWHERE.update(in_spawned_processes(_families_here, COMPARED, workers=len(COMPARED) if alone else 1))
 
 
 def _families(arch: str) -> dict[str, str]:
+    if arch not in COMPARED:
+        return _families_here(arch)
     start_in_background(alone=True)  # where conftest did not start them
-    return _ELSEWHERE[arch].result() if arch in _ELSEWHERE else _families_here(arch)
+    return _ELSEWHERE[arch].result()
 
 
 def test_sm90_claims_dlight_functions_of_each_family():
@@ -78,6 +77,7 @@ def test_sm90_claims_dlight_functions_of_each_family():
     assert {"matmul", "gemv", "row_reduction"} <= set(families.values())
 
 
+@pytest.mark.background
 @pytest.mark.parametrize("arch", UNMEASURED)
 def test_what_sm90_claims_every_described_arch_claims(arch):
     assert _families(arch) == _families("sm_90")
