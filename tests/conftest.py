@@ -3,12 +3,15 @@ sm_90 target and a rule's schedule of a function."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import concurrent.futures
+import multiprocessing
+import os
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
 from fuselight.config import ModelConfig
-from fuselight.cuda_compile import nvcc_path
+from fuselight.cuda_compile import compile_cuda, nvcc_path
 from fuselight.library import CACHE_ENV
 
 # A test whose point is nvcc's verdict is skipped (and counted as skipped) where nvcc is absent.
@@ -22,6 +25,16 @@ def require_nvcc() -> str:
     if path is None:
         pytest.skip("nvcc not installed: the CUDA source was not compiled")
     return path
+
+
+def compile_cuda_concurrently(jobs: Iterable[tuple[str, str]]) -> list[bytes]:
+    """nvcc's fatbin of each ``(source, arch)``, the runs side by side (one process each, as many at
+    once as there are cores: a test's nvcc runs are independent, and one run keeps one core busy);
+    skips the test where nvcc is absent. ``jobs`` may be a generator that builds each source: a run
+    starts as its job is yielded, while the next source is built. The first failure is raised."""
+    require_nvcc()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(pool.map(lambda job: compile_cuda(*job), jobs))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -112,6 +125,30 @@ class FakeTensor:
 
     def data_ptr(self) -> int:
         return self.ptr
+
+
+# ---- work started before the first test -----------------------------------------------------------
+
+
+def in_spawned_processes(fn: Callable[[Any], Any], args: Iterable[Any], workers: int) -> dict[Any, concurrent.futures.Future]:
+    """``{arg: the future of fn(arg)}``, run by ``workers`` spawned processes (TVM's runtime does not
+    survive a fork), started now. ``fn`` must be importable: a test module's function."""
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    runs = {arg: pool.submit(fn, arg) for arg in args}
+    pool.shutdown(wait=False)
+    return runs
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """``start_in_background(alone)`` of each module with a selected test marked ``background``, before
+    the first test: work of its own processes (another arch's pipeline, say) then runs on the core
+    pytest leaves idle while the tests before that module run. ``alone``: no other module's tests
+    were selected (the work may take every core)."""
+    if session.config.option.collectonly:
+        return
+    modules = {item.module for item in session.items if getattr(item, "module", None) is not None}
+    for module in {item.module for item in session.items if item.get_closest_marker("background")}:
+        module.start_in_background(alone=len(modules) == 1)
 
 
 # ---- hypothesis: a fresh seed each run, printed -------------------------------------------------------

@@ -3,23 +3,26 @@ unmeasured archs (sm_80, sm_86, sm_89), what the rules claim of our LLaMA there 
 the CUDA of those kernels: nvcc compiles it for the arch and it has no Hopper-only instruction.
 
 One pipeline run (phases 1-3 and the rules) per arch and weight format, shared by the tests; one
-TVM build and one nvcc per arch.
+TVM build and one nvcc per arch. The described archs' runs, builds and nvcc (a minute and a half of
+CPU each) go to processes of their own, started by conftest before the first test of the session: in
+the whole suite one process on the core that pytest leaves idle, done before these tests run.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import re
-import shutil
 
 import pytest
 import tvm
+from conftest import in_spawned_processes
 from fuselight import config, tir_pipeline
 from fuselight import pipeline as pl
 from fuselight.computations import AttentionSpec, attention_prim_func
-from fuselight.cuda_compile import compile_cuda
+from fuselight.cuda_compile import compile_cuda, nvcc_path
 from fuselight.device import device_model
 from fuselight.errors import FuselightError
 from fuselight.model.llama import export_module
@@ -100,14 +103,13 @@ def _flash_attention(arch: str) -> tvm.tirx.PrimFunc | None:
     return None if sch is None else sch.mod["main"]
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_source(arch: str) -> str:
-    """The CUDA of every kernel claimed for ``arch`` (both weight formats, and the dense flash
+def _cuda_source(arch: str, claimed: dict[str | None, dict[str, tuple[str, tvm.tirx.PrimFunc]]]) -> str:
+    """The CUDA of every kernel ``claimed`` for ``arch`` (both weight formats, and the dense flash
     attention), as a build lowers it."""
     target = to_tvm(resolve("cuda", arch))
     funcs = {"flash_attention": _flash_attention(arch).with_attr("global_symbol", "flash_attention")}
     for q in QUANTIZATIONS:
-        for name, (_, func) in _claimed(arch, q).items():
+        for name, (_, func) in claimed[q].items():
             symbol = f"{q or 'f16'}_{name}"
             funcs[symbol] = func.with_attr("global_symbol", symbol).with_attr("target", target)
     every_kernel = tir_pipeline.programmatic_launch_supported("cuda", arch)
@@ -115,10 +117,44 @@ def _cuda_source(arch: str) -> str:
     return exe.mod.imports[0].inspect_source("cuda")
 
 
+@dataclasses.dataclass(frozen=True)
+class _ArchBuild:
+    families: dict[str | None, dict[str, set[str]]]  # weight format -> rule family -> PrimFunc names
+    source: str  # the CUDA of every claimed kernel
+    fatbin_bytes: int | None  # nvcc's output for the arch; None where nvcc is absent
+
+
+def _build_arch(arch: str) -> _ArchBuild:
+    """The pipeline runs, the build and nvcc of one described arch (in a worker process)."""
+    claimed = {q: _claimed(arch, q) for q in QUANTIZATIONS}
+    source = _cuda_source(arch, claimed)
+    fatbin = compile_cuda(source, arch) if nvcc_path() is not None else None
+    return _ArchBuild({q: _families(c) for q, c in claimed.items()}, source, None if fatbin is None else len(fatbin))
+
+
+_BUILDS: dict[str, concurrent.futures.Future] = {}
+
+
+def start_in_background(alone: bool) -> None:
+    """Every described arch's ``_build_arch`` in spawned processes: one after another in one process
+    where other tests run too (on the core pytest leaves idle), a process an arch where this module's
+    tests are ``alone``. An nvcc error comes back as the test's FuselightError."""
+    if _BUILDS:
+        return
+    _BUILDS.update(in_spawned_processes(_build_arch, UNMEASURED, workers=len(UNMEASURED) if alone else 1))
+
+
+def _built(arch: str) -> _ArchBuild:
+    start_in_background(alone=True)  # where conftest did not start them
+    return _BUILDS[arch].result()
+
+
+@pytest.mark.background
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("arch", UNMEASURED)
 def test_every_family_claims_on_every_described_arch_what_it_claims_on_sm90(arch, quantization):
-    ours, hopper = _families(_claimed(arch, quantization)), _families(_claimed("sm_90", quantization))
+    hopper = _families(_claimed("sm_90", quantization))
+    ours = _built(arch).families[quantization]
     families = {"matmul", "gemv", "row_reduction", "rope_append", "paged_attention"}
     assert set(ours) == set(hopper) == families
     assert ours["paged_attention"] == {"fuselight_decode_paged_kv", "fuselight_prefill_paged_kv",
@@ -138,28 +174,17 @@ def test_flash_attention_claims_the_fused_attention_on_every_described_arch(arch
     assert [p.name for p in ours.params] == [p.name for p in hopper.params]
 
 
-# One TVM build and one nvcc a minute each: the three archs' nvcc runs overlap the next arch's build
-# (a process of its own on the second core), so CI pays for about half of the nvcc time.
-@functools.lru_cache(maxsize=None)
-def _nvcc_runs() -> dict[str, concurrent.futures.Future]:
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(UNMEASURED))
-    runs = {}
-    for arch in UNMEASURED:
-        source = _cuda_source(arch)
-        runs[arch] = pool.submit(compile_cuda, source, arch)
-    pool.shutdown(wait=False)
-    return runs
-
-
+@pytest.mark.background
 @pytest.mark.parametrize("arch", UNMEASURED)
 def test_kernels_have_no_hopper_only_instruction_and_nvcc_compiles_them(arch):
-    source = _cuda_source(arch)
+    build = _built(arch)
+    source = build.source
     assert source.count("__global__") >= 20  # every family's kernels, both weight formats
     assert "mma.sync" in source and "cp.async" in source and "ldmatrix" in source  # sm_80's tensor-core path
     assert HOPPER_ONLY.findall(source) == []
-    if shutil.which("nvcc") is None:
+    if build.fatbin_bytes is None:
         pytest.skip("nvcc not installed")
-    assert len(_nvcc_runs()[arch].result()) > 0
+    assert build.fatbin_bytes > 0
 
 
 def test_the_hopper_pattern_finds_sm90s_instructions():

@@ -9,8 +9,7 @@ and the PagedAttention rule swaps in the paged one for TVM's (not its sliding-wi
 import dataclasses
 
 import pytest
-from conftest import needs_nvcc
-from fuselight.cuda_compile import compile_cuda
+from conftest import compile_cuda_concurrently, needs_nvcc
 from fuselight.errors import FuselightError
 from fuselight.rules.flash.prefill import (
     PrefillConfig,
@@ -197,8 +196,7 @@ def test_nvcc_compiles_ragged_paged_and_dense():
         32, 32, 64, "bfloat16", causal=True, sm_scale=0.125, layout="BHSD", additive_mask=True,
         config=load_prefill_config("sm_90", 64),
     )  # fmt: skip
-    for func in (ragged, paged, dense):
-        assert len(compile_cuda(_cuda(_build(func)), "sm_90")) > 0
+    assert all(compile_cuda_concurrently((_cuda(_build(func)), "sm_90") for func in (ragged, paged, dense)))
 
 
 def test_config_from_json():

@@ -14,7 +14,7 @@ import re
 
 import numpy as np
 import pytest
-from conftest import needs_nvcc
+from conftest import compile_cuda_concurrently, needs_nvcc
 import tvm
 import tvm_ffi
 from fuselight.computations import plain_add_rms_norm
@@ -318,10 +318,8 @@ def test_rule_output_builds_for_sm90(make, kernels, vector, cuda):
 
 @needs_nvcc
 def test_nvcc_compiles_the_kernels(cuda):
-    from fuselight.cuda_compile import compile_cuda
-
-    for func in (softmax(tirx.Var("n", "int64"), 128256, "float32"), _plain_add(tirx.Var("b", "int64"), tirx.IntImm("int64", 1), 4096)):
-        assert compile_cuda(_cuda_source(RowReduction().apply(func, cuda, False).mod["main"], cuda), "sm_90")
+    funcs = (softmax(tirx.Var("n", "int64"), 128256, "float32"), _plain_add(tirx.Var("b", "int64"), tirx.IntImm("int64", 1), 4096))
+    assert all(compile_cuda_concurrently((_cuda_source(RowReduction().apply(f, cuda, False).mod["main"], cuda), "sm_90") for f in funcs))
 
 
 def test_rule_leaves_cpu_and_unconfigured_archs_to_the_next_rule():
