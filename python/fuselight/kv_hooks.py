@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tvm
 
 from .contracts import ATTENTION_FORWARD_FUNC
 from .contracts import HOOKS_DECODE_FUNC as DECODE_GLOBAL_NAME
@@ -108,6 +107,8 @@ class RopeAppendHooks:
     def counters_for(self, device: Any, count: int) -> Any:
         """At least ``count`` zeroed int32 counters on ``device``; new ones only where the newest are
         fewer or elsewhere (the old stay allocated)."""
+        import tvm  # on first use, as fuselight.runtime imports it (the GPU host's runtime-only TVM)
+
         newest = self.counters[-1] if self.counters else None
         if newest is None or newest.device != device or newest.shape[0] < count:
             newest = tvm.runtime.tensor(np.zeros(max(count, 1), "int32"), device)
