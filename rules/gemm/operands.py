@@ -39,6 +39,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from fuselight.errors import FuselightError
+
 B_LAYOUTS = ("NT", "NN")
 DTYPES = ("float16", "bfloat16")
 
@@ -101,3 +103,29 @@ class GemmOperands:
         if self.b_layout == "NT":
             return n_index * self.k + k_index
         return k_index * self.n + n_index
+
+
+# A dequantized B the 4-bit GEMM templates take: 4-bit values 8 to a 32-bit word along K, in order (NK).
+Q4_BITS, Q4_PER_WORD = 4, 8
+Q4_STORAGE = ("uint32", "int32")
+# The zero points the in-register conversions subtract exactly: 1024 + zero (fp16), 128 + zero (bf16).
+Q4_MAX_ZERO = 127
+
+
+def check_q4_words(ops: GemmOperands, template: str, group_multiple: int) -> None:
+    """FuselightError, prefixed ``template``, unless ``ops``' dequantized B is 4-bit values 8 to a
+    32-bit word along K in order (NK, B read as N x K), a constant integer zero point in
+    0..Q4_MAX_ZERO, and groups of a multiple of ``group_multiple`` values."""
+    deq = ops.dequant
+    if (deq.bits, deq.per_word) != (Q4_BITS, Q4_PER_WORD) or deq.storage_dtype not in Q4_STORAGE:
+        raise FuselightError(
+            f"{template}: dequantize of {deq.bits}-bit values {deq.per_word} to a {deq.storage_dtype} "
+            f"unsupported (supported: {Q4_BITS}-bit, {Q4_PER_WORD} to a 32-bit word)"
+        )
+    if not deq.nk_in_order or ops.b_layout != "NT":
+        raise FuselightError(f"{template}: dequantize layout {deq.layout!r} (places {deq.places}, zero point "
+                             f"buffer {deq.zeros is not None}) unsupported (supported: NK in order, a constant zero)")
+    if deq.group % group_multiple:
+        raise FuselightError(f"{template}: dequantize group {deq.group} is not a multiple of {group_multiple}")
+    if deq.zero != int(deq.zero) or not 0 <= deq.zero <= Q4_MAX_ZERO:
+        raise FuselightError(f"{template}: zero point {deq.zero} is not an integer in 0..{Q4_MAX_ZERO}")

@@ -20,7 +20,7 @@ from fuselight.paths import config_dir
 
 from .. import arch_config
 from ..arch_config import arch_entry
-from .operands import DTYPES, GemmOperands
+from .operands import DTYPES, GemmOperands, check_q4_words
 
 # mma.sync.m16n8k16: a warp's row block, the k step, the n width of one accumulator tile. A warp's
 # piece spans whole 16 x 16 blocks (one ldmatrix.x4 of A, or of B for two n tiles).
@@ -143,10 +143,6 @@ def check_tile(tile: GemmTile, what: str = "tile", smem_limit: int | None = None
 
 # A dequantized B (``ops.dequant``): 16-byte pieces of 4 packed uint32 words, 32 4-bit values along K.
 Q4_PIECE = 32
-Q4_BITS, Q4_PER_WORD = 4, 8
-Q4_STORAGE = ("uint32", "int32")
-# The zero points the in-register conversion subtracts exactly: 1024 + zero (fp16), 128 + zero (bf16).
-Q4_MAX_ZERO = 127
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,18 +194,7 @@ def check_dequant(plan: GemmPlan, ops: GemmOperands, smem_limit: int | None = No
     4-bit values 8 to a 32-bit word along K (layout NK), a group of a multiple of 32, an integer
     zero point the conversion subtracts exactly, slices of whole pieces spread evenly over the threads."""
     deq = ops.dequant
-    if (deq.bits, deq.per_word) != (Q4_BITS, Q4_PER_WORD) or deq.storage_dtype not in Q4_STORAGE:
-        raise FuselightError(
-            f"mma.sync gemm: dequantize of {deq.bits}-bit values {deq.per_word} to a {deq.storage_dtype} "
-            f"unsupported (supported: {Q4_BITS}-bit, {Q4_PER_WORD} to a 32-bit word)"
-        )
-    if not deq.nk_in_order or ops.b_layout != "NT":
-        raise FuselightError(f"mma.sync gemm: dequantize layout {deq.layout!r} (places {deq.places}, zero point "
-                             f"buffer {deq.zeros is not None}) unsupported (supported: NK in order, a constant zero)")
-    if deq.group % Q4_PIECE:
-        raise FuselightError(f"mma.sync gemm: dequantize group {deq.group} is not a multiple of {Q4_PIECE}")
-    if deq.zero != int(deq.zero) or not 0 <= deq.zero <= Q4_MAX_ZERO:
-        raise FuselightError(f"mma.sync gemm: zero point {deq.zero} is not an integer in 0..{Q4_MAX_ZERO}")
+    check_q4_words(ops, "mma.sync gemm", Q4_PIECE)
     if deq.dtype != ops.dtype:
         raise FuselightError(f"mma.sync gemm: dequantized dtype {deq.dtype} differs from A's {ops.dtype}")
     if not isinstance(ops.n, int) and plan.split_k > 1:

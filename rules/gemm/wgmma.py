@@ -48,7 +48,7 @@ from fuselight.paths import config_dir
 from fuselight.device import most, require_device, warp_size
 
 from ..arch_config import from_fields, per_sm_counts
-from .operands import B_LAYOUTS, DTYPES, GemmOperands
+from .operands import B_LAYOUTS, DTYPES, GemmOperands, check_q4_words
 from .split_k import reduction
 
 if TYPE_CHECKING:
@@ -245,15 +245,7 @@ def check_q4(tile: WgmmaTile, ops: GemmOperands) -> None:
     4-bit values 8 to a 32-bit word along K (NK), a group of a multiple of 32, an integer zero point
     the conversion subtracts exactly, whole 4-byte pairs of scales, a static N, no paired epilogue."""
     deq = ops.dequant
-    if (deq.bits, deq.per_word) != (4, 8) or deq.storage_dtype not in ("uint32", "int32"):
-        raise FuselightError(f"wgmma gemm: dequantize of {deq.bits}-bit values {deq.per_word} to a word unsupported")
-    if not deq.nk_in_order:
-        raise FuselightError(f"wgmma gemm: dequantize layout {deq.layout!r} (places {deq.places}, zero point "
-                             f"buffer {deq.zeros is not None}) unsupported (supported: NK in order, a constant zero)")
-    if deq.group % Q4_PIECE:
-        raise FuselightError(f"wgmma gemm: dequantize group {deq.group} is not a multiple of {Q4_PIECE}")
-    if deq.zero != int(deq.zero) or not 0 <= deq.zero <= 127:
-        raise FuselightError(f"wgmma gemm: zero point {deq.zero} is not an integer in 0..127")
+    check_q4_words(ops, "wgmma gemm", Q4_PIECE)
     if deq.dtype != ops.dtype:
         raise FuselightError(f"wgmma gemm: dequantized dtype {deq.dtype} differs from A's {ops.dtype}")
     if not isinstance(ops.n, int):

@@ -50,7 +50,7 @@ import numpy as np
 
 from fuselight.errors import FuselightError
 
-from .operands import GemmOperands
+from .operands import GemmOperands, check_q4_words
 from .wgmma import (
     ATOM_BYTES,
     BLOCK_K,
@@ -92,12 +92,10 @@ SCALES_A_CHUNK = 8  # scales of a row a TMA box holds (16 bytes: TMA's narrowest
 SCALE_CHUNK_BYTES = SCALES_A_CHUNK * ELEM_BYTES
 UNROLL = 2  # register sets of A fragments (one slice in flight while the next is dequantized)
 A_REGS = 4  # 32-bit registers of one m64k16 A fragment a thread
-STORAGE = ("uint32", "int32")
 RS_PREFIX = "q4rs-"  # the tiles' names in configs/gemm/mma_sync_q4.json (``wgmma_rs_tiles``)
 # fp16 bit patterns of the conversion's constants.
 HALF_ONE, HALF_SIXTEENTH = 0x3C00, 0x2C00
 MAGIC = 0x64006400  # fp16 1024 in both halves: 1024 + m for a 10-bit mantissa m
-MAX_ZERO = 127
 CVT = "fuselight_q4rs_cvt_fp16"  # one A register from a packed word, the lane's quad index and a scale
 CVT_SOURCE = """
 __forceinline__ __device__ unsigned int {name}(unsigned int w, int t, half s) {{
@@ -214,15 +212,7 @@ def check_tile(tile: WgmmaQ4Tile, ops: GemmOperands, split_k: int = 1) -> None:
         raise FuselightError("wgmma q4 gemm: B is not dequantized in the kernel")
     if ops.dtype != "float16" or deq.dtype != "float16":
         raise FuselightError(f"wgmma q4 gemm: dtype {ops.dtype} (dequantized {deq.dtype}) unsupported (supported: float16)")
-    if (deq.bits, deq.per_word) != (4, 8) or deq.storage_dtype not in STORAGE:
-        raise FuselightError(f"wgmma q4 gemm: {deq.bits}-bit values {deq.per_word} to a {deq.storage_dtype} unsupported")
-    if not deq.nk_in_order or ops.b_layout != "NT":
-        raise FuselightError(f"wgmma q4 gemm: dequantize layout {deq.layout!r} (places {deq.places}, zero point "
-                             f"buffer {deq.zeros is not None}) unsupported (supported: NK in order, a constant zero)")
-    if deq.group % HALF_K:
-        raise FuselightError(f"wgmma q4 gemm: dequantize group {deq.group} is not a multiple of {HALF_K}")
-    if deq.zero != int(deq.zero) or not 0 <= deq.zero <= MAX_ZERO:
-        raise FuselightError(f"wgmma q4 gemm: zero point {deq.zero} is not an integer in 0..{MAX_ZERO}")
+    check_q4_words(ops, "wgmma q4 gemm", HALF_K)
     if ops.paired or ops.prologue is not None or ops.out is None:
         raise FuselightError("wgmma q4 gemm: a paired epilogue, a norm prologue or no epilogue is unsupported")
     if split_k != 1:
