@@ -39,7 +39,11 @@ tile, fence for the async proxy and arrive on the slot's full barrier (see ``Wgm
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import tvm
+from tvm.backend.cuda import op as cuda_op
+from tvm.script import tirx as T
 
 from fuselight.errors import FuselightError
 from fuselight.jsonfile import read_json_object
@@ -48,11 +52,9 @@ from fuselight.paths import config_dir
 from fuselight.device import most, require_device, warp_size
 
 from ..arch_config import from_fields, per_sm_counts
+from .mma_sync import CP_ASYNC, Q4_DEQUANT, cp_async_wait_source, q4_dequant_source
 from .operands import B_LAYOUTS, DTYPES, GemmOperands, check_q4_words
 from .split_k import reduction
-
-if TYPE_CHECKING:
-    import tvm
 
 WARPGROUP = 128  # threads
 WARP = warp_size()
@@ -261,23 +263,16 @@ def check_q4(tile: WgmmaTile, ops: GemmOperands) -> None:
 def matrix_desc(base: Any, byte_offset: Any) -> Any:
     """The wgmma matrix descriptor ``base`` (encoded at the shared buffer's start) moved ``byte_offset``
     bytes on: the start address is the descriptor's low field, in 16-byte units, so offsets add to it."""
-    from tvm.script import tirx as T
-
     return base + T.Cast("uint64", byte_offset // 16)
 
 
 def fence_register(reg: Any) -> Any:
     """A call keeping the compiler from reading accumulator ``reg`` before the wgmma wait above it."""
-    from tvm.backend.cuda import op as cuda_op
-
     return cuda_op.cuda_func_call(REGISTER_FENCE, reg, source_code=REGISTER_FENCE_SOURCE)
 
 
 def float_pointer(ptr: Any, dtype: str = "float32") -> Any:
     """``ptr`` (a shared-memory access pointer) as a pointer to ``dtype`` (default ``float*``)."""
-    import tvm
-    from tvm.script import tirx as T
-
     return tvm.ir.expr.Call(tvm.ir.Op.get("tirx.reinterpret"), [ptr], ret_ty=T.handle(dtype).ty)
 
 
@@ -285,8 +280,6 @@ def encode_tiled(tensor_map: Any, buf: Any, dtype: str, inner: Any, rows: Any, b
                  swizzle: int) -> Any:
     """Host call encoding a TMA map of row-major ``buf`` (``rows`` x ``inner`` elements of ``dtype``),
     boxes of ``box_rows`` x ``box_inner``, zero fill past the extents."""
-    from tvm.script import tirx as T
-
     elem_bytes = TMA_ELEM_BYTES[dtype]
     # Dims and box innermost first: the contiguous extent, then rows; the row stride in bytes.
     return T.call_packed(
@@ -299,8 +292,6 @@ def encode_tiled(tensor_map: Any, buf: Any, dtype: str, inner: Any, rows: Any, b
 def tma_load_2d(smem: Any, offset: int | Any, barrier: Any, tensor_map: Any, x: Any, y: Any) -> Any:
     """A TMA load of the box at element coordinates (``x`` innermost, ``y``) into ``smem`` at byte
     ``offset``, completing on the mbarrier at ``barrier``."""
-    from tvm.script import tirx as T
-
     return T.ptx.cp_async.bulk.tensor.g2s_cta(
         2, smem.access_ptr("w", offset=offset), barrier, T.address_of(tensor_map), 1, "", x, y,
     )  # fmt: skip
@@ -310,8 +301,6 @@ def setup_macro(full: Any, empty: Any, stages: int, full_count: int, empty_count
     """A block's start (``setup(smem, smem_desc, tid)``): the matrix descriptor of the shared buffer's
     start into ``smem_desc[0]``, each slot's "full" (``full_count`` arrivals) and "empty"
     (``empty_count``) mbarriers initialised by thread 0, then a barrier."""
-    from tvm.script import tirx as T
-
     @T.macro
     def setup(smem, smem_desc, tid):
         T.ptx.wgmma.encode_matrix_descriptor(
@@ -332,8 +321,6 @@ def retire_macro(empty: Any, stages: int, k_tiles: int, n_acc: int) -> Any:
     """A consumer's end of a work tile (``retire(smem, acc, tid, ti)``): its last wgmma group
     retired, the slot of its last slice released (``empty(smem, slot)``: the barrier's pointer), the
     accumulators fenced so nothing reads them earlier."""
-    from tvm.script import tirx as T
-
     @T.macro
     def retire(smem, acc, tid, ti):
         T.ptx.wgmma.wait_group(0)
@@ -348,15 +335,11 @@ def retire_macro(empty: Any, stages: int, k_tiles: int, n_acc: int) -> Any:
 # Grouped order of tile t: group_m row tiles sweep the columns together. (All non-negative:
 # truncating division is floor division here, and cheaper.)
 def _rows_in_group(t: Any, m_tiles: Any, n_tiles: int, group_m: int) -> Any:
-    from tvm.script import tirx as T
-
     return T.min(m_tiles - T.truncdiv(t, group_m * n_tiles) * group_m, group_m)
 
 
 def grouped_row(t: Any, m_tiles: Any, n_tiles: int, group_m: int) -> Any:
     """The row-tile index of tile ``t`` in the grouped order (``group_m`` row tiles sweep the columns)."""
-    from tvm.script import tirx as T
-
     in_group = T.truncmod(t, group_m * n_tiles)
     group_row = T.truncmod(in_group, _rows_in_group(t, m_tiles, n_tiles, group_m))
     return T.truncdiv(t, group_m * n_tiles) * group_m + group_row
@@ -364,8 +347,6 @@ def grouped_row(t: Any, m_tiles: Any, n_tiles: int, group_m: int) -> Any:
 
 def grouped_col(t: Any, m_tiles: Any, n_tiles: int, group_m: int) -> Any:
     """The column-tile index of tile ``t`` in the grouped order."""
-    from tvm.script import tirx as T
-
     return T.truncdiv(T.truncmod(t, group_m * n_tiles), _rows_in_group(t, m_tiles, n_tiles, group_m))
 
 
@@ -375,10 +356,6 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
 
     It uses ``ops``' buffers as they are: bind it to the analysed function's params.
     """
-    import tvm
-    from tvm.backend.cuda import op as cuda_op
-    from tvm.script import tirx as T
-
     check_tile(tile, ops, split_k)
     for what, buf in (("A", ops.a), ("B", ops.b)):
         # The tensor maps start at the buffer's data pointer.
@@ -409,8 +386,6 @@ def wgmma_gemm(ops: GemmOperands, tile: WgmmaTile, split_k: int = 1) -> tvm.tirx
     producer_regs = PRODUCER_REGS if ops.dequant is None else Q4_PRODUCER_REGS
     grown_regs = consumer_regs(tile.warpgroups, producer_regs)
     if deq is not None:
-        from .mma_sync import CP_ASYNC, Q4_DEQUANT, cp_async_wait_source, q4_dequant_source
-
         # The staging ring after the barriers (16-byte aligned: stages x 2 barriers of 8 bytes).
         staging_base = tile.stages * (tile.slot_bytes + 2 * MBAR_BYTES) + tile.epilogue_bytes
         staging_bytes = q4_staging_bytes(tile)

@@ -44,9 +44,11 @@ raises a FuselightError (the q4 dispatch then keeps its other plans).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
+import tvm
+from tvm.backend.cuda import op as cuda_op
+from tvm.script import tirx as T
 
 from fuselight.errors import FuselightError
 
@@ -80,9 +82,6 @@ from .wgmma import (
     setup_macro,
     tma_load_2d,
 )
-
-if TYPE_CHECKING:
-    import tvm
 
 WORD_BYTES = 4
 WORDS_A_SLICE = BLOCK_K // 8  # packed words of one row in a K slice (8 values a word)
@@ -238,10 +237,6 @@ def check_tile(tile: WgmmaQ4Tile, ops: GemmOperands, split_k: int = 1) -> None:
 def wgmma_q4_gemm(ops: GemmOperands, tile: WgmmaQ4Tile) -> tvm.tirx.Stmt:
     """The body (host code encoding the tensor maps, then the kernel) computing ``ops``; it uses
     ``ops``' buffers as they are (bind it to the analysed function's params)."""
-    import tvm
-    from tvm.backend.cuda import op as cuda_op
-    from tvm.script import tirx as T
-
     check_tile(tile, ops)
     for what, buf in (("tokens", ops.a), ("packed words", ops.b), ("scales", ops.dequant.scale)):
         if not isinstance(buf.elem_offset, tvm.tirx.IntImm) or buf.elem_offset.value != 0:
