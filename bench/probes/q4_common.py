@@ -81,14 +81,19 @@ def kernel_args(params: list[str], wd: dict[str, Any], data: dict[str, Any], out
     return [tensor_to_tvm(tvm, torch, by_name[p]) for p in params[:-1]] + [tensor_to_tvm(tvm, torch, out)]
 
 
-def command_line(doc: str, sweep_help: str) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+def command_line(doc: str, sweep_help: str,
+                 build_options: Callable[[argparse.ArgumentParser], None] | None = None,
+                 ) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The probes' commands, ``build OUT [--no-sweep]`` and ``run MANIFEST -o JSON [--cases ...]``:
-    the parser and the ``run`` subparser, for the probe's own options."""
+    the parser and the ``run`` subparser, for the probe's own options (``build_options`` adds the
+    build's)."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("out", type=Path)
     b.add_argument("--no-sweep", action="store_true", help=sweep_help)
+    if build_options is not None:
+        build_options(b)
     r = sub.add_parser("run")
     r.add_argument("manifest", type=Path)
     r.add_argument("-o", "--output", type=Path, required=True)

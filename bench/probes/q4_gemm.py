@@ -82,6 +82,18 @@ SWEEP_RS_TILES = (
     (192, 2, 5, "rs"),
     (128, 2, 6, "rs"),
 )
+# ``build --small-m``: the weight-in-registers template at prefill M up to 512 instead, with token
+# tiles of 64 and 128, one or two warpgroups, and a fifth field: persistent blocks an SM.
+SMALL_SWEEP_M = (17, 64, 128, 256, 512)
+SMALL_SWEEP_RS_TILES = (
+    (64, 1, 8, "rs", 1),
+    (64, 1, 8, "rs", 2),
+    (64, 1, 4, "rs", 3),
+    (64, 2, 8, "rs", 1),
+    (128, 1, 6, "rs", 1),
+    (128, 2, 6, "rs", 1),
+    (128, 2, 4, "rs", 1),
+)
 SWEEP_SPLIT_N = 6144  # split-K 2 is swept where N is at most this, for these tiles:
 SWEEP_SPLIT_TILES = ((128, 256, 64, 2, 4, 4), (256, 2, 3, 4), (128, 2, 5, 5))
 
@@ -93,7 +105,7 @@ def _fp16_name(n: int, k: int, dtype: str) -> str:
 # ---- build ------------------------------------------------------------------------------------
 
 
-def build(out: Path, sweep: bool = True) -> None:
+def build(out: Path, sweep: bool = True, small_m: bool = False) -> None:
     import tvm
     from fuselight.compile import library_metadata, write_library
     from fuselight.quant_prim_funcs import q4_linear
@@ -129,7 +141,7 @@ def build(out: Path, sweep: bool = True) -> None:
         manifest["cases"][name] = {**case, "function": name, "params": [p.name for p in func.params],
                                    "fp16_function": fname, "ranges": ranges}
     if sweep:
-        sweep_funcs = _sweep(target, manifest)
+        sweep_funcs = _sweep(target, manifest, small_m)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     base_funcs = {}
@@ -209,8 +221,9 @@ def _ptxas_report(source: str, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def _sweep(target: Any, manifest: dict[str, Any]) -> dict[str, Any]:
-    """The sweep's functions (one plan each, no GEMV buckets, no M ranges), recorded in ``manifest``."""
+def _sweep(target: Any, manifest: dict[str, Any], small_m: bool = False) -> dict[str, Any]:
+    """The sweep's functions (one plan each, no GEMV buckets, no M ranges), recorded in ``manifest``;
+    ``small_m``: the small-M set of weight-in-registers tiles instead."""
     from fuselight.device import require_device
     from fuselight.quant_prim_funcs import q4_linear
     from fuselight.rules.base import host_branch, with_kernels
@@ -223,19 +236,20 @@ def _sweep(target: Any, manifest: dict[str, Any]) -> dict[str, Any]:
 
     sms = require_device("sm_90").sms  # one persistent wgmma block on each SM, as configs/gemm/wgmma.json
     funcs: dict[str, Any] = {}
-    manifest["sweep"] = {"m": list(SWEEP_M), "cases": {}}
+    tiles = SMALL_SWEEP_RS_TILES if small_m else SWEEP_TILES + SWEEP_WGMMA_TILES + SWEEP_RS_TILES
+    manifest["sweep"] = {"m": list(SMALL_SWEEP_M if small_m else SWEEP_M), "cases": {}}
     for name in SWEEP_CASES:
         case = CASES[name]
         func = q4_linear(**linear_args(case), m=None, prefill=True)
         ops = analyze_matmul(func, dequant=True).operands
         plans = []
-        for fields in SWEEP_TILES + SWEEP_WGMMA_TILES + SWEEP_RS_TILES:
+        for fields in tiles:
             for split in (1, 2):
                 if split > 1 and (not isinstance(ops.n, int) or ops.n > SWEEP_SPLIT_N or fields not in SWEEP_SPLIT_TILES):
                     continue
-                if fields[-1] == "rs":
-                    bt, wg, stages, _ = fields
-                    plan = WgmmaQ4Plan(WgmmaQ4Tile(bt, wg, stages, group_m=8, max_blocks=sms))
+                if "rs" in fields:
+                    bt, wg, stages, _, *per_sm = fields
+                    plan = WgmmaQ4Plan(WgmmaQ4Tile(bt, wg, stages, group_m=8, max_blocks=sms * (per_sm or [1])[0]))
                 elif len(fields) == 4:
                     bn, wg, stages, staging = fields
                     plan = WgmmaPlan(WgmmaTile(bn, wg, stages, group_m=8, max_blocks=sms, q4_staging=staging), split)
@@ -263,12 +277,14 @@ def _sweep(target: Any, manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _q4_name(plan: Any) -> str:
+    from fuselight.device import require_device
     from fuselight.rules.gemm.wgmma import WgmmaPlan
     from fuselight.rules.gemm.wgmma_q4 import RS_PREFIX, WgmmaQ4Plan
 
     if isinstance(plan, WgmmaQ4Plan):
         t = plan.tile
-        return f"{RS_PREFIX}t{t.block_t}f{t.block_f}s{t.stages}"
+        per_sm = t.max_blocks // require_device("sm_90").sms
+        return f"{RS_PREFIX}t{t.block_t}f{t.block_f}s{t.stages}" + (f"b{per_sm}" if per_sm > 1 else "")
     if isinstance(plan, WgmmaPlan):
         t = plan.tile
         return f"wgmma-m{t.block_m}n{t.block_n}s{t.stages}q{t.q4_staging}" + (f"/sk{plan.split_k}" if plan.split_k > 1 else "")
@@ -448,13 +464,14 @@ def run_sweep(manifest_path: Path, out_json: Path, only: list[str] | None, ms: l
 
 
 def main() -> None:
-    ap, r = command_line(__doc__, "leave out the config sweep (sweep.so)")
+    ap, r = command_line(__doc__, "leave out the config sweep (sweep.so)", lambda b: b.add_argument(
+        "--small-m", action="store_true", help="sweep the weight-in-registers tiles at M up to 512 instead"))
     r.add_argument("--m", nargs="*", type=int)
     r.add_argument("--sweep", action="store_true", help="time the config sweep (sweep.so) instead")
     r.add_argument("--plans", nargs="*", help="with --sweep: only the plans whose names start with these (e.g. q4rs- wgmma-)")
     a = ap.parse_args()
     if a.cmd == "build":
-        build(a.out, sweep=not a.no_sweep)
+        build(a.out, sweep=not a.no_sweep, small_m=a.small_m)
     elif a.sweep:
         run_sweep(a.manifest, a.output, a.cases, a.m, a.plans)
     else:

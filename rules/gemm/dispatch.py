@@ -113,10 +113,11 @@ def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, Plan]]:
     larger M. A range names a plan or a list of plans, the first that can serve ``ops`` taken (a
     wgmma plan first, an mma.sync one where wgmma cannot: a symbolic N, the LM head; a "q4rs-"
     name is a tile of ``wgmma_rs_tiles``, the template with the weight in registers, ``wgmma_q4``,
-    which serves fp16 with a static N and leaves the rest to the names after it). Empty: the
-    arch has no entry, or no plan of a range can serve ``ops`` (the function is left to the next
-    rule). Neighbouring ranges that come to the same plan are one. A static M gets the one range
-    holding it."""
+    which serves fp16 with a static N and leaves the rest to the names after it). The arch's
+    ``by_shape`` ranges (measured, keyed ``NxK``) replace ``ranges`` for that shape where every
+    plan they name can serve ``ops``. Empty: the arch has no entry, or no plan of a range can serve
+    ``ops`` (the function is left to the next rule). Neighbouring ranges that come to the same plan
+    are one. A static M gets the one range holding it."""
     device = device_model(arch)
     if ops.dequant is None or device is None:
         return []
@@ -137,21 +138,46 @@ def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, Plan]]:
 
         def plan_of(name: str) -> Plan:
             return WgmmaQ4Plan(rs[name]) if name in rs else parse_plan(tiles, wgmma, name)
-        table = [
-            (None if upper is None else int(upper), [str(n) for n in (names if isinstance(names, list) else [names])])
-            for upper, names in cfg["ranges"]
-        ]
+        tables = [_q4_table(cfg["ranges"], plan_of)]
+        shape = cfg.get("by_shape", {}).get(f"{ops.n}x{ops.k}") if isinstance(ops.n, int) else None
+        if shape is not None:
+            tables.insert(0, _q4_table(shape, plan_of))
         splits = [int(s) for s in cfg["split_k"]]
         min_blocks = int(cfg["min_blocks"])
-        if not table or table[-1][0] is not None or any(u is None for u, _ in table[:-1]):
-            raise ValueError("ranges must end with one [null, plan]")
-        if any(not names for _, names in table):
-            raise ValueError("a range names no plan")
-        for _, names in table:
-            for name in names:
-                plan_of(name)
     except (KeyError, TypeError, ValueError) as err:
         raise FuselightError(f"{where}: malformed config ({err!r})") from None
+    for table in tables:
+        ranges = _q4_resolve(ops, table, plan_of, splits, min_blocks, limit)
+        if ranges:
+            break
+    else:
+        return []
+    if _static(ops.m):
+        m = int(ops.m)
+        return [next((r for r in ranges if m <= r[0]), ranges[-1])]
+    return ranges
+
+
+def _q4_table(entries: list, plan_of: Callable[[str], Plan]) -> list[tuple[int | None, list[str]]]:
+    """A config's ``[largest M, plan or plans]`` list, checked: names known, one ``[null, ...]`` last."""
+    table = [
+        (None if upper is None else int(upper), [str(n) for n in (names if isinstance(names, list) else [names])])
+        for upper, names in entries
+    ]
+    if not table or table[-1][0] is not None or any(u is None for u, _ in table[:-1]):
+        raise ValueError("ranges must end with one [null, plan]")
+    if any(not names for _, names in table):
+        raise ValueError("a range names no plan")
+    for _, names in table:
+        for name in names:
+            plan_of(name)
+    return table
+
+
+def _q4_resolve(ops: GemmOperands, table: list[tuple[int | None, list[str]]], plan_of: Callable[[str], Plan],
+                splits: list[int], min_blocks: int, limit: int) -> list[tuple[int, Plan]]:
+    """``table``'s ranges with each range's first plan that serves ``ops`` (split K until the range's
+    largest M has ``min_blocks`` blocks, static N only); empty if a range has none."""
     ranges: list[tuple[int, Plan]] = []
     for i, (upper, names) in enumerate(table):
         plan = next((p for p in map(plan_of, names) if fits(p, ops, limit)), None)
@@ -172,7 +198,4 @@ def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, Plan]]:
             ranges[-1] = (upper, plan)
         else:
             ranges.append((upper, plan))
-    if _static(ops.m):
-        m = int(ops.m)
-        return [next((r for r in ranges if m <= r[0]), ranges[-1])]
     return ranges

@@ -130,9 +130,10 @@ def test_q4_ranges_cover_every_m_with_valid_plans(n, k):
     assert all(a[1] != b[1] for a, b in zip(ranges, ranges[1:]))  # neighbours differ: one kernel a plan
     if n is None:
         assert all(plan.split_k == 1 for _, plan in ranges)  # a symbolic N: no split-K
-    # Past M = 256 a static N takes the weight-in-registers template (the sweep's best,
+    # Past M = 512 a static N takes the weight-in-registers template (the sweep's best,
     # docs/experiments/q4-gemm.md): configs/gemm/mma_sync_q4.json names q4rs-t256s5 first up to
-    # 1536 (two ranges, one plan) and q4rs-t256s4 above. The LM head's symbolic N cannot (static N
+    # 1536 (two ranges, one plan) and q4rs-t256s4 above (these shapes' measured ranges take its
+    # smaller token tiles below, tested in test_gemm_wgmma_q4.py). The LM head's symbolic N cannot (static N
     # only) and falls back to mma.sync, as bf16 falls back to the producer-dequantizing wgmma tiles,
     # which serve where their block_n divides N (6144 = 32 x 192; 4096 and 28672 only by 256).
     rs = [(upper, plan.tile.block_t, plan.tile.stages) for upper, plan in ranges if isinstance(plan, WgmmaQ4Plan)]
@@ -140,7 +141,7 @@ def test_q4_ranges_cover_every_m_with_valid_plans(n, k):
     if n is None:
         assert rs == []
     else:
-        assert rs == [(1536, 256, 5), (2**31 - 1, 256, 4)]
+        assert rs[-2:] == [(1536, 256, 5), (2**31 - 1, 256, 4)]
         bf16 = analyze_matmul(q4_linear(n, k, m=None, dtype="bfloat16"), dequant=True).operands
         tiles = {(plan.tile.block_n, plan.tile.stages) for upper, plan in dispatch.q4_plan_ranges(bf16, "sm_90")
                  if upper > 256}
@@ -169,7 +170,9 @@ def test_rule_takes_mlcs_prefill_projection(cuda):
     assert len(wgmma) == sum(isinstance(plan, WgmmaPlan) for _, plan in kept)
     for nm in wgmma:
         _assert_wgmma_producer_dequantizes(_kernel_body(src, nm))
-    for nm in set(gemm) - set(wgmma):
+    mma = set(gemm) - set(wgmma)
+    assert len(mma) == sum(isinstance(plan, GemmPlan) for _, plan in kept)
+    for nm in mma:
         body = _kernel_body(src, nm)
         assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in body
         assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in body
@@ -183,9 +186,10 @@ def test_rule_takes_mlcs_prefill_projection(cuda):
     assert "25165824" not in src
     assert not re.search(r"half\* __restrict__ (dequantize\w*|compute)_ptr", src)
     assert "0x64006400u" in src and "__byte_perm" in src
-    # The waits and copies are compiler memory barriers (no shared load moves above its wait).
-    assert re.search(r'asm volatile\("cp\.async\.wait_group \d+;\\n" ::: "memory"\);', src)
-    assert src.count('"l"(src) : "memory");') >= 2
+    if mma:
+        # The waits and copies are compiler memory barriers (no shared load moves above its wait).
+        assert re.search(r'asm volatile\("cp\.async\.wait_group \d+;\\n" ::: "memory"\);', src)
+        assert src.count('"l"(src) : "memory");') >= 2
     # The host branches on M (batch_size): the dispatch's ranges.
     host = kernel.script()
     for upper, _ in kept[:-1]:

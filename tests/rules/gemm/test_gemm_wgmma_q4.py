@@ -46,9 +46,9 @@ def _body(ops, tile=TILE):
 
 
 def test_dispatch_takes_the_plan_where_it_serves():
-    # The shipped ranges above M = 256 name it first (measured: docs/experiments/q4-gemm.md); the
-    # mma.sync tiles keep the small-M ranges.
-    ranges = dispatch.q4_plan_ranges(_ops(n=4096, k=14336, epilogue="residual"), "sm_90")
+    # The generic ranges above M = 256 name it first (measured: docs/experiments/q4-gemm.md); the
+    # mma.sync tiles keep the small-M ranges. (2048 x 8192: a shape without measured ranges.)
+    ranges = dispatch.q4_plan_ranges(_ops(n=2048, k=8192, epilogue="residual"), "sm_90")
     rs = [(upper, p) for upper, p in ranges if isinstance(p, WgmmaQ4Plan)]
     # (the ranges up to 768 and 1536 name the same tile first: one range, one kernel)
     assert [upper for upper, _ in rs] == [1536, 2**31 - 1]
@@ -59,6 +59,42 @@ def test_dispatch_takes_the_plan_where_it_serves():
     head = dispatch.q4_plan_ranges(_ops(n=None, k=4096, epilogue="cast_fp32"), "sm_90")
     assert isinstance(bf16[-1][1], WgmmaPlan)
     assert isinstance(head[-1][1], GemmPlan)
+
+
+def _tiles(ranges):
+    return [(upper, (p.tile.block_t, p.tile.block_f, p.tile.max_blocks) if isinstance(p, WgmmaQ4Plan)
+             else type(p).__name__) for upper, p in ranges]
+
+
+def test_measured_shapes_take_their_ranges_and_others_the_generic_ones():
+    # Llama-3-8B's down (4096 x 14336) has measured ranges (configs/gemm/mma_sync_q4.json by_shape):
+    # mma.sync with split K up to 64 tokens, then token tiles of 64, 128 (one or two warpgroups), 256.
+    down = dispatch.q4_plan_ranges(_ops(n=4096, k=14336, epilogue="residual"), "sm_90")
+    assert _tiles(down) == [(64, "GemmPlan"), (128, (64, 64, 264)), (256, (128, 64, 132)),
+                            (512, (128, 128, 132)), (1536, (256, 128, 132)), (2**31 - 1, (256, 128, 132))]
+    assert down[0][1].split_k == 4 and down[-2][1].tile.stages == 5 and down[-1][1].tile.stages == 4
+    # The same shape where the template cannot serve (bf16) takes the generic ranges: their
+    # boundaries (64, 256, 768; 1536 and above one wgmma plan), nothing of the measured table.
+    bf16 = dispatch.q4_plan_ranges(_ops(n=4096, k=14336, epilogue="residual", dtype="bfloat16"), "sm_90")
+    assert [u for u, _ in bf16] == [64, 256, 768, 2**31 - 1]
+    assert not any(isinstance(p, WgmmaQ4Plan) for _, p in bf16)
+    # A static M gets the measured range holding it.
+    static = dispatch.q4_plan_ranges(analyze_matmul(q4_linear(4096, 14336, m=200, prefill=True, epilogue="residual"),
+                                                    dequant=True).operands, "sm_90")
+    assert _tiles(static) == [(256, (128, 64, 132))]
+
+
+def test_malformed_measured_ranges_name_the_config(tmp_path, monkeypatch):
+    import json
+
+    from fuselight.paths import config_dir
+    cfg = json.loads((config_dir() / "gemm" / "mma_sync_q4.json").read_text())
+    cfg["sm_90"]["by_shape"]["4096x14336"] = [[64, "q4rs-t64f64s8b2"]]  # no [null, ...] last
+    (tmp_path / "gemm").mkdir()
+    (tmp_path / "gemm" / "mma_sync_q4.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(dispatch, "config_dir", lambda: tmp_path)
+    with pytest.raises(FuselightError, match="mma_sync_q4.json.*ranges must end"):
+        dispatch.q4_plan_ranges(_ops(n=4096, k=14336, epilogue="residual"), "sm_90")
 
 
 @pytest.mark.parametrize("kwargs,tile,problem", [
