@@ -67,6 +67,12 @@ def gemv_config(ops: GemmOperands, m: int, target: Target) -> GemvConfig | None:
     return cfg
 
 
+def gemv_kernel(ops: GemmOperands, cfg: GemvConfig, target: Target) -> tirx.Stmt:
+    """The GEMV template's kernel for ``ops`` with the bucket ``cfg`` on ``target`` (whose SM count
+    sizes a looping grid, ``grid_blocks_per_sm``)."""
+    return gemv_body(ops, cfg, require_device(arch_of(target)).sms)
+
+
 def kn_gemv_config(ops: GemmOperands, target: Target) -> KnGemvConfig | None:
     """The KN template's bucket computing ``ops`` (4-bit weights in the KN layout, static M) on
     ``target``, or None: no config for the arch, no bucket for M, or operands it does not take."""
@@ -145,7 +151,7 @@ class Gemv(AnalyzeScheduleRule):
         if desc.m_static >= min_static_m and desc.operands.dequant is None:
             return None  # the Matmul rule's
         cfg = gemv_config(desc.operands, desc.m_static, target)
-        return None if cfg is None else with_kernels(func, gemv_body(desc.operands, cfg))
+        return None if cfg is None else with_kernels(func, gemv_kernel(desc.operands, cfg, target))
 
 
 def _kn_kernels(ops: GemmOperands, cfg: KnGemvConfig) -> tirx.Stmt:
@@ -201,7 +207,7 @@ def _symbolic_m(func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.P
         return None
     body = rest.body
     for upper, cfg in reversed(buckets):
-        body = host_branch(ops.m <= upper, gemv_body(ops, cfg), body)
+        body = host_branch(ops.m <= upper, gemv_kernel(ops, cfg, target), body)
     return with_kernels(func, host_branch(ops.m > 0, body))  # no empty grids
 
 

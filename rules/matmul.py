@@ -31,8 +31,7 @@ from .gemm import gemm_body
 from .gemm.analysis import MatmulDesc, analyze_matmul
 from .gemm.dispatch import plan_ranges, q4_plan_ranges
 from .gemm.estimate import load_dispatch
-from .gemm.gemv import gemv_body
-from .gemv import symbolic_m_buckets
+from .gemv import gemv_kernel, symbolic_m_buckets
 
 
 class Matmul(AnalyzeScheduleRule):
@@ -82,7 +81,7 @@ class Matmul(AnalyzeScheduleRule):
         for upper, plan in reversed(ranges[:-1]):
             body = host_branch(ops.m <= upper, gemm_body(ops, plan), body)
         for upper, cfg in reversed(gemv):
-            body = host_branch(ops.m <= upper, gemv_body(ops, cfg), body)
+            body = host_branch(ops.m <= upper, gemv_kernel(ops, cfg, target), body)
         if desc.m_static is None:
             body = host_branch(ops.m > 0, body)  # no empty grids
         return with_kernels(func, body)

@@ -5,8 +5,8 @@ Two halves, one file:
   build (CPU host, full TVM + nvcc; from the project root, fuselight's rules importable):
       python3 bench/probes/q4_gemv.py build .build/q4_gemv [--no-sweep]
   writes ``ours.so`` (the Gemv rule's kernels of each case: the decode function, M = 1 static, and
-  the batch-decode function, M symbolic, with the shipped configs; plus a sweep of configs at
-  M = 1, the row and the mma template, and at M = 16), ``dlight.so`` (DLight's schedules of the same
+  the batch-decode function, M symbolic, with the shipped configs; plus the configs of ``SWEEP`` at
+  M = 1, 2, 4, 8 and 16, and the shipped bucket at each static M), ``dlight.so`` (DLight's schedules of the same
   PrimFuncs as MLC-LLM builds them: its GEMV rule for M = 1, LowBatchGemvSpecialize's LowBatchGEMV
   buckets for the batch), their AOT cubins, CUDA sources and ``manifest.json``.
 
@@ -17,7 +17,7 @@ Two halves, one file:
   the product in float64; relative error of the whole output), and times each kernel at each M of
   ``MS``, DLight's, torch's fp16 matmul of the same weight and ``torch.ops.aten._weight_int4pack_mm``
   (tinygemm, bf16) with L2 flushed between calls (``fuselight.bench.timing``: medians). Prints a
-  table and writes JSON.
+  table, each M's variants against the shipped kernel (``summary``), and writes JSON.
 
 The cases are MLC-LLM's functions (``fuselight.quant_prim_funcs.q4_linear``): dequantize in two
 stages, NT_matmul accumulating in float32, the cast epilogue (o_proj and down also the residual add,
@@ -27,6 +27,7 @@ the LM head the second cast to float32 and a symbolic vocabulary, run at 128256)
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,24 +40,48 @@ from q4_common import (CASES, TARGET, chosen_cases, command_line, gemv_target, k
 MS = (1, 2, 3, 4, 5, 7, 8, 11, 13, 16)
 
 SWEPT = ("qkv", "o_proj", "gate_up", "down", "lm_head")
-# Configs tried besides the shipped ones, by M: (warps, rows_per_warp or None for the mma template,
-# unroll, min_blocks_per_sm, lane_run).
-SWEEP = {
-    1: [(4, 4, 4, 4, 1), (16, 2, 4, 1, 1), (8, 4, 4, 2, 1), (8, 1, 8, 2, 1),
-        (4, None, 4, 4, 2), (8, None, 4, 2, 2), (16, None, 4, 1, 2), (8, None, 8, 2, 2), (8, None, 2, 2, 2),
-        (4, None, 8, 2, 1)],
-    **{m: [(4, None, 2, 4, 2), (8, None, 2, 2, 2), (16, None, 2, 1, 2), (8, None, 1, 2, 1), (4, None, 4, 2, 2),
-           (8, None, 4, 1, 2)] for m in (2, 4, 8, 16)},
+# Configs tried besides the shipped ones, by M (``GemvConfig`` fields beside max_m). M = 1: the row
+# template's shipped settings of both M = 1 buckets (K up to 4096, and above: double-buffered), then
+# with a grid of resident blocks looping over the column groups (``grid_blocks_per_sm``: no partial
+# last wave, the token row staged once a block, double buffering across groups), and with fp16 partial
+# sums (``half_sums``: fewer instructions a weight). M = 2..16: the mma
+# template with 2, 4 or 8 row tiles a block (``row_tiles``: the token rows read from L2 once per
+# tiles, not once per 16 weight rows).
+_ROWS = {"warps": 8, "rows_per_warp": 2}
+_MMA = {"warps": 8, "unroll": 1, "lane_run": 1}
+SWEEP: dict[int, list[dict[str, Any]]] = {
+    1: [{**_ROWS, "unroll": 4, "min_blocks_per_sm": 3},
+        {**_ROWS, "unroll": 2, "min_blocks_per_sm": 2, "double_buffer": True},
+        {**_ROWS, "unroll": 4, "min_blocks_per_sm": 2, "grid_blocks_per_sm": 2},
+        {**_ROWS, "unroll": 4, "min_blocks_per_sm": 3, "grid_blocks_per_sm": 3},
+        {**_ROWS, "unroll": 2, "min_blocks_per_sm": 2, "grid_blocks_per_sm": 2, "double_buffer": True},
+        {**_ROWS, "unroll": 4, "min_blocks_per_sm": 2, "grid_blocks_per_sm": 2, "double_buffer": True},
+        {**_ROWS, "unroll": 2, "min_blocks_per_sm": 3, "grid_blocks_per_sm": 3, "double_buffer": True},
+        {**_ROWS, "warps": 4, "unroll": 2, "min_blocks_per_sm": 4, "grid_blocks_per_sm": 4, "double_buffer": True},
+        {**_ROWS, "unroll": 4, "min_blocks_per_sm": 3, "half_sums": True},
+        {**_ROWS, "unroll": 2, "min_blocks_per_sm": 2, "double_buffer": True, "half_sums": True},
+        {**_ROWS, "unroll": 2, "min_blocks_per_sm": 2, "grid_blocks_per_sm": 2, "double_buffer": True, "half_sums": True}],
+    **{m: [{**_MMA, "min_blocks_per_sm": 2, "row_tiles": 2},
+           {**_MMA, "min_blocks_per_sm": 2 if m <= 8 else 1, "row_tiles": 4},
+           {**_MMA, "warps": 4, "min_blocks_per_sm": 4 if m <= 8 else 2, "row_tiles": 4},
+           {**_MMA, "unroll": 2, "min_blocks_per_sm": 2 if m <= 8 else 1, "row_tiles": 2},
+           {**_MMA, "min_blocks_per_sm": 1, "row_tiles": 8}] for m in (2, 4, 8, 16)},
 }
+# The fields that make a variant (the rest pick the bucket).
+_FIELDS = ("warps", "rows_per_warp", "unroll", "min_blocks_per_sm", "lane_run", "double_buffer", "prefetch_l2_percent",
+           "grid_blocks_per_sm", "half_sums", "row_tiles")
 
 
 def _cfg_dict(cfg: Any) -> dict[str, Any]:
-    return {"warps": cfg.warps, "rows_per_warp": cfg.rows_per_warp, "unroll": cfg.unroll,
-            "min_blocks_per_sm": cfg.min_blocks_per_sm, "lane_run": cfg.lane_run}
+    return {f: getattr(cfg, f) for f in _FIELDS}
 
 
-def _vname(w: int, r: int | None, u: int, b: int, lr: int) -> str:
-    return f"w{w}_r{r}_u{u}_b{b}" if r is not None else f"mma_w{w}_u{u}_b{b}_l{lr}"
+def _vname(cfg: Any) -> str:
+    c = cfg
+    name = (f"w{c.warps}_r{c.rows_per_warp}_u{c.unroll}_b{c.min_blocks_per_sm}" if c.rows_per_warp is not None
+            else f"mma_w{c.warps}_u{c.unroll}_b{c.min_blocks_per_sm}_l{c.lane_run}")
+    return (name + ("_db" if c.double_buffer else "") + (f"_g{c.grid_blocks_per_sm}" if c.grid_blocks_per_sm else "")
+            + ("_hs" if c.half_sums else "") + (f"_t{c.row_tiles}" if c.row_tiles > 1 else ""))
 
 
 # ---- build ------------------------------------------------------------------------------------
@@ -93,6 +118,7 @@ def _dlight_batch(func: Any, target: Any) -> dict[str, tuple[Any, str]]:
 
 
 def build(out: Path, sweep: bool) -> None:
+    from fuselight.device import require_device
     from fuselight.quant_prim_funcs import q4_linear
     from fuselight.rules.base import with_kernels
     from fuselight.rules.gemm import gemv
@@ -100,6 +126,7 @@ def build(out: Path, sweep: bool) -> None:
     from fuselight.rules.gemv import Gemv, gemv_config, symbolic_m_buckets
 
     _, target = gemv_target()
+    sms = require_device(TARGET["arch"]).sms
     ours, base, base_batch, manifest = {}, {}, {}, {"cases": {}, "target": TARGET, "ms": list(MS)}
     for name, case in CASES.items():
         entry: dict[str, Any] = {**case, "functions": {"decode": f"{name}__m1", "batch": f"{name}__batch"}, "variants": {}}
@@ -119,16 +146,16 @@ def build(out: Path, sweep: bool) -> None:
                 f = funcs[1] if m == 1 else q4_linear(**linear_args(case), m=m).with_attr("target", target)
                 ops = analyze_matmul(f, dequant=True).operands
                 shipped = gemv_config(ops, m, target)
-                for w, r, u, b, lr in configs:
-                    c = gemv.GemvConfig(max_m=m, warps=w, unroll=u, min_blocks_per_sm=b, rows_per_warp=r, lane_run=lr)
+                for fields in configs:
+                    c = gemv.GemvConfig(max_m=m, **fields)
                     if _cfg_dict(c) == _cfg_dict(shipped):
                         continue
-                    vname = f"{name}__m{m}__{_vname(w, r, u, b, lr)}"
-                    ours[vname] = with_kernels(f, gemv.gemv_body(ops, c)).with_attr("global_symbol", vname)
+                    vname = f"{name}__m{m}__{_vname(c)}"
+                    ours[vname] = with_kernels(f, gemv.gemv_body(ops, c, sms)).with_attr("global_symbol", vname)
                     entry["variants"].setdefault(str(m), {})[vname] = _cfg_dict(c)
                 if m != 1:  # the shipped bucket at this static M, for reference beside the sweep
                     vname = f"{name}__m{m}__shipped"
-                    ours[vname] = with_kernels(f, gemv.gemv_body(ops, shipped)).with_attr("global_symbol", vname)
+                    ours[vname] = with_kernels(f, gemv.gemv_body(ops, shipped, sms)).with_attr("global_symbol", vname)
                     entry["variants"][str(m)][vname] = _cfg_dict(shipped)
         base[f"{name}__m1"] = funcs[1].with_attr("global_symbol", f"{name}__m1")
         entry["dlight_batch"] = {}
@@ -228,12 +255,15 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
         return f"{e['median_us']:8.2f}{bad or ' '}"
 
     print(f"{'case':<12} {'M':>3} {'ours dec':>9} {'ours':>9} {'DL dec':>9} {'DLight':>9} {'torch16':>9} {'int4pk':>9}  "
-          f"{'%copy':>6}  best sweep")
+          f"{'%copy':>6}  best sweep (%copy, x torch16)")
     for name, m, *cells, best, best_us in rows:
-        ours = cells[1]
+        ours = cells[0] if m == 1 else cells[1]
         pct = f"{ours['copy_rate_pct']:6.1f}" if "copy_rate_pct" in ours else f"{'':>6}"
-        sweep = f"{best} {best_us:.2f}" if best else ""
+        best_e = results["cases"][name]["m"][str(m)]["kernels"].get(best, {})
+        t16 = cells[4].get("median_us")
+        sweep = (f"{best} {best_us:.2f} ({best_e['copy_rate_pct']:.1f}%, x{t16 / best_us:.2f})" if best and t16 else "")
         print(f"{name:<12} {m:>3} " + " ".join(cell(c) for c in cells) + f"  {pct}  {sweep}")
+    summary(results)
     errs = [(name, m, lbl, e.get("rel_err"), e.get("error")) for name, rec in results["cases"].items()
             for m, mrec in rec["m"].items() for lbl, e in mrec["kernels"].items()
             if "error" in e or e.get("correct") is False]
@@ -241,6 +271,44 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
         print("NOT CORRECT / ERROR:", *err)
     out_json.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {out_json}")
+
+
+def _us(e: dict[str, Any]) -> float | None:
+    return e["median_us"] if "median_us" in e and e.get("correct", True) else None
+
+
+def summary(results: dict[str, Any]) -> None:
+    """Print, from a run's results: for each M, each variant's time against the shipped kernel's
+    (geomean over the cases, and the worst case; M = 1 the decode function's, else the static-M
+    ``shipped`` entry), best first; and the shipped kernel's and each point's best speedup over
+    torch's fp16 matmul at M = 2..16 (geomean, minimum)."""
+    by_m: dict[int, dict[str, list[float]]] = {}
+    vs_torch: dict[str, list[float]] = {"shipped": [], "best": []}
+    for rec in results["cases"].values():
+        for m_key, mrec in rec["m"].items():
+            ks, m = mrec["kernels"], int(m_key)
+            shipped = _us(ks.get("fuselight_decode" if m == 1 else "shipped", {}))
+            if shipped is None:
+                continue
+            times = {lbl: _us(e) for lbl, e in ks.items() if lbl.startswith(("w", "mma_"))}
+            for lbl, us in times.items():
+                if us is not None:
+                    by_m.setdefault(m, {}).setdefault(lbl, []).append(us / shipped)
+            t16 = _us(ks.get("torch_fp16_linear", {}))
+            if m > 1 and t16 is not None:
+                vs_torch["shipped"].append(t16 / shipped)
+                vs_torch["best"].append(t16 / min([shipped, *(us for us in times.values() if us is not None)]))
+    n_cases = len(results["cases"])
+    for m, labels in sorted(by_m.items()):
+        print(f"M = {m}: variant / shipped, geomean (worst) over the cases")
+        ranked = sorted(((math.exp(sum(map(math.log, r)) / len(r)), max(r), lbl, len(r)) for lbl, r in labels.items()))
+        for gm, worst, lbl, count in ranked:
+            note = "" if count == n_cases else f"  ({count} of {n_cases} cases)"
+            print(f"  {lbl:<28} {gm:6.3f} ({worst:.3f}){note}")
+    for key, ratios in vs_torch.items():
+        if ratios:
+            gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
+            print(f"M = 2..16, {key} vs torch fp16: geomean x{gm:.2f}, min x{min(ratios):.2f} over {len(ratios)} points")
 
 
 def main() -> None:

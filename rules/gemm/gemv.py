@@ -45,6 +45,11 @@ of 32 (a group's words are one lane's piece); N may be symbolic (the LM head: th
 at launch). The norm prologue and the paired epilogue work as with float weights (the normed rows
 in shared memory hold tokens in order, as the global rows do).
 
+With ``cfg.row_tiles`` = R a block owns R tiles of 16 weight rows (8 + 8 paired): a lane loads
+its pieces of all R tiles' rows each step and feeds each tile's mmas the same token fragments, so
+the tokens, which every block reads from L2 (M rows of K: at M = 16 four times the bytes of a
+tile's 4-bit weights), are read once per R tiles.
+
 A bucket that sets ``rows_per_warp`` (M = 1) runs the row-streaming template of ``gemv_rows``
 instead, with the same prologue (``gemv_common.norm_prologue``).
 """
@@ -137,10 +142,10 @@ def check_gemv_config(cfg: GemvConfig, where: str = "GEMV config") -> None:
         raise FuselightError(f"{where}: field 'max_m' must be 1..{MMA_N * MAX_TOKEN_TILES}, got {cfg.max_m}")
     if cfg.warps & (cfg.warps - 1) or not 1 <= cfg.warps * WARP <= MAX_THREADS:
         raise FuselightError(f"{where}: field 'warps' must be a power of two up to {MAX_THREADS // WARP}, got {cfg.warps}")
-    for field in ("unroll", "min_blocks_per_sm", "lane_run"):
+    for field in ("unroll", "min_blocks_per_sm", "lane_run", "row_tiles"):
         if getattr(cfg, field) < 1:
             raise FuselightError(f"{where}: field {field!r} must be a positive integer, got {getattr(cfg, field)}")
-    for field in ("max_blocks", "max_k", "rows_per_warp", "prefetch_l2_percent"):
+    for field in ("max_blocks", "max_k", "rows_per_warp", "prefetch_l2_percent", "grid_blocks_per_sm"):
         if getattr(cfg, field) is not None and getattr(cfg, field) < 1:
             raise FuselightError(f"{where}: field {field!r} must be a positive integer or absent, got {getattr(cfg, field)}")
     if cfg.rows_per_warp is not None and cfg.max_m != 1:
@@ -150,6 +155,14 @@ def check_gemv_config(cfg: GemvConfig, where: str = "GEMV config") -> None:
     if cfg.prefetch_l2_percent is not None and (cfg.rows_per_warp is None or cfg.prefetch_l2_percent > 100):
         raise FuselightError(f"{where}: field 'prefetch_l2_percent' must be 1..100 and needs rows_per_warp, "
                              f"got {cfg.prefetch_l2_percent}")
+    if cfg.grid_blocks_per_sm is not None and (cfg.rows_per_warp is None or cfg.prefetch_l2_percent is not None):
+        # (The prefetch asks L2 for a block's first rows before the grid wait; a looping block has more.)
+        raise FuselightError(f"{where}: field 'grid_blocks_per_sm' needs rows_per_warp (the row template) and no "
+                             "prefetch_l2_percent")
+    if cfg.half_sums and cfg.rows_per_warp is None:
+        raise FuselightError(f"{where}: field 'half_sums' needs rows_per_warp (the row template)")
+    if cfg.row_tiles > 1 and cfg.rows_per_warp is not None:
+        raise FuselightError(f"{where}: field 'row_tiles' is the mma template's (no rows_per_warp), got {cfg.row_tiles}")
 
 
 def load_gemv_configs(arch: str, quantized: bool = False) -> list[GemvConfig]:
@@ -256,6 +269,9 @@ def check_gemv(ops: GemmOperands, cfg: GemvConfig, max_shared_bytes: int | None 
         check_dequant(ops, cfg)
     elif not isinstance(ops.n, int):
         raise FuselightError(f"GEMV: N must be static, got {ops.n}")
+    if cfg.half_sums and (ops.dequant is None or ops.dtype != "float16"):
+        raise FuselightError(f"GEMV: 'half_sums' needs 4-bit weights and fp16 tokens, got {ops.dtype}"
+                             f"{'' if ops.dequant else ' weights'}")
     need = STEP_K if cfg.rows_per_warp is not None else step_k(ops)  # a K step of the template
     if ops.k % need:
         raise FuselightError(f"GEMV: K ({ops.k}) must be a multiple of {need}")
@@ -289,7 +305,7 @@ def shared_bytes(ops: GemmOperands, cfg: GemvConfig) -> int:
     (the row-streaming template: the token row)."""
     if cfg.rows_per_warp is not None:
         return ops.k * 2
-    partials = block_warps(ops, cfg) * MMA_M * MMA_N * cfg.token_tiles * 4
+    partials = block_warps(ops, cfg) * MMA_M * MMA_N * cfg.token_tiles * cfg.row_tiles * 4
     if ops.prologue is None:
         return partials
     return partials + static_m(ops) * (ops.k // 2 + PIECE_WORDS) * 4
@@ -321,9 +337,10 @@ def piece_word(step: Any, warp: Any, quad: Any, warps: int, run: int) -> Any:
     return ((step // run) * warps + warp) * run * (STEP_K // 2) + (quad * run + step % run) * PIECE_WORDS
 
 
-def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
+def gemv_body(ops: GemmOperands, cfg: GemvConfig, sms: int | None = None) -> Any:
     """The kernel body (a ``tvm.tirx.Stmt``) computing ``ops`` (M <= ``cfg.max_m``) in one launch;
-    it uses ``ops``' buffers: bind it to the analysed function's parameters.
+    it uses ``ops``' buffers: bind it to the analysed function's parameters. ``sms``: the device's
+    SM count, which sizes the grid of a bucket with ``grid_blocks_per_sm``.
 
     FuselightError if the template cannot serve ``ops`` (see ``check_gemv``).
     """
@@ -331,8 +348,10 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     from tvm.script import tirx as T
 
     check_gemv(ops, cfg)
+    if cfg.grid_blocks_per_sm is not None and sms is None:
+        raise FuselightError("GEMV: a bucket with 'grid_blocks_per_sm' needs the device's SM count")
     if cfg.rows_per_warp is not None:
-        return rows_body(ops, cfg)
+        return rows_body(ops, cfg, sms)
     n, k, dtype = ops.n, ops.k, ops.dtype
     norm, deq = ops.prologue, ops.dequant
     ab = DTYPE_ABBREV[dtype]
@@ -347,7 +366,9 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     mmas = 2 * tpw
     rounds = -(-steps // unroll)
     ragged = steps % unroll != 0
-    outputs = MMA_M * MMA_N * tiles  # accumulators of a block (per warp: 4 a lane per tile)
+    row_tiles = cfg.row_tiles
+    outputs = MMA_M * MMA_N * tiles  # accumulators of a row tile (per warp: 4 a lane per token tile)
+    block_outputs = outputs * row_tiles
     m_dtype = index_dtype(ops)
     m = T.Cast("int32", ops.m) if not isinstance(ops.m, int) else ops.m
     words = k // 2  # a token row of K elements in 32-bit words
@@ -358,28 +379,33 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     groups = 1 if deq is None else k // deq.group
     if deq is not None:
         pair_fn, pair_source = Q4_PAIR[dtype], q4_pair_source(dtype, int(deq.zero))
-    # Weight rows g and g + 8 of block bx (rows past N read row N - 1 and are never stored); paired:
-    # gate row c and up row c + pair of output column c = 8 bx + g (c clamped to pair - 1 likewise).
+    # Weight rows g and g + 8 of row tile ``tile`` (rows past N read row N - 1 and are never stored);
+    # paired: gate row c and up row c + pair of output column c = 8 tile + g (c clamped likewise).
+    # Block bx owns row tiles bx * row_tiles + rt.
     block_cols = _block_cols(ops)
     out_n = ops.out_n
 
-    def weight_rows(bx, g):
+    def weight_rows(tile, g):
         if pair is None:
-            return T.min(bx * MMA_M + g, last), T.min(bx * MMA_M + g + 8, last)
-        c = T.min(bx * block_cols + g, pair - 1)
+            return T.min(tile * MMA_M + g, last), T.min(tile * MMA_M + g + 8, last)
+        c = T.min(tile * block_cols + g, pair - 1)
         return c, c + pair
 
-    def out_col(bx, o):
-        # Accumulator e of lane l: weight row l / 4 (+8 for e >= 2) of the block.
+    def out_col(tile, o):
+        # Accumulator e of lane l: weight row l / 4 (+8 for e >= 2) of the tile.
         if pair is None:
-            return bx * MMA_M + o // 4 % WARP // 4 + o % 4 // 2 * 8
-        return bx * block_cols + o // 4 % WARP // 4
+            return tile * MMA_M + o // 4 % WARP // 4 + o % 4 // 2 * 8
+        return tile * block_cols + o // 4 % WARP // 4
 
     def stored(o):
         # Paired: the lane's gate accumulators (e < 2) write; e + 2 holds the up row.
         return True if pair is None else o % 4 < 2
 
-    blocks = launch_blocks(out_n, block_cols)
+    def tile_output(oa):
+        # (row tile, output within it) of output ``oa`` of the block.
+        return (0, oa) if row_tiles == 1 else (oa // outputs, oa % outputs)
+
+    blocks = launch_blocks(out_n, block_cols * row_tiles)
     out_n = out_n if isinstance(out_n, int) else T.Cast("int32", out_n)
     # Token rows: in global memory (``words`` apart), or normed into shared memory by the
     # prologue (one piece of padding a row). Prologue: a thread's pieces of a row, and the pieces
@@ -393,19 +419,27 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     def step_word(rr, u, warp):
         return piece_word(rr * unroll + u, warp, 0, warps, run)
 
+    def row_offset(bx, rt, lane, hi, per_row, piece):
+        # Row g (hi: g + 8) of row tile rt of block bx, times ``per_row``, plus ``piece``: the first
+        # word of the lane's piece or the row's first scale. (64-bit until TVM proves it fits in 32:
+        # 2^31 words are the largest weights.)
+        return T.Cast("int64", weight_rows(bx * row_tiles + rt, lane // 4)[hi]) * per_row + piece
+
     @T.macro
-    def load_weights(w, W, w_lo, w_hi, sc, S, s_lo, s_hi, lane, warp, rr, u):
-        # 16 bytes of weight rows g and g + 8 at step (rr, u) of this warp (4-bit: and their scales).
+    def load_weights(w, W, sc, S, bx, lane, warp, rr, u, rt):
+        # 16 bytes of weight rows g and g + 8 of row tile rt at step (rr, u) of this warp (4-bit:
+        # and their scales).
         kw: T.let[T.int32] = step_word(rr, u, warp)
+        lead: T.let[T.int32] = piece_word(0, 0, lane % 4, warps, run)
         for e in T.vectorized(PIECE_WORDS):
-            w[(u * 2) * PIECE_WORDS + e] = W[w_lo + kw + e]
+            w[((u * row_tiles + rt) * 2) * PIECE_WORDS + e] = W[row_offset(bx, rt, lane, 0, w_words, lead) + kw + e]
         for e in T.vectorized(PIECE_WORDS):
-            w[(u * 2 + 1) * PIECE_WORDS + e] = W[w_hi + kw + e]
+            w[((u * row_tiles + rt) * 2 + 1) * PIECE_WORDS + e] = W[row_offset(bx, rt, lane, 1, w_words, lead) + kw + e]
         if deq is not None:
             # The piece's 32 values lie in one group (``Q4_PIECE``).
-            grp: T.let[T.int32] = (piece_word(0, 0, lane % 4, warps, run) + kw) * deq.per_word // deq.group
-            sc[u * 2] = S[s_lo + grp]
-            sc[u * 2 + 1] = S[s_hi + grp]
+            grp: T.let[T.int32] = (lead + kw) * deq.per_word // deq.group
+            sc[(u * row_tiles + rt) * 2] = S[row_offset(bx, rt, lane, 0, groups, 0) + grp]
+            sc[(u * row_tiles + rt) * 2 + 1] = S[row_offset(bx, rt, lane, 1, groups, 0) + grp]
 
     # fmt: off
     @T.prim_func(s_tir=True, check_well_formed=False)
@@ -420,7 +454,7 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                 with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", cfg.min_blocks_per_sm), T.sblock("gemv"):
                     T.reads()
                     T.writes()
-                    w = T.sblock_alloc_buffer((unroll * 2 * PIECE_WORDS,), "uint32", scope="local")
+                    w = T.sblock_alloc_buffer((unroll * row_tiles * 2 * PIECE_WORDS,), "uint32", scope="local")
                     x = T.sblock_alloc_buffer((unroll * tiles * tpw * PIECE_WORDS,), "uint32", scope="local")
                     # The fragments of the step's mmas, copied (4-bit: converted) out of the loaded
                     # pieces: registers, once compiled; the copies also keep TVM from retyping the
@@ -428,28 +462,23 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                     a = T.sblock_alloc_buffer((mmas * 4,), "uint32", scope="local")
                     b = T.sblock_alloc_buffer((mmas * tiles * 2,), "uint32", scope="local")
                     if deq is not None:
-                        sc = T.sblock_alloc_buffer((unroll * 2,), dtype, scope="local")
-                    acc = T.sblock_alloc_buffer((tiles * 4,), "float32", scope="local")
-                    red = T.sblock_alloc_buffer((warps * outputs,), "float32", scope="shared")
+                        sc = T.sblock_alloc_buffer((unroll * row_tiles * 2,), dtype, scope="local")
+                    acc = T.sblock_alloc_buffer((row_tiles * tiles * 4,), "float32", scope="local")
+                    red = T.sblock_alloc_buffer((warps * block_outputs,), "float32", scope="shared")
                     total = T.sblock_alloc_buffer((1 if pair is None else 2,), "float32", scope="local")
                     warp: T.let[T.int32] = T.Cast("int32", tid) // WARP
                     lane: T.let[T.int32] = T.Cast("int32", tid) % WARP
-                    # Offsets are 64-bit until TVM proves they fit in 32 (2^31 words: the largest weights).
-                    w_lo: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[0]) * w_words + piece_word(0, 0, lane % 4, warps, run)
-                    w_hi: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[1]) * w_words + piece_word(0, 0, lane % 4, warps, run)
-                    # The rows' scales (4-bit weights; else unused).
-                    s_lo: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[0]) * groups
-                    s_hi: T.let[T.int64] = T.Cast("int64", weight_rows(T.Cast("int32", bx), lane // 4)[1]) * groups
-                    for i in T.unroll(tiles * 4):
+                    for i in T.unroll(row_tiles * tiles * 4):
                         acc[i] = T.float32(0)
                     if norm is not None:
                         # The first round's weights are in flight while the rows are normed.
                         for u in T.unroll(unroll):
                             if not ragged or u < steps:
-                                if deq is None:
-                                    load_weights(w, W, w_lo, w_hi, w, W, s_lo, s_hi, lane, warp, 0, u)
-                                else:
-                                    load_weights(w, W, w_lo, w_hi, sc, S, s_lo, s_hi, lane, warp, 0, u)
+                                for rt in T.unroll(row_tiles):
+                                    if deq is None:
+                                        load_weights(w, W, w, W, T.Cast("int32", bx), lane, warp, 0, u, rt)
+                                    else:
+                                        load_weights(w, W, sc, S, T.Cast("int32", bx), lane, warp, 0, u, rt)
                         xs = T.sblock_alloc_buffer((rows_p * x_stride * 2,), dtype, scope="shared")
                         X = T.decl_buffer((rows_p * x_stride,), "uint32", data=xs.data, scope="shared")
                         norm_rows(xs, tid, bx)
@@ -460,10 +489,11 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                             if not ragged or r * unroll + u < steps:
                                 k0: T.let[T.int32] = step_word(r, u, warp)
                                 if norm is None or r > 0:  # with a prologue, round 0's are loaded
-                                    if deq is None:
-                                        load_weights(w, W, w_lo, w_hi, w, W, s_lo, s_hi, lane, warp, r, u)
-                                    else:
-                                        load_weights(w, W, w_lo, w_hi, sc, S, s_lo, s_hi, lane, warp, r, u)
+                                    for rt in T.unroll(row_tiles):
+                                        if deq is None:
+                                            load_weights(w, W, w, W, T.Cast("int32", bx), lane, warp, r, u, rt)
+                                        else:
+                                            load_weights(w, W, sc, S, T.Cast("int32", bx), lane, warp, r, u, rt)
                                 for t in T.unroll(tiles):
                                     for c in T.unroll(tpw):
                                         # Chunk c of the tokens meeting the weight piece (words tpw x its words).
@@ -474,26 +504,13 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                         for u in T.unroll(unroll):
                             if not ragged or r * unroll + u < steps:
                                 for s in T.unroll(mmas):
-                                    if deq is None:
-                                        # A fragment of k16 step s: words 2s, 2s+1 of rows g and g + 8.
-                                        a[s * 4 + 0] = w[u * 2 * PIECE_WORDS + 2 * s]
-                                        a[s * 4 + 1] = w[(u * 2 + 1) * PIECE_WORDS + 2 * s]
-                                        a[s * 4 + 2] = w[u * 2 * PIECE_WORDS + 2 * s + 1]
-                                        a[s * 4 + 3] = w[(u * 2 + 1) * PIECE_WORDS + 2 * s + 1]
-                                    else:
-                                        # Converted and scaled pairs of the rows' words (``q4_a_pair``).
-                                        for reg in T.unroll(4):
-                                            a[s * 4 + reg] = cuda_op.cuda_func_call(
-                                                pair_fn, w[(u * 2 + reg % 2) * PIECE_WORDS + q4_a_pair(s, reg)[0]],
-                                                q4_a_pair(s, reg)[1], sc[u * 2 + reg % 2],
-                                                source_code=pair_source, return_type="uint32")
                                     for t in T.unroll(tiles):
                                         if deq is None:
                                             # B fragment: words 2s, 2s+1 of the token piece.
                                             b[(s * tiles + t) * 2 + 0] = x[(u * tiles + t) * PIECE_WORDS + 2 * s]
                                             b[(s * tiles + t) * 2 + 1] = x[(u * tiles + t) * PIECE_WORDS + 2 * s + 1]
                                         else:
-                                            # The token pairs meeting them (``q4_b_pair``): halves of two words.
+                                            # The token pairs meeting A's (``q4_b_pair``): halves of two words.
                                             for reg in T.unroll(2):
                                                 b[(s * tiles + t) * 2 + reg] = T.bitwise_or(
                                                     T.bitwise_and(T.shift_right(
@@ -502,32 +519,50 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                                                     T.shift_left(T.shift_right(
                                                         x[((u * tiles + t) * tpw + q4_b_pair(s, reg)[0]) * PIECE_WORDS + q4_b_pair(s, reg)[2]],
                                                         T.Cast("uint32", 16 * q4_b_pair(s, reg)[3])), T.uint32(16)))
-                                        T.ptx.mma.legacy(
-                                            "m16n8k16", "row", "col", ab, ab, "fp32",
-                                            a.data, s * 4, b.data, (s * tiles + t) * 2,
-                                            acc.data, t * 4, False, dtype="float32",
-                                        )
+                                    # Every row tile meets the same token fragments.
+                                    for rt in T.unroll(row_tiles):
+                                        if deq is None:
+                                            # A fragment of k16 step s: words 2s, 2s+1 of rows g and g + 8.
+                                            a[s * 4 + 0] = w[(u * row_tiles + rt) * 2 * PIECE_WORDS + 2 * s]
+                                            a[s * 4 + 1] = w[((u * row_tiles + rt) * 2 + 1) * PIECE_WORDS + 2 * s]
+                                            a[s * 4 + 2] = w[(u * row_tiles + rt) * 2 * PIECE_WORDS + 2 * s + 1]
+                                            a[s * 4 + 3] = w[((u * row_tiles + rt) * 2 + 1) * PIECE_WORDS + 2 * s + 1]
+                                        else:
+                                            # Converted and scaled pairs of the rows' words (``q4_a_pair``).
+                                            for reg in T.unroll(4):
+                                                a[s * 4 + reg] = cuda_op.cuda_func_call(
+                                                    pair_fn, w[((u * row_tiles + rt) * 2 + reg % 2) * PIECE_WORDS + q4_a_pair(s, reg)[0]],
+                                                    q4_a_pair(s, reg)[1], sc[(u * row_tiles + rt) * 2 + reg % 2],
+                                                    source_code=pair_source, return_type="uint32")
+                                        for t in T.unroll(tiles):
+                                            T.ptx.mma.legacy(
+                                                "m16n8k16", "row", "col", ab, ab, "fp32",
+                                                a.data, s * 4, b.data, (s * tiles + t) * 2,
+                                                acc.data, (rt * tiles + t) * 4, False, dtype="float32",
+                                            )
                     # Sum the warps' partial tiles; one thread per output runs the epilogue.
-                    for t in T.unroll(tiles):
-                        for e in T.vectorized(4):
-                            red[warp * outputs + (t * WARP + lane) * 4 + e] = acc[t * 4 + e]
+                    for rt in T.unroll(row_tiles):
+                        for t in T.unroll(tiles):
+                            for e in T.vectorized(4):
+                                red[warp * block_outputs + rt * outputs + (t * WARP + lane) * 4 + e] = acc[(rt * tiles + t) * 4 + e]
                     T.tvm_storage_sync("shared")
-                    for it in T.serial(-(-outputs // threads)):
-                        o: T.let[T.int32] = it * threads + T.Cast("int32", tid)
+                    for it in T.serial(-(-block_outputs // threads)):
+                        oa: T.let[T.int32] = it * threads + T.Cast("int32", tid)
+                        o: T.let[T.int32] = tile_output(oa)[1]
                         # Accumulator e of lane l in tile t: token t * 8 + 2 (l % 4) + e % 2.
-                        col: T.let[T.int32] = out_col(T.Cast("int32", bx), o)
+                        col: T.let[T.int32] = out_col(T.Cast("int32", bx) * row_tiles + tile_output(oa)[0], o)
                         row: T.let[T.int32] = o // (4 * WARP) * MMA_N + o // 4 % 4 * 2 + o % 2
-                        if o < outputs and stored(o) and row < m and col < out_n:
-                            total[0] = red[o]
+                        if oa < block_outputs and stored(o) and row < m and col < out_n:
+                            total[0] = red[oa]
                             for j in T.serial(1, warps):
-                                total[0] = total[0] + red[j * outputs + o]
+                                total[0] = total[0] + red[j * block_outputs + oa]
                             if pair is None:
                                 ops.out.buffer[ops.out.index(T.Cast(m_dtype, row), T.Cast(m_dtype, col))] = ops.out.value(
                                     T.Cast(m_dtype, row), T.Cast(m_dtype, col), total[0])
                             else:
-                                total[1] = red[o + 2]
+                                total[1] = red[oa + 2]
                                 for j in T.serial(1, warps):
-                                    total[1] = total[1] + red[j * outputs + o + 2]
+                                    total[1] = total[1] + red[j * block_outputs + oa + 2]
                                 ops.out.buffer[ops.out.index(T.Cast(m_dtype, row), T.Cast(m_dtype, col))] = ops.out.value(
                                     T.Cast(m_dtype, row), T.Cast(m_dtype, col), total[0], total[1])
     # fmt: on

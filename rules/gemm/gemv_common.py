@@ -52,6 +52,22 @@ class GemvConfig:
     # Row template: a warp issues K round r + 1's loads before computing round r (twice the weight
     # registers), so its loads and arithmetic overlap where K takes more than one round.
     double_buffer: bool = False
+    # Row template: a grid of this many blocks an SM (times the device's SM count; never more blocks
+    # than column groups), each looping over the column groups in strides of the grid. Where the
+    # groups outnumber the blocks resident at once, the grid then runs no partial last wave, every
+    # block stages the token row once, and with ``double_buffer`` a warp loads its next group's
+    # first round while computing its last (so even one round a row overlaps). None: a block a
+    # column group.
+    grid_blocks_per_sm: int | None = None
+    # Row template, 4-bit weights and fp16 tokens: each word's 8 products summed in fp16 (``hfma2``, 4
+    # products a half), those sums added in float32. Near the copy rate the float32 dot is bound by
+    # the SM's issue rate (about 4 instructions a weight); this takes about 2.5, at about twice the
+    # rounding error (a product of at most 8 x |token|, 4 to a half-precision sum).
+    half_sums: bool = False
+    # mma template: 16-row tiles a block owns. Its warps' token fragments of a K step feed every
+    # tile, so the token rows, read from L2 by every block (at M = 16 four times the bytes of one
+    # tile's weights), are read once per ``row_tiles`` tiles.
+    row_tiles: int = 1
 
     @property
     def token_tiles(self) -> int:

@@ -30,7 +30,15 @@ pairs values j and j + 4, the token row is staged in shared memory permuted the 
 every 8 tokens: 0, 4, 1, 5, 2, 6, 3, 7), so no shuffle is needed; the norm prologue stages its
 normed row so too. A lane converts its piece's 32 tokens to float32 once for all its rows: at about
 five instructions a weight, the conversions had made the template issue-bound below the copy rate.
-N may be symbolic there (the LM head's vocabulary): the grid is then computed at launch.
+N may be symbolic there (the LM head's vocabulary): the grid is then computed at launch. With
+``cfg.half_sums`` (fp16) the tokens stay fp16 and each word's products are summed in fp16 pairs
+before float32 (``Q4_DOT_HALF``): fewer instructions a weight, at about twice the rounding error.
+
+With ``cfg.grid_blocks_per_sm`` the grid is that many blocks an SM (never more than the column
+groups of ``warps`` x ``rows_per_warp`` columns), each looping over the groups in strides of the
+grid: the token row is staged once a block, and with ``double_buffer`` a warp issues its next
+group's first round while computing the last of this one, so a block streams without a gap
+between groups and the grid has no partial last wave of block launches.
 
 Why beside the mma template: at M = 1 the tensor cores buy nothing, and there its rows-of-16 layout
 (64 bytes of each of 16 rows a load) streamed the decode step's smaller projections slower than
@@ -77,6 +85,40 @@ _Q4_DOT_BODY = """
 """
 
 
+# The same with fp16 tokens and fp16 partial sums (``GemvConfig.half_sums``): each word's 8 products
+# are summed in a pair of halves (``hfma2``, 4 products a half), and only those pairs are added in
+# float32; the tokens arrive in fp16 (no conversion).
+Q4_DOT_HALF = "fuselight_q4_dot32_fp16_half_sums"
+_Q4_DOT_HALF_SOURCE = """
+__forceinline__ __device__ float {name}(unsigned int w0, unsigned int w1, unsigned int w2, unsigned int w3,
+                                        half s, const half* x, float acc) {{
+  const unsigned int w[4] = {{w0, w1, w2, w3}};
+  const half2* x2 = reinterpret_cast<const half2*>(x);
+  unsigned int zb = {bias}u | ({bias}u << 16);
+  const half2 z2 = *reinterpret_cast<const half2*>(&zb);
+  float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {{
+    half2 p = __float2half2_rn(0.f);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {{
+      unsigned int b = ((w[i] >> (4 * j)) & 0x000F000Fu) | 0x64006400u;
+      p = __hfma2(__hsub2(*reinterpret_cast<const half2*>(&b), z2), x2[4 * i + j], p);
+    }}
+    const float2 f = __half22float2(p);
+    a0 += f.x;
+    a1 += f.y;
+  }}
+  return fmaf(__half2float(s), a0 + a1, acc);
+}}
+"""
+
+
+def q4_dot_half_source(zero: int) -> str:
+    """The CUDA device function ``Q4_DOT_HALF`` (fp16) for a zero point ``zero``."""
+    return _Q4_DOT_HALF_SOURCE.format(name=Q4_DOT_HALF, bias=hex(0x6400 + zero))
+
+
 def q4_dot_source(dtype: str, zero: int) -> str:
     """The CUDA device function ``Q4_DOT[dtype]`` for a zero point ``zero`` (see the module docstring)."""
     if dtype == "float16":
@@ -120,9 +162,10 @@ def rows_grid_blocks(ops: GemmOperands, cfg: GemvConfig) -> Any:
     return tirx.Cast("int32", tirx.floordiv(ops.out_n + (cols - 1), cols))
 
 
-def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
+def rows_body(ops: GemmOperands, cfg: GemvConfig, sms: int | None = None) -> Any:
     """The kernel body (a ``tvm.tirx.Stmt``) computing ``ops`` (M = 1) over ``ops``' buffers; call
-    it through ``gemv.gemv_body``, which checks first that the template serves ``ops``."""
+    it through ``gemv.gemv_body``, which checks first that the template serves ``ops`` (and that
+    ``sms``, the device's SM count, is given where ``cfg.grid_blocks_per_sm`` needs it)."""
     from tvm.backend.cuda import op as cuda_op
     from tvm.script import tirx as T
 
@@ -136,8 +179,22 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     pieces = k // piece_k  # 16-byte pieces of a row
     rounds = -(-pieces // (WARP * unroll))
     ragged = pieces % (WARP * unroll) != 0
-    double_buffer = cfg.double_buffer and rounds > 1
-    blocks = rows_grid_blocks(ops, cfg)
+    # A looping block (``grid_blocks_per_sm``) double-buffers across its groups too.
+    looping = cfg.grid_blocks_per_sm is not None
+    double_buffer = cfg.double_buffer and (rounds > 1 or looping)
+    groups_n = rows_grid_blocks(ops, cfg)  # column groups: a block's each, or looped over
+    blocks, iters = groups_n, 1
+    if looping:
+        resident = sms * cfg.grid_blocks_per_sm
+        if isinstance(groups_n, int):
+            blocks = min(groups_n, resident)
+            iters = -(-groups_n // blocks)
+        else:
+            from tvm import tirx
+
+            blocks = tirx.min(groups_n, resident)
+            iters = tirx.floordiv(groups_n + blocks - 1, blocks)
+    group_cols = warps * cols_w  # output columns of a group
     out_n = ops.out_n if isinstance(ops.out_n, int) else T.Cast("int32", ops.out_n)
     last = n - 1 if isinstance(n, int) else T.Cast("int32", n) - 1
     m_dtype = index_dtype(ops)
@@ -150,7 +207,10 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
     else:
         w_dtype, w_vec, row_len = "uint32", PIECE_WORDS, k // deq.per_word
         groups = k // deq.group
-        dot, dot_source = Q4_DOT[dtype], q4_dot_source(dtype, int(deq.zero))
+        if cfg.half_sums:
+            dot, dot_source, x_dtype = Q4_DOT_HALF, q4_dot_half_source(int(deq.zero)), dtype
+        else:
+            dot, dot_source, x_dtype = Q4_DOT[dtype], q4_dot_source(dtype, int(deq.zero)), "float32"
 
     def weight_row(col0, j):
         # Row j of the warp whose first output column is col0 (columns past the end read the last
@@ -190,7 +250,7 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                     if deq is not None:
                         sc = T.sblock_alloc_buffer((rows_w * unroll,), dtype, scope="local")
                         xp = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
-                        xf = T.sblock_alloc_buffer((Q4_PIECE,), "float32", scope="local")
+                        xf = T.sblock_alloc_buffer((Q4_PIECE,), x_dtype, scope="local")
                     if double_buffer:
                         wn = T.sblock_alloc_buffer((rows_w * unroll * w_vec,), w_dtype, scope="local")
                         if deq is not None:
@@ -200,18 +260,18 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                     xs = T.sblock_alloc_buffer((k,), dtype, scope="shared")
                     warp: T.let[T.int32] = T.Cast("int32", tid) // WARP
                     lane: T.let[T.int32] = T.Cast("int32", tid) % WARP
-                    col0: T.let[T.int32] = (T.Cast("int32", bx) * warps + warp) * cols_w
+                    col_first: T.let[T.int32] = (T.Cast("int32", bx) * warps + warp) * cols_w
                     if prefetch_bytes > 0:
                         for j in T.unroll(rows_w):
                             T.evaluate(cuda_op.cuda_func_call(
-                                PREFETCH_L2, W.access_ptr("r", offset=T.Cast("int64", weight_row(col0, j)) * row_len),
+                                PREFETCH_L2, W.access_ptr("r", offset=T.Cast("int64", weight_row(col_first, j)) * row_len),
                                 T.uint32(prefetch_bytes), source_code=PREFETCH_L2_SOURCE))
                         T.ptx.griddepcontrol.wait()
                     # The first round's weights are in flight while the token row is staged.
                     if deq is None:
-                        load_round(w, w, W, W, col0, lane, 0)  # (no scales)
+                        load_round(w, w, W, W, col_first, lane, 0)  # (no scales)
                     else:
-                        load_round(w, sc, W, S, col0, lane, 0)
+                        load_round(w, sc, W, S, col_first, lane, 0)
                     if norm is None:
                         for i in T.unroll(copy_pieces):
                             p: T.let[T.int32] = i * threads + T.Cast("int32", tid)
@@ -230,62 +290,78 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
                     else:
                         norm_rows(xs, tid, bx)
                     T.tvm_storage_sync("shared")
-                    for j in T.unroll(rows_w):
-                        acc[j] = T.float32(0)
-                    for r in T.serial(rounds):
-                        if double_buffer:
-                            # Round r + 1's loads are in flight while round r is computed.
-                            if r + 1 < rounds:
+                    for it in T.serial(iters):
+                        g: T.let[T.int32] = T.Cast("int32", bx) + it * blocks
+                        col0: T.let[T.int32] = (g * warps + warp) * cols_w
+                        if not looping or g < groups_n:  # (block-uniform)
+                            if looping and not double_buffer and it > 0:
                                 if deq is None:
-                                    load_round(wn, wn, W, W, col0, lane, r + 1)
+                                    load_round(w, w, W, W, col0, lane, 0)
                                 else:
-                                    load_round(wn, scn, W, S, col0, lane, r + 1)
-                        elif r > 0:
-                            if deq is None:
-                                load_round(w, w, W, W, col0, lane, r)
-                            else:
-                                load_round(w, sc, W, S, col0, lane, r)
-                        for u in T.unroll(unroll):
-                            p: T.let[T.int32] = (r * unroll + u) * WARP + lane
-                            if not ragged or p < pieces:
-                                if deq is None:
-                                    for e in T.vectorized(PIECE):
-                                        xv[e] = xs[p * PIECE + e]
-                                    for j in T.unroll(rows_w):
-                                        for e in T.unroll(PIECE):
-                                            acc[j] = acc[j] + T.Cast("float32", w[(j * unroll + u) * PIECE + e]) * T.Cast("float32", xv[e])
-                                else:
-                                    # The piece's 32 tokens in float32, converted once for every row.
-                                    for c in T.unroll(Q4_PIECE // PIECE):
-                                        for e in T.vectorized(PIECE):
-                                            xv[e] = xs[(p * (Q4_PIECE // PIECE) + q4_chunk(p, c)) * PIECE + e]
-                                        for e in T.unroll(PIECE):
-                                            xf[c * PIECE + e] = T.Cast("float32", xv[e])
-                                    for j in T.unroll(rows_w):
-                                        acc[j] = cuda_op.cuda_func_call(
-                                            dot, w[(j * unroll + u) * PIECE_WORDS], w[(j * unroll + u) * PIECE_WORDS + 1],
-                                            w[(j * unroll + u) * PIECE_WORDS + 2], w[(j * unroll + u) * PIECE_WORDS + 3],
-                                            sc[j * unroll + u], xf.access_ptr("r"), acc[j],
-                                            source_code=dot_source, return_type="float32")
-                        if double_buffer:
-                            if r + 1 < rounds:
-                                for i in T.unroll(rows_w * unroll * w_vec):
-                                    w[i] = wn[i]
-                                if deq is not None:
-                                    for i in T.unroll(rows_w * unroll):
-                                        sc[i] = scn[i]
-                    # Butterfly sums: every lane ends with its warp's row totals.
-                    for sh in T.unroll(LOG_WARP):
-                        for j in T.unroll(rows_w):
-                            acc[j] = acc[j] + T.tvm_warp_shuffle_xor(
-                                T.tvm_warp_activemask(), acc[j], T.shift_right(WARP, sh + 1), WARP, WARP)
-                    for j in T.unroll(cols_w):
-                        if lane == j and col0 + j < out_n:
-                            if pair is None:
-                                ops.out.buffer[ops.out.index(T.Cast(m_dtype, 0), T.Cast(m_dtype, col0 + j))] = ops.out.value(
-                                    T.Cast(m_dtype, 0), T.Cast(m_dtype, col0 + j), acc[j])
-                            else:
-                                ops.out.buffer[ops.out.index(T.Cast(m_dtype, 0), T.Cast(m_dtype, col0 + j))] = ops.out.value(
-                                    T.Cast(m_dtype, 0), T.Cast(m_dtype, col0 + j), acc[j], acc[j + cols_w])
+                                    load_round(w, sc, W, S, col0, lane, 0)
+                            for j in T.unroll(rows_w):
+                                acc[j] = T.float32(0)
+                            for r in T.serial(rounds):
+                                if double_buffer:
+                                    # Round r + 1's loads are in flight while round r is computed (after
+                                    # the last, the block's next group's first).
+                                    if rounds > 1 and r + 1 < rounds:
+                                        if deq is None:
+                                            load_round(wn, wn, W, W, col0, lane, r + 1)
+                                        else:
+                                            load_round(wn, scn, W, S, col0, lane, r + 1)
+                                    if looping and r + 1 == rounds and g + blocks < groups_n:
+                                        if deq is None:
+                                            load_round(wn, wn, W, W, col0 + blocks * group_cols, lane, 0)
+                                        else:
+                                            load_round(wn, scn, W, S, col0 + blocks * group_cols, lane, 0)
+                                elif r > 0:
+                                    if deq is None:
+                                        load_round(w, w, W, W, col0, lane, r)
+                                    else:
+                                        load_round(w, sc, W, S, col0, lane, r)
+                                for u in T.unroll(unroll):
+                                    p: T.let[T.int32] = (r * unroll + u) * WARP + lane
+                                    if not ragged or p < pieces:
+                                        if deq is None:
+                                            for e in T.vectorized(PIECE):
+                                                xv[e] = xs[p * PIECE + e]
+                                            for j in T.unroll(rows_w):
+                                                for e in T.unroll(PIECE):
+                                                    acc[j] = acc[j] + T.Cast("float32", w[(j * unroll + u) * PIECE + e]) * T.Cast("float32", xv[e])
+                                        else:
+                                            # The piece's 32 tokens in float32 (with half sums, fp16), converted
+                                            # once for every row.
+                                            for c in T.unroll(Q4_PIECE // PIECE):
+                                                for e in T.vectorized(PIECE):
+                                                    xv[e] = xs[(p * (Q4_PIECE // PIECE) + q4_chunk(p, c)) * PIECE + e]
+                                                for e in T.unroll(PIECE):
+                                                    xf[c * PIECE + e] = T.Cast(x_dtype, xv[e])
+                                            for j in T.unroll(rows_w):
+                                                acc[j] = cuda_op.cuda_func_call(
+                                                    dot, w[(j * unroll + u) * PIECE_WORDS], w[(j * unroll + u) * PIECE_WORDS + 1],
+                                                    w[(j * unroll + u) * PIECE_WORDS + 2], w[(j * unroll + u) * PIECE_WORDS + 3],
+                                                    sc[j * unroll + u], xf.access_ptr("r"), acc[j],
+                                                    source_code=dot_source, return_type="float32")
+                                if double_buffer:
+                                    if r + 1 < rounds or (looping and g + blocks < groups_n):
+                                        for i in T.unroll(rows_w * unroll * w_vec):
+                                            w[i] = wn[i]
+                                        if deq is not None:
+                                            for i in T.unroll(rows_w * unroll):
+                                                sc[i] = scn[i]
+                            # Butterfly sums: every lane ends with its warp's row totals.
+                            for sh in T.unroll(LOG_WARP):
+                                for j in T.unroll(rows_w):
+                                    acc[j] = acc[j] + T.tvm_warp_shuffle_xor(
+                                        T.tvm_warp_activemask(), acc[j], T.shift_right(WARP, sh + 1), WARP, WARP)
+                            for j in T.unroll(cols_w):
+                                if lane == j and col0 + j < out_n:
+                                    if pair is None:
+                                        ops.out.buffer[ops.out.index(T.Cast(m_dtype, 0), T.Cast(m_dtype, col0 + j))] = ops.out.value(
+                                            T.Cast(m_dtype, 0), T.Cast(m_dtype, col0 + j), acc[j])
+                                    else:
+                                        ops.out.buffer[ops.out.index(T.Cast(m_dtype, 0), T.Cast(m_dtype, col0 + j))] = ops.out.value(
+                                            T.Cast(m_dtype, 0), T.Cast(m_dtype, col0 + j), acc[j], acc[j + cols_w])
     # fmt: on
     return body.body

@@ -174,7 +174,14 @@ def test_too_much_shared_memory_is_refused():
 # 4-bit weights: the dequantize comes along (M = 1: the row template; 2 and 4: the mma one).
 Q4_KERNELS = {"qkv_q4": "fuselight_q4_dot32_fp16", "gate_up_q4": "fuselight_q4_dot32_fp16",
               "gate_up_q4_m2": "fuselight_q4_pair_fp16", "qkv_q4bf16_m4": "fuselight_q4_pair_bf16",
-              "lm_head_q4_first": "fuselight_q4_dot32_fp16"}
+              "lm_head_q4_first": "fuselight_q4_dot32_fp16", "gate_up_q4_looping": "fuselight_q4_dot32_fp16",
+              "gate_up_q4_m2_tiles": "fuselight_q4_pair_fp16"}
+# Buckets not shipped (yet) that the templates take with the prologue and the paired epilogue: a grid
+# of resident blocks looping over the column groups (M = 1, double-buffered across them), and 4 row
+# tiles a block of the mma template (SM count: an H100's).
+LOOPING = GemvConfig(max_m=1, warps=8, unroll=2, min_blocks_per_sm=2, rows_per_warp=2, double_buffer=True,
+                     grid_blocks_per_sm=2)
+TILES = GemvConfig(max_m=2, warps=8, unroll=1, min_blocks_per_sm=2, lane_run=1, row_tiles=4)
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +205,10 @@ def llama_kernels(cuda) -> dict[str, tirx.PrimFunc]:
         sch = Gemv().apply(func.with_attr("target", cuda), cuda, False)
         assert sch is not None, name
         kernels[name] = sch.mod["main"].without_attr("target").with_attr("global_symbol", name)
+    for name, (func, cfg) in {"gate_up_q4_looping": (funcs["gate_up_q4"], LOOPING),
+                              "gate_up_q4_m2_tiles": (funcs["gate_up_q4_m2"], TILES)}.items():
+        ops = analyze_matmul(func, prologue=True, dequant=True).operands
+        kernels[name] = with_kernels(func, gemv.gemv_body(ops, cfg, 132)).with_attr("global_symbol", name)
     return kernels
 
 

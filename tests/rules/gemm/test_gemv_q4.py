@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -286,9 +287,19 @@ def test_nvcc_compiles_every_variant(cuda):
         "g128": q4_linear(4096, 4096, group=128),
     }
     kernels = {name: apply_rule(Gemv(), f, cuda).with_attr("global_symbol", name) for name, f in funcs.items()}
-    mma1 = q4_linear(4096, 14336)
-    kernels["mma1_down"] = with_kernels(mma1, gemv.gemv_body(analyze_matmul(mma1, dequant=True).operands, MMA1)).with_attr(
-        "global_symbol", "mma1_down")
+    # Buckets not shipped (the probe's sweep): a looping grid, half sums, row tiles (132 SMs).
+    looping = dataclasses.replace(ROWS, unroll=2, double_buffer=True, grid_blocks_per_sm=2)
+    tiles = gemv_common.GemvConfig(max_m=16, warps=8, unroll=1, min_blocks_per_sm=1, lane_run=1, row_tiles=4)
+    for name, func, cfg in (("mma1_down", q4_linear(4096, 14336), MMA1),
+                            ("loop_down", q4_linear(4096, 14336, epilogue="residual"), looping),
+                            ("loop_head", q4_linear(None, 4096, epilogue="cast_fp32"), looping),
+                            ("loop_half_gate_up", q4_linear(28672, 4096), dataclasses.replace(looping, half_sums=True)),
+                            ("half_qkv", q4_linear(6144, 4096), dataclasses.replace(ROWS, half_sums=True)),
+                            ("tiles_m16", q4_linear(28672, 4096, m=16), tiles),
+                            ("tiles_m5_res", q4_linear(4096, 4096, m=5, epilogue="residual"), dataclasses.replace(tiles, max_m=8, row_tiles=2)),
+                            ("tiles_head_m8", q4_linear(None, 4096, m=8, epilogue="cast_fp32"), dataclasses.replace(tiles, max_m=8))):
+        body = gemv.gemv_body(analyze_matmul(func, dequant=True).operands, cfg, 132)
+        kernels[name] = with_kernels(func, body).with_attr("global_symbol", name)
     source = tvm.compile(tvm.IRModule(kernels), target=cuda).mod.imports[0].inspect_source("cuda")
     assert {f"{name}_kernel" for name in kernels} <= kernel_names(source)
     assert "fuselight_q4_pair_bf16(" in source and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source
@@ -296,6 +307,8 @@ def test_nvcc_compiles_every_variant(cuda):
     # down (the shipped bucket for K > 4096: unroll 2, double-buffered): 448 pieces a row, 7 rounds of
     # 2 steps of 32 lanes; rounds 0..5 load the next one.
     assert re.search(r"if \(r < 6\)", kernel_body(source, "down_kernel"))
+    assert "fuselight_q4_dot32_fp16_half_sums(" in kernel_body(source, "half_qkv_kernel")
+    assert "fuselight_q4_dot32_fp16(" not in kernel_body(source, "half_qkv_kernel")
     assert compile_cuda(source, "sm_90")
 
 
@@ -307,7 +320,7 @@ def test_each_piece_reads_its_groups_scale(cuda):
         assert kern.loads["S"]
         for index in kern.loads["S"]:
             for row, piece in ((0, 0), (5, 1), (6, 7), (4095, 127)):
-                got = evaluate(index, {"col0": row, "j": 0, "p": piece})
+                got = evaluate(index, {"col0": row, "col_first": row, "j": 0, "p": piece})  # (the first round: col_first)
                 assert got == row * (4096 // group) + piece * 32 // group, (group, row, piece)
 
 
@@ -581,3 +594,212 @@ def test_batch_decode_is_scheduled_before_low_batch_gemv_specialize(cuda):
     with cuda:
         after = LowBatchGemvSpecialize()(tvm.IRModule({"main": scheduled}))["main"]
     assert tvm_ffi.structural_equal(after, scheduled)
+
+
+# ---- buckets not shipped: a looping grid (row template), row tiles (mma template) ------------------
+
+
+def _let_values(stmt) -> list[tuple]:
+    """(var, value) of every let binding in ``stmt``."""
+    out = []
+    tirx.stmt_functor.post_order_visit(stmt, lambda n: out.append((n.var, n.value)) if isinstance(n, tirx.LetStmt) else None)
+    return out
+
+
+def _resolved(expr, lets):
+    """``expr`` with its let-bound variables replaced by their values (repeatedly: lets of lets)."""
+    for _ in range(16):
+        used = []
+        tirx.stmt_functor.post_order_visit(expr, lambda n: used.append(n) if isinstance(n, tirx.Var) else None)
+        sub = {v: value for v in used for var, value in lets if var.same_as(v)}
+        if not sub:
+            return expr
+        expr = tirx.stmt_functor.substitute(expr, sub)
+    raise AssertionError("lets do not resolve")
+
+
+def _store_indices(stmt, name: str) -> list:
+    """Index expressions of the stores to buffer ``name`` (first dimension), with their values."""
+    out = []
+    tirx.stmt_functor.post_order_visit(stmt, lambda n: out.append((n.indices[0], n.value))
+                                       if isinstance(n, tirx.BufferStore) and n.buffer.name == name else None)
+    return out
+
+
+def _let(stmt, name: str):
+    (value,) = [v for var, v in _let_values(stmt) if var.name == name]
+    return value
+
+
+LOOPING = dataclasses.replace(ROWS, warps=2, unroll=1, grid_blocks_per_sm=2)
+
+
+def test_new_fields_are_checked():
+    from fuselight.rules.arch_config import from_fields
+
+    with pytest.raises(FuselightError, match="grid_blocks_per_sm"):
+        gemv.check_gemv_config(dataclasses.replace(MMA1, grid_blocks_per_sm=2))  # the row template's
+    with pytest.raises(FuselightError, match="grid_blocks_per_sm"):
+        gemv.check_gemv_config(dataclasses.replace(LOOPING, prefetch_l2_percent=25))
+    with pytest.raises(FuselightError, match="row_tiles"):
+        gemv.check_gemv_config(dataclasses.replace(ROWS, row_tiles=2))  # the mma template's
+    fields = {"max_m": 4, "warps": 8, "unroll": 1, "min_blocks_per_sm": 2}
+    assert from_fields(gemv_common.GemvConfig, {**fields, "row_tiles": 4}, "b").row_tiles == 4
+    with pytest.raises(FuselightError, match="'row_tiles' must be a positive integer, got 0"):
+        from_fields(gemv_common.GemvConfig, {**fields, "row_tiles": 0}, "b")
+    with pytest.raises(FuselightError, match="'grid_blocks_per_sm' must be a positive integer"):
+        from_fields(gemv_common.GemvConfig, {**fields, "max_m": 1, "rows_per_warp": 2, "grid_blocks_per_sm": True}, "b")
+    # The grid needs the device's SM count (the rule passes its target's).
+    ops = analyze_matmul(q4_linear(200, 2048, m=1), dequant=True).operands
+    with pytest.raises(FuselightError, match="SM count"):
+        gemv.gemv_body(ops, LOOPING)
+
+
+def test_looping_grid_stores_every_column_once():
+    # 200 columns in groups of 2 warps x 2 rows: 50 groups, looped over by 3 SMs x 2 blocks (6 blocks,
+    # 9 groups each at most; blocks 0 and 1 take a ninth, 48 and 49).
+    n, groups, grid = 200, 50, 6
+    func = q4_linear(n, 2048, m=1)
+    ops = analyze_matmul(func, dequant=True).operands
+    body = gemv.gemv_body(ops, LOOPING, 3)
+    kern = kernel(with_kernels(func, body))
+    assert kern.launch["blockIdx.x"] == grid and kern.threads == 64
+    lets = _let_values(body)
+    g, col0 = _resolved(_let(body, "g"), lets), _resolved(_let(body, "col0"), lets)
+    stored = []
+    for bx in range(grid):
+        for it in range(-(-groups // grid)):
+            at = {"bx": bx, "it": it}
+            if evaluate(g, at) >= groups:
+                continue
+            for warp in range(2):
+                c = evaluate(col0, {**at, "tid": 32 * warp})
+                stored += [c + j for j in range(2) if c + j < n]
+    assert sorted(stored) == list(range(n))
+
+
+def test_looping_grid_follows_a_symbolic_vocabulary(cuda):
+    func = q4_linear(None, 4096, epilogue="cast_fp32")
+    ops = analyze_matmul(func, dequant=True).operands
+    cfg = dataclasses.replace(ROWS, grid_blocks_per_sm=2)
+    grid, _ = _grid_and_allocs(with_kernels(func, gemv.gemv_body(ops, cfg, 132)))
+    vocab = next(v for v in tirx.analysis.undefined_vars(grid[0]) if v.name == "vocab_size")
+    for size, blocks in ((128256, 264), (32000, 264), (4000, 250), (17, 2)):  # 16 columns a group
+        got = tvm.arith.Analyzer().simplify(tirx.stmt_functor.substitute(grid[0], {vocab: tirx.IntImm("int64", size)}))
+        assert int(got) == blocks, size
+
+
+def test_looping_double_buffer_loads_the_next_groups_first_round():
+    # K 4096 at unroll 4 is one round a row: without the loop there is nothing to overlap (no second
+    # buffer); looping, a warp loads its next group's words (group g + grid: columns grid x 16 on)
+    # into the second buffer before its dots, and copies them after.
+    cfg = gemv_common.GemvConfig(max_m=1, warps=8, unroll=4, min_blocks_per_sm=2, rows_per_warp=2, double_buffer=True,
+                                 grid_blocks_per_sm=2)
+    func = q4_linear(4096, 4096, m=1)
+    ops = analyze_matmul(func, dequant=True).operands
+    body = gemv.gemv_body(ops, cfg, 4)  # 8 blocks, 256 groups
+    kern = kernel(with_kernels(func, body))
+    assert kern.launch["blockIdx.x"] == 8 and kern.allocs["wn"] == ("local", "uint32", (2 * 4 * 4,))
+    assert "wn" not in kernel(with_kernels(func, gemv.gemv_body(ops, dataclasses.replace(cfg, grid_blocks_per_sm=None)))).allocs
+    lets = _let_values(body)
+    rows = set()
+    for index, value in _store_indices(body, "wn"):
+        at = {"bx": 0, "it": 0, "tid": 0, "u": 0, "j": 0, "e": 0, "r": 0}
+        rows.add(evaluate(_resolved(value.indices[0], lets), at) // (4096 // 8))
+    assert rows == {8 * 16}  # row 0 of group 0 + 8
+    loops = []
+    tirx.stmt_functor.post_order_visit(body, lambda n: loops.append(n) if isinstance(n, tirx.For) and n.loop_var.name == "r" else None)
+    order = _ops_in_order(loops[0].body)
+    dots = [i for i, name in enumerate(order) if name == gemv_rows.Q4_DOT["float16"]]
+    assert "wn" in order[:dots[0]] and "w" in order[dots[-1]:]
+
+
+def test_row_tiles_share_the_token_loads_and_keep_rows_and_outputs_together():
+    # 96 rows, K 512, M 16 (two token tiles), 2 warps of 2 steps, 2 row tiles a block: 3 blocks.
+    n, k, tiles, row_tiles, warps = 96, 512, 2, 2, 2
+    cfg = gemv_common.GemvConfig(max_m=16, warps=warps, unroll=1, min_blocks_per_sm=2, lane_run=1, row_tiles=row_tiles)
+    func = q4_linear(n, k, m=16)
+    ops = analyze_matmul(func, dequant=True).operands
+    body = gemv.gemv_body(ops, cfg)
+    kern = kernel(with_kernels(func, body))
+    assert kern.launch["blockIdx.x"] == n // (16 * row_tiles)
+    assert kernel(with_kernels(q4_linear(80, k, m=16), gemv.gemv_body(
+        analyze_matmul(q4_linear(80, k, m=16), dequant=True).operands, cfg))).launch["blockIdx.x"] == 3
+    lets = _let_values(body)
+    w_words = k // 8
+    # Every weight word is read once, tile rt of block bx reading rows 16 (2 bx + rt) + 0..15.
+    words, rows = [], {}
+    for index in kern.loads["W"]:
+        index = _resolved(index, lets)
+        for bx in range(3):
+            for tid in range(warps * 32):
+                for r in range(2):
+                    for rt in range(row_tiles):
+                        w = evaluate(index, {"bx": bx, "tid": tid, "r": r, "u": 0, "rt": rt, "e": 0})
+                        words += [w + e for e in range(4)]
+                        rows.setdefault((bx, rt), set()).add(w // w_words)
+    assert sorted(words) == list(range(n * w_words))
+    assert rows == {(bx, rt): set(range(16 * (2 * bx + rt), 16 * (2 * bx + rt) + 16)) for bx in range(3) for rt in range(2)}
+    # The tokens are loaded once a step for every row tile: no token load under a loop over the tiles.
+    tile_loops = []
+    tirx.stmt_functor.post_order_visit(body, lambda n: tile_loops.append(n) if isinstance(n, tirx.For) and n.loop_var.name == "rt" else None)
+    under = Counter()
+    for loop in tile_loops:
+        tirx.stmt_functor.post_order_visit(loop.body, lambda n: under.update([n.buffer.name]) if isinstance(n, tirx.BufferLoad) else None)
+    assert under["W"] and not under["X"]
+    # Accumulator e of lane l in token tile t of row tile rt lands, through the partial sums, on
+    # output (token 8 t + 2 (l % 4) + e % 2, column 16 (2 bx + rt) + l / 4 + 8 (e / 2)).
+    ((red_index, _),) = _store_indices(body, "red")
+    red_index = _resolved(red_index, lets)
+    col, row = _resolved(_let(body, "col"), lets), _resolved(_let(body, "row"), lets)
+    outputs = 16 * 8 * tiles * row_tiles
+    for bx in (0, 2):
+        for lane in range(32):
+            for rt in range(row_tiles):
+                for t in range(tiles):
+                    for e in range(4):
+                        oa = evaluate(red_index, {"tid": lane, "rt": rt, "t": t, "e": e})  # warp 0
+                        at = {"bx": bx, "it": oa // (warps * 32), "tid": oa % (warps * 32)}
+                        assert oa < outputs
+                        assert evaluate(col, at) == 16 * (2 * bx + rt) + lane // 4 + 8 * (e // 2)
+                        assert evaluate(row, at) == 8 * t + 2 * (lane % 4) + e % 2
+
+
+def test_half_sums_constants_and_error():
+    # The fp16 helper's constants are the float32 helper's (magic | nibble = 1024 + e, minus the bias
+    # e - zero, exactly); each word's 8 products are summed 4 to a half by fma (rounded once each:
+    # emulated as the float32 fma, exact for a 4-bit value times an fp16 token plus an fp16 sum, then
+    # rounded to fp16), then added in float32. Over rows of K = 4096 random values and tokens, the
+    # error relative to float64 (the probe's measure: over the whole output) is ~3.4e-4: within the
+    # probe's 1e-3 with the output's own rounding (~1.5e-4) added (the float32 dot: ~1e-7 here).
+    src = gemv_rows.q4_dot_half_source(7)
+    assert int(re.search(r"\| (0x[0-9a-f]+)u;", src).group(1), 16) == 0x64006400
+    assert int(re.search(r"zb = (0x[0-9a-f]+)u", src).group(1), 16) == 0x6400 + 7
+    rng = np.random.default_rng(1)
+    err2 = ref2 = 0.0
+    for _ in range(64):
+        e = rng.integers(0, 16, 4096).astype(np.float32) - 7
+        x = rng.standard_normal(4096).astype(np.float16)
+        halves = np.zeros(4096 // 4, np.float16)  # one per (word, half): values j, j + 4 of a word
+        for j in range(4):
+            slot = np.arange(4096 // 8) * 8 + j
+            for h in range(2):
+                acc = halves[2 * np.arange(4096 // 8) + h]
+                acc = (e[slot + 4 * h] * x[slot + 4 * h].astype(np.float32) + acc.astype(np.float32)).astype(np.float16)
+                halves[2 * np.arange(4096 // 8) + h] = acc
+        got = halves.astype(np.float32).sum(dtype=np.float32)
+        want = float(np.dot(e.astype(np.float64), x.astype(np.float64)))
+        err2, ref2 = err2 + (float(got) - want) ** 2, ref2 + want ** 2
+    assert np.sqrt(err2 / ref2) < 6e-4
+
+
+def test_half_sums_is_a_row_template_field_for_fp16():
+    with pytest.raises(FuselightError, match="half_sums"):
+        gemv.check_gemv_config(dataclasses.replace(MMA1, half_sums=True))
+    with pytest.raises(FuselightError, match="half_sums"):
+        gemv.check_gemv(analyze_matmul(q4_linear(4096, 4096, dtype="bfloat16"), dequant=True).operands,
+                        dataclasses.replace(ROWS, half_sums=True))
+    ops = analyze_matmul(q4_linear(4096, 4096), dequant=True).operands
+    kern = kernel(with_kernels(q4_linear(4096, 4096), gemv.gemv_body(ops, dataclasses.replace(ROWS, half_sums=True))))
+    assert [str(a[0].value) for a in kern.call_args["tirx.cuda.func_call"]] == [gemv_rows.Q4_DOT_HALF]
+    assert kern.allocs["xf"] == ("local", "float16", (32,))  # the tokens stay fp16
