@@ -26,6 +26,8 @@ layout ``KN_N``) take the column template (``rules.gemm.gemv_cols``) at M = 1.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable
 from typing import Any
 
@@ -60,6 +62,8 @@ def gemv_config(ops: GemmOperands, m: int, target: Target) -> GemvConfig | None:
         cfg = config_for(load_gemv_configs(arch, ops.dequant is not None), m, grid_blocks(ops), ops.k)
         if cfg is None:
             return None
+        if cfg.half_sums and ops.dtype != "float16":
+            cfg = dataclasses.replace(cfg, half_sums=False)  # fp16 sums only: bf16 keeps the float32 dot
         # The kernel's shared memory is static: the device's static limit.
         check_gemv(ops, cfg, require_device(arch).smem_per_block)
     except FuselightError:

@@ -803,3 +803,18 @@ def test_half_sums_is_a_row_template_field_for_fp16():
     kern = kernel(with_kernels(q4_linear(4096, 4096), gemv.gemv_body(ops, dataclasses.replace(ROWS, half_sums=True))))
     assert [str(a[0].value) for a in kern.call_args["tirx.cuda.func_call"]] == [gemv_rows.Q4_DOT_HALF]
     assert kern.allocs["xf"] == ("local", "float16", (32,))  # the tokens stay fp16
+
+
+def test_shipped_m1_buckets_take_half_sums_for_fp16_tokens_only():
+    # configs/gemm/gemv_q4.json ships half_sums in sm_90's M = 1 buckets (measured: q4-gemv.md). A
+    # bf16 function (q4bf16_1) gets the same bucket with the float32 dot, not no bucket (which would
+    # leave MLC's bf16 decode GEMVs to DLight).
+    from fuselight.rules.gemv import gemv_config
+    from fuselight.target import resolve, to_tvm
+
+    target = to_tvm(resolve("cuda", "sm_90"))
+    for n, k in ((6144, 4096), (4096, 14336)):
+        f16 = gemv_config(analyze_matmul(q4_linear(n, k), dequant=True).operands, 1, target)
+        bf16 = gemv_config(analyze_matmul(q4_linear(n, k, dtype="bfloat16"), dequant=True).operands, 1, target)
+        assert f16.half_sums and f16.rows_per_warp is not None
+        assert bf16 == dataclasses.replace(f16, half_sums=False)
