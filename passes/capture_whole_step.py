@@ -24,10 +24,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 
-from ..contracts import ATTENTION_BUILTIN, ATTENTION_FORWARD_FUNC, DECODE_BY_POSITION_ATTR
+from ..contracts import ATTENTION_BUILTIN, ATTENTION_FORWARD_FUNC, DECODE_BY_POSITION_ATTR, TENSOR_COPY_FUNC, TOKEN_IDS_PARAM
 from ..contracts import FUSED_ROPE_APPEND_DECODE_ATTR as FUSED_DECODE_ATTR
 from ..relax_rewrite import FunctionRewriter
 from ..rules.paged_attention import PagedAttention
@@ -35,6 +36,8 @@ from ..rules.paged_attention import PagedAttention
 # A decode function's parameters: the input embedding, the KV cache, then the weights (static).
 _INPUTS_WITH_CACHE = 2
 _INPUTS_WITHOUT_CACHE = 1
+# The model's embedding lookup (``fuselight.model.llama.export_module``): ``embed(input_ids, params)``.
+EMBED_FUNCTION = "embed"
 
 
 def is_attention(expr: relax.Expr) -> bool:
@@ -78,7 +81,7 @@ class CaptureWholeStep:
             return mod
         out = _ForwardAttention(mod, decode_fns, lambda batch: PagedAttention.by_position_workspace(desc, target, batch)).transform()
         out[fused[0]] = tagged
-        return out
+        return stage_step_io(out, decode_fns)
 
 
 @mutator
@@ -110,3 +113,92 @@ class _ForwardAttention(FunctionRewriter):
         forwarded = self.builder_.emit(relax.call_dps_packed(
             relax.ExternFunc(ATTENTION_FORWARD_FUNC), call.args[1], out_types))
         return relax.TupleGetItem(forwarded, 0)
+
+
+def step_functions(mod: tvm.IRModule) -> list[tvm.ir.GlobalVar]:
+    """The Relax functions whose inputs (parameters before ``num_input``) include tensors, all of static
+    shape (one decode step's: ``decode``, ``decode_attend``, ``decode_greedy``, ``greedy``; a prefill
+    or ``embed`` has a symbolic length); other inputs (the KV cache) are objects."""
+    found = []
+    for gv, func in mod.functions_items():
+        if not isinstance(func, relax.Function):
+            continue
+        num_input = int(func.attrs["num_input"]) if func.attrs is not None and "num_input" in func.attrs else len(func.params)
+        tensors = [p.ty for p in func.params[:num_input] if isinstance(p.ty, relax.TensorType)]
+        if tensors and all(_static_shape(ty) for ty in tensors):
+            found.append(gv)
+    return found
+
+
+def stage_step_io(mod: tvm.IRModule, token_functions: list[tvm.ir.GlobalVar]) -> tvm.IRModule:
+    """``mod`` with each step function (``step_functions``) copying its tensor inputs into tensors it
+    plans and its tensor outputs out of them (``TENSOR_COPY_FUNC``: a memcpy each, no kernel launch).
+
+    RewriteCUDAGraph captures a kernel only where every argument is static: a tensor the function's
+    memory plan allocates is, an input or an output is not, so without the copies the kernels reading
+    an input and the one writing the output (the LM head) stay outside the graph, a host launch each.
+    The functions of ``token_functions`` whose first input is the input embedding ``[1, n, hidden]``
+    take ``n`` token ids instead (``TOKEN_IDS_PARAM``) and look them up as ``embed`` does (its body
+    inlined), so the embedding joins the graph too. Without ``embed``, or where its parameters are not
+    the function's, the function keeps its embedding input."""
+    embed_gv = next((gv for gv in mod.get_global_vars() if gv.name_hint == EMBED_FUNCTION), None)
+    out = mod.clone()
+    for gv in step_functions(mod):
+        embed = mod[embed_gv] if embed_gv is not None and gv in token_functions else None
+        out[gv] = _staged(mod[gv], embed)
+    return out
+
+
+def _static_shape(ty: relax.Type) -> bool:
+    return isinstance(ty, relax.TensorType) and isinstance(ty.shape, relax.ShapeExpr) and all(
+        isinstance(d, tirx.IntImm) for d in ty.shape.values)
+
+
+def _embeds_first_input(func: relax.Function, embed: relax.Function) -> bool:
+    """Whether ``embed(ids, params)``, reshaped, can stand for ``func``'s first input: ``func``'s last
+    parameter is ``embed``'s weights, and the first is ``[1, n, hidden]`` of ``embed``'s result dtype."""
+    first, weights = func.params[0].ty, func.params[-1].ty
+    rows = embed.ret_ty
+    return (len(embed.params) == 2 and tvm_ffi.structural_equal(embed.params[1].ty, weights)
+            and _static_shape(first) and len(first.shape.values) == 3 and int(first.shape.values[0]) == 1
+            and isinstance(rows, relax.TensorType) and rows.dtype == first.dtype and rows.ndim == 2)
+
+
+def _staged(func: relax.Function, embed: relax.Function | None) -> relax.Function:
+    """``func`` between copies of its tensor inputs and outputs (``stage_step_io``); ``embed``: the
+    first input becomes token ids, looked up with it."""
+    num_input = int(func.attrs["num_input"]) if func.attrs is not None and "num_input" in func.attrs else len(func.params)
+    tokens = embed is not None and _embeds_first_input(func, embed)
+    params = [relax.Var(p.name, p.ty) for p in func.params]
+    if tokens:
+        seq = func.params[0].ty.shape.values[1]
+        params[0] = relax.Var(TOKEN_IDS_PARAM, relax.TensorType(relax.ShapeExpr([seq]), "int32"))
+    bb = relax.BlockBuilder()
+    body_gv = bb.add_func(func.without_attr("global_symbol"), "step_body")
+    embed_gv = bb.add_func(embed.without_attr("global_symbol"), "step_embed") if tokens else None
+    name = func.attrs["global_symbol"] if func.attrs is not None and "global_symbol" in func.attrs else "step"
+    with bb.function(str(name), params, attrs=dict(func.attrs) if func.attrs is not None else None):
+        with bb.dataflow():
+            args = [_copy(bb, p) if i < num_input and isinstance(p.ty, relax.TensorType) else p
+                    for i, p in enumerate(params)]
+            if tokens:
+                rows = bb.emit(relax.Call(embed_gv, [args[0], params[-1]]))
+                args[0] = bb.emit(relax.op.reshape(rows, func.params[0].ty.shape))
+            result = bb.emit(relax.Call(body_gv, args))
+            output = bb.emit_output(_copy_tensors(bb, result))
+        bb.emit_func_output(output)
+    staged = bb.get()[name]
+    return staged.inline_functions({body_gv: bb.get()[body_gv], **({embed_gv: bb.get()[embed_gv]} if tokens else {})})
+
+
+def _copy(bb: relax.BlockBuilder, x: relax.Expr) -> relax.Var:
+    return bb.emit(relax.call_dps_packed(relax.ExternFunc(TENSOR_COPY_FUNC), relax.Tuple([x]), x.ty))
+
+
+def _copy_tensors(bb: relax.BlockBuilder, x: relax.Expr) -> relax.Expr:
+    """``x`` with every tensor in it (a tensor, or the fields of a tuple) copied."""
+    if isinstance(x.ty, relax.TensorType):
+        return _copy(bb, x)
+    if isinstance(x.ty, relax.TupleType):
+        return relax.Tuple([_copy_tensors(bb, bb.emit(relax.TupleGetItem(x, i))) for i in range(len(x.ty.fields))])
+    return x

@@ -20,6 +20,7 @@ import tvm_ffi
 
 from . import kv_hooks
 from .config import ModelConfig
+from .contracts import TOKEN_IDS_PARAM
 from .errors import FuselightError
 from .jsonfile import read_json_object
 from .model.weights import param_names_and_shapes
@@ -100,6 +101,10 @@ class Engine:
         self._greedy, self._decode_attend, self._decode_greedy = (
             vm[name] if vm.module.implements_function(name) else None for name in _GREEDY_FUNCTIONS
         )
+        # Where one CUDA graph holds the step (passes.capture_whole_step), the decode functions take
+        # token ids and look the embedding up inside the graph: no embed launch of the host's.
+        self._decode_takes_ids = _takes_token_ids(vm, "decode")
+        self._attend_takes_ids = self._decode_attend is not None and _takes_token_ids(vm, "decode_attend")
         self._add_sequence = tvm.get_global_func("vm.builtin.kv_state_add_sequence")
         self._begin_forward = tvm.get_global_func("vm.builtin.kv_state_begin_forward")
         self._end_forward = tvm.get_global_func("vm.builtin.kv_state_end_forward")
@@ -142,7 +147,7 @@ class Engine:
         self._add_sequence(self._kv_cache, _SEQ_ID)
         self._length = 0
 
-    def _step(self, fn: Any, token_ids: np.ndarray) -> Any:
+    def _step(self, fn: Any, token_ids: np.ndarray, takes_ids: bool = False) -> Any:
         n = int(token_ids.size)
         ids = self._ids._create_view((n,))
         host_ids = np.ascontiguousarray(token_ids, dtype=np.int32)
@@ -152,10 +157,10 @@ class Engine:
             staged = self._ids_host._create_view((n,))
             staged.copyfrom(host_ids)
             staged.copyto(ids)
-        embed = self._embed_ids(ids, n)
+        step_input = ids if takes_ids else self._embed_ids(ids, n)
         self._begin_forward(self._kv_cache, tvm.runtime.ShapeTuple([_SEQ_ID]), tvm.runtime.ShapeTuple([n]))
         self._upload(self._kv_cache)
-        logits, self._kv_cache = fn(embed, self._kv_cache, self._params)
+        logits, self._kv_cache = fn(step_input, self._kv_cache, self._params)
         self._end_forward(self._kv_cache)
         # begin_forward reuses host-side staging buffers; the next step must not overwrite them
         # while this one's copies are in flight.
@@ -197,7 +202,7 @@ class Engine:
         ids = np.array([int(token_id)])
         self._check_ids(ids)
         self._check_room(1)
-        return self._step(self._decode, ids)
+        return self._step(self._decode, ids, self._decode_takes_ids)
 
     def greedy(self, logits: Any, max_new_tokens: int) -> np.ndarray:
         """Greedy continuation from ``logits`` (``prefill``'s or ``decode``'s): int32 tokens
@@ -214,11 +219,11 @@ class Engine:
         token = self._greedy(logits)
         token.copyto(tokens._create_view((1,)))
         for i in range(1, max_new_tokens):
-            embed = self._embed_ids(token, 1)
+            step_input = token if self._attend_takes_ids else self._embed_ids(token, 1)
             self._begin_forward(self._kv_cache, tvm.runtime.ShapeTuple([_SEQ_ID]), tvm.runtime.ShapeTuple([1]))
             pace.wait()
             self._upload(self._kv_cache)  # after the wait: the last step's attention reads the old upload
-            hidden, self._kv_cache = self._decode_attend(embed, self._kv_cache, self._params)
+            hidden, self._kv_cache = self._decode_attend(step_input, self._kv_cache, self._params)
             pace.mark()
             self._end_forward(self._kv_cache)
             self._length += 1
@@ -243,6 +248,12 @@ class Engine:
         if max_new_tokens < 1:
             raise FuselightError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         self._check_room(prompt + max_new_tokens - 1)
+
+
+def _takes_token_ids(vm: Any, name: str) -> bool:
+    """Whether the library's function ``name`` takes token ids (its first parameter ``TOKEN_IDS_PARAM``)
+    rather than their embedding."""
+    return str(vm.module["get_function_param_name"](name, 0)) == TOKEN_IDS_PARAM
 
 
 class _StepPacer:
