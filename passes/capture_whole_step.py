@@ -13,6 +13,14 @@ and the page table's start stay put as the sequence gains pages (docs/experiment
 so the rule builds the kernel that reads only those. The engine uploads the cache's metadata before
 each step (``Engine``: ``get_query_positions``), which no replayed graph does.
 
+RewriteCUDAGraph also leaves out every kernel that reads a function's input or writes its output
+(neither is planned storage): the embedding lookup (``embed``, a launch of its own), the first
+layer's kernels reading the input embedding, the LM head writing the logits. So each step function
+(``step_functions``: ``decode``, ``decode_attend``, ``decode_greedy``, ``greedy``) copies its tensor
+inputs into tensors it plans and its outputs out of such (``stage_step_io``: a memcpy each, not a
+kernel launch), and the decode functions take token ids (``TOKEN_IDS_PARAM``, which the engine reads)
+and look their embedding up themselves: a decode step is one graph launch of the host's.
+
 Skipped (module unchanged) unless ``fuse_rope_append`` gave the cache the fused decode kernel (a
 function tagged ``FUSED_ROPE_APPEND_DECODE_ATTR``) and the rule serves its by-position form on the
 target in scope. Run only with CUDA graphs (``fuselight.compile.build`` drops it otherwise): a step
