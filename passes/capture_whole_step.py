@@ -131,8 +131,7 @@ def step_functions(mod: tvm.IRModule) -> list[tvm.ir.GlobalVar]:
     for gv, func in mod.functions_items():
         if not isinstance(func, relax.Function):
             continue
-        num_input = int(func.attrs["num_input"]) if func.attrs is not None and "num_input" in func.attrs else len(func.params)
-        tensors = [p.ty for p in func.params[:num_input] if isinstance(p.ty, relax.TensorType)]
+        tensors = [p.ty for p in func.params[:_num_input(func)] if isinstance(p.ty, relax.TensorType)]
         if tensors and all(_static_shape(ty) for ty in tensors):
             found.append(gv)
     return found
@@ -153,8 +152,13 @@ def stage_step_io(mod: tvm.IRModule, token_functions: list[tvm.ir.GlobalVar]) ->
     out = mod.clone()
     for gv in step_functions(mod):
         embed = mod[embed_gv] if embed_gv is not None and gv in token_functions else None
-        out[gv] = _staged(mod[gv], embed)
+        out[gv] = _staged(mod[gv], gv.name_hint, embed)
     return out
+
+
+def _num_input(func: relax.Function) -> int:
+    """How many of ``func``'s parameters are inputs (RewriteCUDAGraph's reading: all, unless said)."""
+    return int(func.attrs["num_input"]) if func.attrs is not None and "num_input" in func.attrs else len(func.params)
 
 
 def _static_shape(ty: relax.Type) -> bool:
@@ -164,30 +168,33 @@ def _static_shape(ty: relax.Type) -> bool:
 
 def _embeds_first_input(func: relax.Function, embed: relax.Function) -> bool:
     """Whether ``embed(ids, params)``, reshaped, can stand for ``func``'s first input: ``func``'s last
-    parameter is ``embed``'s weights, and the first is ``[1, n, hidden]`` of ``embed``'s result dtype."""
+    parameter is ``embed``'s weights, and the first is ``[1, n, hidden]`` of the dtype and hidden size
+    of ``embed``'s rows ``[n, hidden]``."""
     first, weights = func.params[0].ty, func.params[-1].ty
-    rows = embed.ret_ty
+    ids, rows = (embed.params[0].ty if embed.params else None), embed.ret_ty
     return (len(embed.params) == 2 and tvm_ffi.structural_equal(embed.params[1].ty, weights)
+            and isinstance(ids, relax.TensorType) and ids.ndim == 1
             and _static_shape(first) and len(first.shape.values) == 3 and int(first.shape.values[0]) == 1
-            and isinstance(rows, relax.TensorType) and rows.dtype == first.dtype and rows.ndim == 2)
+            and isinstance(rows, relax.TensorType) and rows.dtype == first.dtype
+            and isinstance(rows.shape, relax.ShapeExpr) and len(rows.shape.values) == 2
+            and isinstance(rows.shape.values[1], tirx.IntImm)
+            and int(rows.shape.values[1]) == int(first.shape.values[2]))
 
 
-def _staged(func: relax.Function, embed: relax.Function | None) -> relax.Function:
-    """``func`` between copies of its tensor inputs and outputs (``stage_step_io``); ``embed``: the
-    first input becomes token ids, looked up with it."""
-    num_input = int(func.attrs["num_input"]) if func.attrs is not None and "num_input" in func.attrs else len(func.params)
+def _staged(func: relax.Function, name: str, embed: relax.Function | None) -> relax.Function:
+    """``func`` (named ``name``) between copies of its tensor inputs and outputs (``stage_step_io``);
+    ``embed``: the first input becomes token ids, looked up with it."""
     tokens = embed is not None and _embeds_first_input(func, embed)
     params = [relax.Var(p.name, p.ty) for p in func.params]
     if tokens:
         seq = func.params[0].ty.shape.values[1]
-        params[0] = relax.Var(TOKEN_IDS_PARAM, relax.TensorType(relax.ShapeExpr([seq]), "int32"))
+        params[0] = relax.Var(TOKEN_IDS_PARAM, relax.TensorType(relax.ShapeExpr([seq]), embed.params[0].ty.dtype))
     bb = relax.BlockBuilder()
     body_gv = bb.add_func(func.without_attr("global_symbol"), "step_body")
     embed_gv = bb.add_func(embed.without_attr("global_symbol"), "step_embed") if tokens else None
-    name = func.attrs["global_symbol"] if func.attrs is not None and "global_symbol" in func.attrs else "step"
-    with bb.function(str(name), params, attrs=dict(func.attrs) if func.attrs is not None else None):
+    with bb.function(name, params, attrs=dict(func.attrs) if func.attrs is not None else None):
         with bb.dataflow():
-            args = [_copy(bb, p) if i < num_input and isinstance(p.ty, relax.TensorType) else p
+            args = [_copy(bb, p) if i < _num_input(func) and isinstance(p.ty, relax.TensorType) else p
                     for i, p in enumerate(params)]
             if tokens:
                 rows = bb.emit(relax.Call(embed_gv, [args[0], params[-1]]))

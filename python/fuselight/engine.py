@@ -6,7 +6,9 @@ previous one finishes, so less of the host's per-step work (embedding, KV-cache 
 kernel launches) leaves the GPU idle between steps.
 
 Runtime only (``tvm.runtime`` + NumPy), so it works where the TVM compiler is not installed. The
-VM functions are those ``fuselight.model.llama.export_module`` documents.
+VM functions are those ``fuselight.model.llama.export_module`` documents, except that in a library
+built with whole-step capture (``passes.capture_whole_step``) ``decode`` and ``decode_attend`` take
+token ids (int32 ``[1]``) in place of the input embedding: the engine then launches no ``embed``.
 """
 
 from __future__ import annotations
@@ -208,7 +210,8 @@ class Engine:
         """Greedy continuation from ``logits`` (``prefill``'s or ``decode``'s): int32 tokens
         ``[max_new_tokens]``, the first ``argmax(logits)``; every token but the last is decoded.
 
-        Tokens stay on the device: ``decode_greedy`` feeds ``embed``. The host waits for each
+        Tokens stay on the device: ``decode_greedy`` feeds ``embed`` (or ``decode_attend`` itself,
+        where it takes token ids). The host waits for each
         step only until its ``decode_attend`` part is done, then enqueues the next step while the
         rest (last MLP, lm_head, argmax) runs. It may not run further ahead: TVM's KV cache uploads
         a step's page tables on its own stream at the step's first attention, with nothing that

@@ -316,3 +316,14 @@ def test_staged_step_functions_decode_as_before_on_the_cpu(cpu_model):
         engine.reset()
         tokens.append(engine.generate(prompt, 9).tolist())
     assert tokens[0] == tokens[1] and len(set(tokens[0])) > 1
+
+
+def test_without_embed_the_decode_functions_keep_their_embedding_input(rewritten):
+    before, _ = rewritten
+    alone = before.clone()
+    del alone[next(gv for gv in alone.get_global_vars() if gv.name_hint == "embed")]
+    staged = stage_step_io(alone, [gv for gv in alone.get_global_vars() if gv.name_hint in DECODE_FUNCTIONS])
+    for name in DECODE_FUNCTIONS:
+        first = staged[name].params[0]
+        assert first.name == "input_embed" and _shape(first.ty) == (1, 1, 576), name
+        assert [_copied(b.value) for b in _bindings(staged[name])][0].same_as(first), name  # copied in first
