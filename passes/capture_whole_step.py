@@ -124,12 +124,14 @@ class _ForwardAttention(FunctionRewriter):
 
 
 def step_functions(mod: tvm.IRModule) -> list[tvm.ir.GlobalVar]:
-    """The Relax functions whose inputs (parameters before ``num_input``) include tensors, all of static
-    shape (one decode step's: ``decode``, ``decode_attend``, ``decode_greedy``, ``greedy``; a prefill
-    or ``embed`` has a symbolic length); other inputs (the KV cache) are objects."""
+    """The entry functions (those that say their ``num_input``; a fused function such as MLC's
+    FuseTransposeMatmul outlines says nothing) whose inputs (the parameters before ``num_input``)
+    include tensors, all of static shape: one decode step's (``decode``, ``decode_attend``,
+    ``decode_greedy``, ``greedy``; a prefill or ``embed`` has a symbolic length). Other inputs (the KV
+    cache) are objects."""
     found = []
     for gv, func in mod.functions_items():
-        if not isinstance(func, relax.Function):
+        if not isinstance(func, relax.Function) or func.attrs is None or "num_input" not in func.attrs:
             continue
         tensors = [p.ty for p in func.params[:_num_input(func)] if isinstance(p.ty, relax.TensorType)]
         if tensors and all(_static_shape(ty) for ty in tensors):
@@ -157,8 +159,8 @@ def stage_step_io(mod: tvm.IRModule, token_functions: list[tvm.ir.GlobalVar]) ->
 
 
 def _num_input(func: relax.Function) -> int:
-    """How many of ``func``'s parameters are inputs (RewriteCUDAGraph's reading: all, unless said)."""
-    return int(func.attrs["num_input"]) if func.attrs is not None and "num_input" in func.attrs else len(func.params)
+    """How many of ``func``'s parameters are inputs (RewriteCUDAGraph counts the rest static)."""
+    return int(func.attrs["num_input"])
 
 
 def _static_shape(ty: relax.Type) -> bool:

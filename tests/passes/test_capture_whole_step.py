@@ -327,3 +327,26 @@ def test_without_embed_the_decode_functions_keep_their_embedding_input(rewritten
         first = staged[name].params[0]
         assert first.name == "input_embed" and _shape(first.ty) == (1, 1, 576), name
         assert [_copied(b.value) for b in _bindings(staged[name])][0].same_as(first), name  # copied in first
+
+
+def test_fused_functions_are_not_step_functions():
+    """A function a fusion outlines (MLC's FuseTransposeMatmul: static tensors only, no ``num_input``)
+    is left alone: copying its operands, weights among them, would put copies inside a kernel's
+    function."""
+    bb = relax.BlockBuilder()
+    w, x = relax.Var("w", relax.TensorType([7, 5], "float16")), relax.Var("x", relax.TensorType([1, 5], "float16"))
+    with bb.function("fused_matmul", [w, x], attrs={"Primitive": True}):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w)))
+        bb.emit_func_output(out)
+    with bb.function("step", [x, w], attrs={"num_input": 1}):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w)))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    assert [gv.name_hint for gv in step_functions(mod)] == ["step"]
+    staged = stage_step_io(mod, [])
+    tvm.ir.assert_structural_equal(staged["fused_matmul"], mod["fused_matmul"])
+    # the step copies x, its input, and its output; never the weight w
+    assert [str(c) for c in (_copied(b.value) for b in _bindings(staged["step"])) if c is not None][0] == "x"
+    assert sum(_copied(b.value) is not None for b in _bindings(staged["step"])) == 2
