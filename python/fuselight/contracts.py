@@ -19,6 +19,8 @@ OP_PATTERN_ATTR = "op_pattern"
 # ``kOpaque``: FuseOps fuses nothing into, or out of, a call of such a function: it stays standalone,
 # so the rule sees the computation as the pass emitted it.
 OPAQUE_OP_PATTERN = 8
+# TVM's tensor copy ``(from, to)``, destination-passing: a memcpy on the stream, never a kernel launch.
+TENSOR_COPY_FUNC = "runtime.TVMTensorCopyFromTo"
 
 # ---------------------------------------------------------------- fused computations (passes -> rules)
 
@@ -67,3 +69,6 @@ ATTENTION_BUILTIN = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
 # TVM's attention builtin forwarded under our name (``kv_hooks.cc``): RewriteCUDAGraph captures calls
 # of it, never of ``vm.builtin.*`` (``passes.capture_whole_step``).
 ATTENTION_FORWARD_FUNC = "fuselight.kv_cache.attention_with_fused_qkv"
+# The first parameter of a decode function that takes token ids (int32 ``[1]``) and looks their
+# embedding up itself (``passes.capture_whole_step``), where it would take the input embedding.
+TOKEN_IDS_PARAM = "input_ids"

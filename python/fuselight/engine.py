@@ -6,7 +6,9 @@ previous one finishes, so less of the host's per-step work (embedding, KV-cache 
 kernel launches) leaves the GPU idle between steps.
 
 Runtime only (``tvm.runtime`` + NumPy), so it works where the TVM compiler is not installed. The
-VM functions are those ``fuselight.model.llama.export_module`` documents.
+VM functions are those ``fuselight.model.llama.export_module`` documents, except that in a library
+built with whole-step capture (``passes.capture_whole_step``) ``decode`` and ``decode_attend`` take
+token ids (int32 ``[1]``) in place of the input embedding: the engine then launches no ``embed``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import tvm_ffi
 
 from . import kv_hooks
 from .config import ModelConfig
+from .contracts import TOKEN_IDS_PARAM
 from .errors import FuselightError
 from .jsonfile import read_json_object
 from .model.weights import param_names_and_shapes
@@ -100,6 +103,10 @@ class Engine:
         self._greedy, self._decode_attend, self._decode_greedy = (
             vm[name] if vm.module.implements_function(name) else None for name in _GREEDY_FUNCTIONS
         )
+        # Where one CUDA graph holds the step (passes.capture_whole_step), the decode functions take
+        # token ids and look the embedding up inside the graph: no embed launch of the host's.
+        self._decode_takes_ids = _takes_token_ids(vm, "decode")
+        self._attend_takes_ids = self._decode_attend is not None and _takes_token_ids(vm, "decode_attend")
         self._add_sequence = tvm.get_global_func("vm.builtin.kv_state_add_sequence")
         self._begin_forward = tvm.get_global_func("vm.builtin.kv_state_begin_forward")
         self._end_forward = tvm.get_global_func("vm.builtin.kv_state_end_forward")
@@ -142,7 +149,7 @@ class Engine:
         self._add_sequence(self._kv_cache, _SEQ_ID)
         self._length = 0
 
-    def _step(self, fn: Any, token_ids: np.ndarray) -> Any:
+    def _step(self, fn: Any, token_ids: np.ndarray, takes_ids: bool = False) -> Any:
         n = int(token_ids.size)
         ids = self._ids._create_view((n,))
         host_ids = np.ascontiguousarray(token_ids, dtype=np.int32)
@@ -152,10 +159,10 @@ class Engine:
             staged = self._ids_host._create_view((n,))
             staged.copyfrom(host_ids)
             staged.copyto(ids)
-        embed = self._embed_ids(ids, n)
+        step_input = ids if takes_ids else self._embed_ids(ids, n)
         self._begin_forward(self._kv_cache, tvm.runtime.ShapeTuple([_SEQ_ID]), tvm.runtime.ShapeTuple([n]))
         self._upload(self._kv_cache)
-        logits, self._kv_cache = fn(embed, self._kv_cache, self._params)
+        logits, self._kv_cache = fn(step_input, self._kv_cache, self._params)
         self._end_forward(self._kv_cache)
         # begin_forward reuses host-side staging buffers; the next step must not overwrite them
         # while this one's copies are in flight.
@@ -197,13 +204,14 @@ class Engine:
         ids = np.array([int(token_id)])
         self._check_ids(ids)
         self._check_room(1)
-        return self._step(self._decode, ids)
+        return self._step(self._decode, ids, self._decode_takes_ids)
 
     def greedy(self, logits: Any, max_new_tokens: int) -> np.ndarray:
         """Greedy continuation from ``logits`` (``prefill``'s or ``decode``'s): int32 tokens
         ``[max_new_tokens]``, the first ``argmax(logits)``; every token but the last is decoded.
 
-        Tokens stay on the device: ``decode_greedy`` feeds ``embed``. The host waits for each
+        Tokens stay on the device: ``decode_greedy`` feeds ``embed`` (or ``decode_attend`` itself,
+        where it takes token ids). The host waits for each
         step only until its ``decode_attend`` part is done, then enqueues the next step while the
         rest (last MLP, lm_head, argmax) runs. It may not run further ahead: TVM's KV cache uploads
         a step's page tables on its own stream at the step's first attention, with nothing that
@@ -214,11 +222,11 @@ class Engine:
         token = self._greedy(logits)
         token.copyto(tokens._create_view((1,)))
         for i in range(1, max_new_tokens):
-            embed = self._embed_ids(token, 1)
+            step_input = token if self._attend_takes_ids else self._embed_ids(token, 1)
             self._begin_forward(self._kv_cache, tvm.runtime.ShapeTuple([_SEQ_ID]), tvm.runtime.ShapeTuple([1]))
             pace.wait()
             self._upload(self._kv_cache)  # after the wait: the last step's attention reads the old upload
-            hidden, self._kv_cache = self._decode_attend(embed, self._kv_cache, self._params)
+            hidden, self._kv_cache = self._decode_attend(step_input, self._kv_cache, self._params)
             pace.mark()
             self._end_forward(self._kv_cache)
             self._length += 1
@@ -243,6 +251,12 @@ class Engine:
         if max_new_tokens < 1:
             raise FuselightError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         self._check_room(prompt + max_new_tokens - 1)
+
+
+def _takes_token_ids(vm: Any, name: str) -> bool:
+    """Whether the library's function ``name`` takes token ids (its first parameter ``TOKEN_IDS_PARAM``)
+    rather than their embedding."""
+    return str(vm.module["get_function_param_name"](name, 0)) == TOKEN_IDS_PARAM
 
 
 class _StepPacer:
