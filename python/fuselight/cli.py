@@ -251,11 +251,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="fuselight pipeline: launch each kernel only after the one before it has finished (no PDL)")
     c.add_argument("--whole-step-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="fuselight pipeline: one CUDA graph a decode step, KV-cache attention included (the "
-                        "capture_whole_step pass; only where the build captures graphs; default: where the "
-                        "decode-form rule chooses graphs, fuselight.compile.graphs_by_default)")
+                        "capture_whole_step pass; only where the build captures graphs; default: with the default "
+                        "passes on a described arch, fuselight.compile.build)")
     c.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
-                   help="capture the static parts of each function as CUDA graphs (default: on for cuda, as MLC-LLM's O2, "
-                        "except where every kernel launches programmatically: the fuselight pipeline on sm_90+)")
+                   help="capture the static parts of each function as CUDA graphs (default: on for cuda, as MLC-LLM's O2; "
+                        "with fuselight's passes named by --passes on sm_90+, only where the host would set the pace)")
     c.set_defaults(func=cmd_compile)
 
     d = sub.add_parser("demo", help="tiny LLaMA through both pipelines on the CPU, compared")

@@ -125,7 +125,9 @@ def lower(
 
 
 def graphs_by_default(target: TargetSpec, programmatic_launch: bool, config: ModelConfig | None = None) -> bool:
-    """Whether a build for ``target`` captures CUDA graphs when not told (the decode form).
+    """Whether a build for ``target`` captures CUDA graphs without programmatic launch when not told
+    (``build`` then adds the whole-step graph where the default passes run, with programmatic launch
+    inside it where this says no: the GPU sets the pace).
 
     On CUDA, graphs unless every kernel launches programmatically there
     (``tir_pipeline.NAME_EVERY_KERNEL``): a graph ends at each call it leaves out, the KV cache's
@@ -141,7 +143,10 @@ def graphs_by_default(target: TargetSpec, programmatic_launch: bool, config: Mod
     factor allows for kernels streaming below the copy rate. Measured on the H100
     (docs/experiments/decode-form.md), greedy generation at context 128 without / with graphs:
     SmolLM2-135M (launches ~12x the floor) 1.26 / 0.83 ms/token; Llama-3.2-1B (0.7x) 1.05 / 1.13;
-    Llama-3-8B q4f16_1 (1.2x) 2.51 / 2.60."""
+    Llama-3-8B q4f16_1 (1.2x) 2.51 / 2.60. Those graphs ended at every attention call; the whole
+    step in one graph with programmatic launch inside it generates as fast as kernels one by one
+    (Llama-3.2-1B 1.055 / 1.050-1.055, Llama-3-8B fp16 5.27 / 5.26, q4f16_1 2.19 / 2.23) and runs
+    single steps faster, so ``build`` takes it where the GPU sets the pace."""
     if target.kind != "cuda":
         return False
     if not (programmatic_launch and tir_pipeline.programmatic_launch_supported(target.kind, target.arch)):
@@ -242,8 +247,11 @@ def build(
     Prefills longer than ``prefill_chunk_size`` tokens (default: ``configs/runtime.json``) are run
     in chunks by the engine. A fuselight build for an arch without a device description runs no
     passes or rules of ours (``UNDESCRIBED``). ``cuda_graph`` captures the static parts of each function as CUDA
-    graphs; None: on for CUDA (as in MLC-LLM's default ``O2``) unless every kernel launches
-    programmatically (``graphs_by_default``); where it then chooses graphs, without programmatic launch.
+    graphs; None: on for CUDA (as in MLC-LLM's default ``O2``). With fuselight's default passes the
+    whole decode step is then one graph (``capture_whole_step``), kernels in it launching
+    programmatically unless the host would set the pace (``graphs_by_default``); with passes of the
+    caller's choosing, graphs only where ``graphs_by_default`` chooses them (then without
+    programmatic launch), else kernels launched one by one.
     """
     from .engine import runtime_config
     from .model.llama import export_module
@@ -261,19 +269,26 @@ def build(
     # The baseline launches its kernels as MLC-LLM's builds do.
     pdl = pipeline != "baseline" and (options or Options()).programmatic_launch
     if cuda_graph is None:
-        cuda_graph = graphs_by_default(target, pdl, config)
-        # Where graphs win, the host sets the pace: programmatic launch only lengthens its launch path
-        # (SmolLM2-135M single steps 1.33 -> 1.11 ms on the H100 without it), and one graph holds the
-        # whole decode step where the default passes run (0.82 -> 0.60 ms; decode-form.md).
-        if cuda_graph and pdl:
-            pdl = False
-            chosen = options or Options()
-            passes = chosen.passes
-            if passes is None:
-                from .passes import DEFAULT, served  # not at the top: the GPU host's runtime has no passes
+        chosen = options or Options()
+        if chosen.passes is None:
+            from .passes import DEFAULT, served  # not at the top: the GPU host's runtime has no passes
 
-                passes = tuple(served((*DEFAULT, WHOLE_STEP_PASS), chosen.rule_families))
-            options = dataclasses.replace(chosen, programmatic_launch=False, passes=passes)
+            whole_step = tuple(served((*DEFAULT, WHOLE_STEP_PASS), chosen.rule_families))
+        else:
+            whole_step = None
+        cuda_graph = graphs_by_default(target, pdl, config)
+        if cuda_graph and pdl:
+            # Where graphs win, the host sets the pace: programmatic launch only lengthens its launch
+            # path (SmolLM2-135M single steps 1.33 -> 1.11 ms on the H100 without it), and one graph
+            # holds the whole decode step where the default passes run (0.82 -> 0.60 ms; decode-form.md).
+            pdl = False
+            options = dataclasses.replace(chosen, programmatic_launch=False, passes=whole_step or chosen.passes)
+        elif pdl and whole_step is not None and config is not None and device_model(target.arch) is not None:
+            # Where the GPU sets the pace, one graph for the whole step with programmatic launch inside
+            # it: as fast in generation as kernels launched one by one and faster in single steps (the
+            # host launches once a step; Llama-3.2-1B and Llama-3-8B fp16 / q4f16_1, decode-form.md).
+            cuda_graph = True
+            options = dataclasses.replace(chosen, passes=whole_step)
     if not cuda_graph and options is not None and WHOLE_STEP_PASS in (options.passes or ()):
         # whole-step capture is a form of graphs: where the step launches kernel by kernel it only
         # sizes the decode grid for the whole cache
