@@ -36,6 +36,7 @@ from .fuse_rope_append import FuseRopeAppend
 from .merge_sibling_matmuls import MergeSiblingMatmuls
 from .paged_attention import PagedAttentionKernels
 from .property_rewrite import PropertyRewrite
+from .residual_stream_fp32 import ResidualStreamFP32
 
 Slot = Literal["before_fuse_transpose_matmul", "after_graph_passes", "before_legalize"]
 SLOTS: tuple[Slot, ...] = ("before_fuse_transpose_matmul", "after_graph_passes", "before_legalize")
@@ -60,6 +61,7 @@ PASSES: dict[str, GraphPass] = {
         # Before accumulate_matmul_fp32, which rewrites the matmuls FuseAttention matches.
         GraphPass("fuse_attention", "before_fuse_transpose_matmul", FuseAttention),
         GraphPass("accumulate_matmul_fp32", "before_fuse_transpose_matmul", AccumulateMatmulFP32),
+        GraphPass("residual_stream_fp32", "before_fuse_transpose_matmul", ResidualStreamFP32),
         # After accumulate_matmul_fp32: the fused kernel accumulates as the matmul it replaces.
         GraphPass("fuse_gate_up_silu", "before_fuse_transpose_matmul", FuseGateUpSiLU, rules=("matmul", "gemv")),
         # Moves scales across R.matmul, which FuseTransposeMatmul lowers to TIR.
@@ -102,4 +104,4 @@ def served(names: Sequence[str], families: Iterable[str]) -> list[str]:
     return [name for name in names if set(get(name).rules) <= have]
 
 
-__all__ = ["DEFAULT", "PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "CaptureWholeStep", "Classify", "FoldNormWeight", "FuseAttention", "FuseGateUpSiLU", "FuseNormIntoGemv", "FuseRopeAppend", "GraphPass", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "Slot", "classify_module", "default", "get", "served"]
+__all__ = ["DEFAULT", "PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "CaptureWholeStep", "Classify", "FoldNormWeight", "FuseAttention", "FuseGateUpSiLU", "FuseNormIntoGemv", "FuseRopeAppend", "GraphPass", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "ResidualStreamFP32", "Slot", "classify_module", "default", "get", "served"]
