@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", default=None, help="comma-separated variant names (float64 always runs)")
+    ap.add_argument("--only", default=None, help="variant names separated by semicolons (float64 always runs)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     hidden, layers, hd, n = a.hidden, a.layers, a.head_dim, a.tokens
@@ -74,7 +74,7 @@ def main() -> None:
     rng = np.random.default_rng(a.seed)
     vs = variants()
     if a.only:
-        vs = {k: v for k, v in vs.items() if k == "float64" or k in a.only.split(",")}
+        vs = {k: v for k, v in vs.items() if k == "float64" or k in a.only.split(";")}
     rnd = {name: {s: rounder(f) for s, f in sites.items()} for name, sites in vs.items()}
 
     def w(shape: tuple[int, int], std: float) -> np.ndarray:
