@@ -18,8 +18,10 @@ dtype. Only bfloat16 streams change.
 Only on targets without fuselight's GPU rules: on a GPU, FuseAddRMSNorm, ``fuse_norm_gemv`` and
 ``add_rms_norm_kernels`` fuse each add and norm into one kernel for a stream of the model dtype, and
 none of those kernels yet reads or writes a float32 stream (the plan for them is in the experiment
-log); a GPU target is returned unchanged. Belongs in the ``before_fuse_transpose_matmul`` slot, on the
-plain ``R.add`` / ``R.nn.rms_norm`` graph.
+log); a GPU target is returned unchanged. Runs in the ``after_graph_passes`` slot, after
+``add_rms_norm_kernels``: on the CPU the adds and norms are still plain ``R.add`` / ``R.nn.rms_norm``
+there (FuseAddRMSNorm and the norm fusions are GPU passes), and on a GPU that is where the fused
+kernels a float32 stream must reach exist.
 """
 
 from __future__ import annotations

@@ -26,9 +26,7 @@ from fuselight.options import Options
 from fuselight.passes import DEFAULT
 from fuselight.target import resolve
 
-VARIANTS = {"bf16 stream": DEFAULT,
-            "float32 stream": tuple(p for name in DEFAULT for p in
-                                    ((name, "residual_stream_fp32") if name == "accumulate_matmul_fp32" else (name,)))}
+VARIANTS = {"bf16 stream": DEFAULT, "float32 stream": (*DEFAULT, "residual_stream_fp32")}
 
 
 def main() -> None:

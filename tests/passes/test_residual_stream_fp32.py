@@ -154,7 +154,7 @@ def test_our_bf16_llama_is_closer_to_float64():
     rng = np.random.default_rng(11)
     prompt = rng.integers(0, cfg.vocab_size, 19)
     decode = [int(t) for t in rng.integers(0, cfg.vocab_size, 2)]
-    passes = {"bf16": DEFAULT, "fp32": ("residual_stream_fp32", *DEFAULT)}
+    passes = {"bf16": DEFAULT, "fp32": (*DEFAULT, "residual_stream_fp32")}
     from fuselight import kv_hooks
 
     kv_hooks.register()
