@@ -61,6 +61,8 @@ PASSES: dict[str, GraphPass] = {
         # Before accumulate_matmul_fp32, which rewrites the matmuls FuseAttention matches.
         GraphPass("fuse_attention", "before_fuse_transpose_matmul", FuseAttention),
         GraphPass("accumulate_matmul_fp32", "before_fuse_transpose_matmul", AccumulateMatmulFP32),
+        # Before the norm fusions (fuse_norm_gemv, add_rms_norm_kernels), which are to read its stream.
+        GraphPass("residual_stream_fp32", "before_fuse_transpose_matmul", ResidualStreamFP32),
         # After accumulate_matmul_fp32: the fused kernel accumulates as the matmul it replaces.
         GraphPass("fuse_gate_up_silu", "before_fuse_transpose_matmul", FuseGateUpSiLU, rules=("matmul", "gemv")),
         # Moves scales across R.matmul, which FuseTransposeMatmul lowers to TIR.
@@ -74,8 +76,6 @@ PASSES: dict[str, GraphPass] = {
         # Before add_rms_norm_kernels, which replaces the norm kernels this pass recognises.
         GraphPass("fuse_norm_gemv", "after_graph_passes", FuseNormIntoGemv, rules=("gemv",)),
         GraphPass("add_rms_norm_kernels", "after_graph_passes", AddRMSNormKernels, rules=("row_reduction",)),
-        # After the norm fusions: on a GPU it is to rewrite the kernels they make (see its docstring).
-        GraphPass("residual_stream_fp32", "after_graph_passes", ResidualStreamFP32),
         GraphPass("fusion_plan", "before_legalize", ApplyFusionPlan),
     ]
 }

@@ -3,7 +3,7 @@
 bfloat16 keeps 8 significant bits. A LLaMA adds two branch outputs to its residual stream per layer,
 and each sum rounded to bfloat16 adds an error of about 2^-9 of the stream, independent from the others:
 over Llama-3-8B's 64 additions they walk to about 1.4e-2 of the logits (relative to a float64
-forward), against 1e-2 wanted; every other activation rounding together gives about 5e-3
+forward), against 1e-2 wanted; every other activation rounding together gives about 3e-3
 (docs/experiments/bf16-accuracy.md, which measures each site). float16 (3 more bits) is 8x better and
 is left alone.
 
@@ -15,13 +15,12 @@ stream tensor entering the chain (the function's input embedding) is widened onc
 of a stream tensor (the last position's slice, a function output) reads it rounded back to the half
 dtype. Only bfloat16 streams change.
 
-Only on targets without fuselight's GPU rules: on a GPU, FuseAddRMSNorm, ``fuse_norm_gemv`` and
-``add_rms_norm_kernels`` fuse each add and norm into one kernel for a stream of the model dtype, and
-none of those kernels yet reads or writes a float32 stream (the plan for them is in the experiment
-log); a GPU target is returned unchanged. Runs in the ``after_graph_passes`` slot, after
-``add_rms_norm_kernels``: on the CPU the adds and norms are still plain ``R.add`` / ``R.nn.rms_norm``
-there (FuseAddRMSNorm and the norm fusions are GPU passes), and on a GPU that is where the fused
-kernels a float32 stream must reach exist.
+Only on targets without fuselight's GPU rules: on a GPU, FuseAddRMSNorm has already made each add and
+the norm after it one kernel of the model dtype when this pass runs, and ``fuse_norm_gemv`` and
+``add_rms_norm_kernels`` after it take only those; none of the kernels they lead to yet reads or
+writes a float32 stream (the plan is in the experiment log). A GPU target is returned unchanged. Runs
+in the ``before_fuse_transpose_matmul`` slot: on the CPU the adds and norms are plain ``R.add`` /
+``R.nn.rms_norm`` there.
 """
 
 from __future__ import annotations
