@@ -10,7 +10,7 @@ import pytest
 tvm = pytest.importorskip("tvm")
 import tvm_ffi  # noqa: E402
 from conftest import compare_with_reference, relative_error  # noqa: E402
-from fuselight import config  # noqa: E402
+from fuselight import config, kv_hooks  # noqa: E402
 from fuselight.compile import build  # noqa: E402
 from fuselight.model.llama import export_module  # noqa: E402
 from fuselight.model.weights import hf_config, random_weights  # noqa: E402
@@ -155,9 +155,7 @@ def test_our_bf16_llama_is_closer_to_float64():
     prompt = rng.integers(0, cfg.vocab_size, 19)
     decode = [int(t) for t in rng.integers(0, cfg.vocab_size, 2)]
     passes = {"bf16": DEFAULT, "fp32": (*DEFAULT, "residual_stream_fp32")}
-    from fuselight import kv_hooks
-
-    kv_hooks.register()
+    kv_hooks.register()  # the fuselight build calls them
     errors = {}
     for name, chosen in passes.items():
         vm = relax.VirtualMachine(build(cfg, resolve("llvm"), "fuselight", options=Options(passes=chosen)).executable,
