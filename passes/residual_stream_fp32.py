@@ -25,12 +25,19 @@ in the ``before_fuse_transpose_matmul`` slot: on the CPU the adds and norms are 
 
 from __future__ import annotations
 
+import dataclasses
+
 import tvm
 import tvm_ffi
-from tvm import relax
+from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 
+from ..computations import plain_add_rms_norm
+from ..contracts import OP_PATTERN_ATTR, OPAQUE_OP_PATTERN, RULE_ATTR
 from ..relax_rewrite import FunctionRewriter, module_with_unique_binding_names
+from ..rules.row_reduction import RowReduction
+from .add_rms_norm_kernels import add_rms_norm_eps
+from .weight_source import use_counts
 
 STREAM_DTYPES = ("bfloat16",)
 WIDE = "float32"
@@ -38,16 +45,25 @@ WIDE = "float32"
 
 @tvm.transform.module_pass(opt_level=0, name="ResidualStreamFP32")
 class ResidualStreamFP32:
-    """Add and normalise a bfloat16 residual stream in float32 (CPU targets; GPU targets unchanged)."""
+    """Add and normalise a bfloat16 residual stream in float32 (on GPUs: its prefill add+RMSNorm kernels)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         target = tvm.target.Target.current(allow_none=True)
         if target is not None and "gpu" in target.keys:
-            return mod
+            chains = {func: kernel_chain(mod, func, target) for func in mod.functions.values()
+                      if isinstance(func, relax.Function)}
+            return _KernelChains(mod, chains).transform() if any(chains.values()) else mod
         if not any(stream_adds(f) for f in mod.functions.values() if isinstance(f, relax.Function)):
             return mod
         # The builder names its new bindings ``lv`` again; the fusion plan names bindings by their vars.
         return module_with_unique_binding_names(_Rewriter(mod).transform())
+
+
+def _emit_as(builder: relax.BlockBuilder, var: relax.Var, value: relax.Expr) -> relax.Var:
+    """``value`` bound under ``var``'s name, a dataflow output where ``var`` is one."""
+    if isinstance(var, relax.DataflowVar):
+        return builder.emit(value, name_hint=var.name)
+    return builder.emit_output(value, name_hint=var.name)
 
 
 def _is(expr: relax.Expr, op: str) -> bool:
@@ -116,24 +132,99 @@ class _Rewriter(FunctionRewriter):
             total = self.builder_.emit(relax.op.add(self._wide(x), other))
             self.wide[binding.var] = total
             half = _half_tensor(binding.var)
-            self.set_var_remap(binding.var, self._emit_as(binding.var, relax.op.astype(total, half)))
+            self.set_var_remap(binding.var, _emit_as(self.builder_, binding.var, relax.op.astype(total, half)))
             return
         if _is(value, "relax.nn.rms_norm") and (value.args[0] in self.wide or self._stream(value.args[0])):
             x, weight = value.args
             half = _half_tensor(binding.var)
             normed = relax.op.nn.rms_norm(self._wide(x), relax.op.astype(self.visit_expr(weight), WIDE),
                                           axes=value.attrs.axes, epsilon=value.attrs.epsilon)
-            out = self._emit_as(binding.var, relax.op.astype(self.builder_.emit(normed), half))
+            out = _emit_as(self.builder_, binding.var, relax.op.astype(self.builder_.emit(normed), half))
             self.set_var_remap(binding.var, out)
             return
         super().visit_var_binding_(binding)
 
-    def _emit_as(self, var: relax.Var, value: relax.Expr) -> relax.Var:
-        """``value`` bound under ``var``'s name, a dataflow output where ``var`` is one."""
-        if isinstance(var, relax.DataflowVar):
-            return self.builder_.emit(value, name_hint=var.name)
-        return self.builder_.emit_output(value, name_hint=var.name)
-
     def _stream(self, x: relax.Expr) -> bool:
         """Whether ``x`` enters the stream: a residual add reads it as its stream operand."""
         return any(s is x or s.same_as(x) for s, _ in self.adds.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Link:
+    """One FuseAddRMSNorm kernel call of a chain: ``(normed, total) = kernel(x, r, w)``."""
+
+    kernel: tirx.PrimFunc  # the plain float32-stream function that replaces it
+    name: str
+    out_ty: list[relax.TensorType]
+
+
+def _symbolic_rows(expr: relax.Expr) -> bool:
+    ty = getattr(expr, "ty", None)
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return False
+    return not all(isinstance(d, tirx.IntImm) for d in ty.shape.values[:-1])
+
+
+def kernel_chain(mod: tvm.IRModule, func: relax.Function, target: tvm.target.Target) -> dict[relax.Var, _Link]:
+    """``{call binding var: _Link}`` for the FuseAddRMSNorm kernel calls of ``func`` over a bfloat16
+    stream with symbolic rows (prefill), when all of them can carry it in float32: each call's ``total``
+    read by nothing but the next call's ``x``, and ``RowReduction`` taking each float32-stream function;
+    else empty (the function keeps its kernels)."""
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    calls: dict[relax.Var, tuple[tirx.PrimFunc, float, relax.Expr]] = {}
+    totals: dict[relax.Var, relax.Var] = {}  # total var -> its call's var
+    for block in func.body.blocks:
+        for b in block.bindings:
+            v = b.value
+            if isinstance(v, relax.Call) and v.op == call_tir and len(v.args[1].fields) == 3:
+                kernel = mod[v.args[0]]
+                eps = add_rms_norm_eps(kernel) if isinstance(kernel, tirx.PrimFunc) else None
+                x = v.args[1].fields[0]
+                if eps is not None and _half_tensor(x) is not None and _symbolic_rows(x):
+                    calls[b.var] = (kernel, eps, x)
+            elif isinstance(v, relax.TupleGetItem) and v.tuple_value in calls and v.index == 1:
+                totals[b.var] = v.tuple_value
+    if not calls:
+        return {}
+    uses = use_counts(func)
+    streamed = {x for _, _, x in calls.values() if x in totals}
+    # A total read elsewhere (or twice) would need its own cast back: not proven worth it, so not done.
+    if any(uses.get(t, 0) != (1 if t in streamed else 0) for t in totals):
+        return {}
+    links = {}
+    for var, (kernel, eps, x) in calls.items():
+        x_dtype = WIDE if x in totals else _half_tensor(x)
+        plain = plain_add_rms_norm(kernel, eps, x_dtype, WIDE).without_attr("global_symbol")
+        if not RowReduction.takes(plain, target):
+            return {}
+        normed_ty, total_ty = var.ty.fields
+        links[var] = _Link(plain.with_attrs({RULE_ATTR: RowReduction.family, OP_PATTERN_ATTR: OPAQUE_OP_PATTERN}),
+                           f"fuse_add_norm_{x_dtype}_stream", [normed_ty, relax.TensorType(total_ty.shape, WIDE)])
+    return links
+
+
+@mutator
+class _KernelChains(FunctionRewriter):
+    """FuseAddRMSNorm's kernels of each prefill chain replaced by their float32-stream functions, tagged
+    for ``RowReduction`` (as ``add_rms_norm_kernels`` tags the bf16 ones)."""
+
+    def __init__(self, mod: tvm.IRModule, chains: dict[relax.Function, dict[relax.Var, _Link]]) -> None:
+        super().__init__(mod)
+        self.chains = chains
+        self.links: dict[relax.Var, _Link] = {}
+        self.kernels: dict[int, tvm.ir.GlobalVar] = {}  # by structural hash: one function per kind of link
+
+    def visit_function_(self, func: relax.Function) -> relax.Expr:
+        self.links = self.chains.get(func, {})
+        return super().visit_function_(func)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        link = self.links.get(binding.var)
+        if link is None:
+            super().visit_var_binding_(binding)
+            return
+        key = tvm_ffi.structural_hash(link.kernel)
+        if key not in self.kernels:
+            self.kernels[key] = self.builder_.add_func(link.kernel, link.name)
+        args = relax.Tuple([self.visit_expr(a) for a in binding.value.args[1].fields])
+        self.set_var_remap(binding.var, _emit_as(self.builder_, binding.var, relax.call_tir(self.kernels[key], args, link.out_ty)))

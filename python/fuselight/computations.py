@@ -261,10 +261,23 @@ def _spliced(params: list[relax.Var], body: Callable[[relax.BlockBuilder], relax
 
 
 
-def plain_add_rms_norm(func: tirx.PrimFunc, eps: float) -> tirx.PrimFunc:
-    """``(x, r, w) -> (rms_norm(x + r, w), x + r)`` as TOPI writes it, over ``func``'s parameter shapes."""
+def plain_add_rms_norm(func: tirx.PrimFunc, eps: float, x_dtype: str | None = None,
+                       stream_dtype: str | None = None) -> tirx.PrimFunc:
+    """``(x, r, w) -> (rms_norm(x + r, w), x + r)`` as TOPI writes it, over ``func``'s parameter shapes.
+
+    ``stream_dtype``: the sum (a residual stream, written out) and the norm computed in it, ``x`` read in
+    ``x_dtype`` (default: its parameter's) and ``r`` and ``w`` widened to it, the normed rows rounded once
+    to ``r``'s dtype."""
     x, r, w = func.params[:3]
-    xs, rs, ws = (te.placeholder(b.shape, str(b.dtype), b.name) for b in (x, r, w))
-    total = topi.add(xs, rs)
-    norm = topi.nn.rms_norm(total, ws, [len(x.shape) - 1], eps)
+    xs = te.placeholder(x.shape, x_dtype or str(x.dtype), x.name)
+    rs, ws = (te.placeholder(b.shape, str(b.dtype), b.name) for b in (r, w))
+    axes = [len(x.shape) - 1]
+    if stream_dtype is None:
+        total = topi.add(xs, rs)
+        norm = topi.nn.rms_norm(total, ws, axes, eps)
+    else:
+        total = te.compute(xs.shape, lambda *i: xs(*i).astype(stream_dtype) + rs(*i).astype(stream_dtype), name="T_add")
+        weight = te.compute(ws.shape, lambda c: ws[c].astype(stream_dtype), name="T_weight")
+        wide = topi.nn.rms_norm(total, weight, axes, eps)
+        norm = te.compute(wide.shape, lambda *i: wide(*i).astype(str(r.dtype)), name="T_normed")
     return te.create_prim_func([xs, rs, ws, norm, total]).with_attr("tirx.noalias", True)

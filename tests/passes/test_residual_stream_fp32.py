@@ -1,5 +1,6 @@
-"""ResidualStreamFP32: a bfloat16 residual stream added and normalised in float32 on CPU targets; the numbers
-against float64 (a hand-built stream and our LLaMA), what it leaves alone (float16, GPU targets, broadcasts)."""
+"""ResidualStreamFP32: a bfloat16 residual stream added and normalised in float32 on CPU targets, and on sm_90
+through prefill's add+RMSNorm kernels; the numbers against float64 (a hand-built stream, our LLaMA, the
+float32-stream add+RMSNorm function), what it leaves alone (float16, decode on GPUs, broadcasts)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,21 @@ tvm = pytest.importorskip("tvm")
 import tvm_ffi  # noqa: E402
 from conftest import compare_with_reference, relative_error  # noqa: E402
 from fuselight import config, kv_hooks  # noqa: E402
+from fuselight import pipeline as pl  # noqa: E402
 from fuselight.compile import build  # noqa: E402
+from fuselight.computations import plain_add_rms_norm  # noqa: E402
+from fuselight.contracts import RULE_ATTR  # noqa: E402
 from fuselight.model.llama import export_module  # noqa: E402
 from fuselight.model.weights import hf_config, random_weights  # noqa: E402
 from fuselight.options import Options  # noqa: E402
 from fuselight.passes import DEFAULT, ResidualStreamFP32  # noqa: E402
+from fuselight.passes.add_rms_norm_kernels import add_rms_norm_eps  # noqa: E402
 from fuselight.passes.residual_stream_fp32 import stream_adds  # noqa: E402
 from fuselight.target import resolve, to_tvm  # noqa: E402
-from tvm import relax  # noqa: E402
+from tvm import relax, te, topi  # noqa: E402
 
 LLVM = to_tvm(resolve("llvm"))
+SM90 = to_tvm(resolve("cuda", "sm_90"))
 EPS = 1e-5
 # Rows, hidden (odd: no vector width divides it), residual additions.
 ROWS, HIDDEN, ADDS = 3, 97, 48
@@ -114,11 +120,12 @@ def test_a_long_bf16_stream_is_closer_to_float64():
     assert relative_error(after, before) < 2e-2
 
 
-def test_float16_gpu_targets_and_broadcasts_are_left_alone():
+def test_float16_plain_ops_on_a_gpu_and_broadcasts_are_left_alone():
     fp16 = _stream_module("float16", adds=3)
     assert tvm_ffi.structural_equal(_rewrite(fp16), fp16)
     bf16 = _stream_module("bfloat16", adds=3)
-    assert tvm_ffi.structural_equal(_rewrite(bf16, to_tvm(resolve("cuda", "sm_90"))), bf16)
+    # on a GPU only FuseAddRMSNorm's kernels change (below), not plain adds and norms
+    assert tvm_ffi.structural_equal(_rewrite(bf16, SM90), bf16)
     # h + row: not a residual add (the branch is no tensor of the stream's shape)
     bcast = _stream_module("bfloat16", adds=3, broadcast=True)
     assert stream_adds(bcast["main"]) == {}
@@ -164,3 +171,68 @@ def test_our_bf16_llama_is_closer_to_float64():
                                               prefill_chunk_size=32)
     assert max(errors["fp32"]) < 4e-3, errors
     assert all(a < 0.75 * b for a, b in zip(errors["fp32"], errors["bf16"])), errors
+
+
+# ---- GPU targets: the prefill add+RMSNorm kernels ------------------------------------------------------
+
+
+def _around_the_pass(scheme: str) -> tuple[tvm.IRModule, tvm.IRModule]:
+    """A 2-layer LLaMA at hidden 1024 (FuseAddRMSNorm applies) for sm_90, just before and after the pass."""
+    raw = {**hf_config(config.load("tiny-llama")), "hidden_size": 1024, "intermediate_size": 2816,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 2000}
+    mod, _ = export_module(config.from_dict(raw, name="stream-gpu").with_quantization(scheme), SM90)
+    with SM90:
+        for stage in pl.stages(SM90, use_mlc=False, graph_passes=[*DEFAULT, "residual_stream_fp32"],
+                               rules=pl.fuselight_rules()):
+            if stage.name == "residual_stream_fp32":
+                return mod, stage.pass_(mod)
+            mod = stage.pass_(mod)
+    raise AssertionError("the pipeline has no residual_stream_fp32 stage")
+
+
+def _called(mod: tvm.IRModule, fn: str) -> list[tvm.tirx.PrimFunc]:
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    found: list = []
+    relax.analysis.post_order_visit(
+        mod[fn], lambda e: found.append(mod[e.args[0]]) if isinstance(e, relax.Call) and e.op == call_tir else None)
+    return found
+
+
+def test_prefill_carries_a_float32_stream_through_its_norm_kernels_on_sm90():
+    before, after = _around_the_pass("q4bf16_1")
+    # (x, total) dtypes of each add+RMSNorm: the embedding enters in bf16, the stream is float32 after
+    links = [(str(f.params[0].dtype), str(f.params[4].dtype)) for f in _called(after, "prefill")
+             if (f.attrs or {}).get(RULE_ATTR) == "row_reduction"]
+    assert links == [("bfloat16", "float32")] + [("float32", "float32")] * 3
+    assert not [f for f in _called(after, "prefill") if add_rms_norm_eps(f) is not None]  # none left to FuseAddRMSNorm
+    assert len(_called(after, "prefill")) == len(_called(before, "prefill"))
+    # decode's norms go into its GEMVs (fuse_norm_gemv, bf16 only so far): untouched
+    for fn in ("decode", "decode_attend", "decode_greedy"):
+        assert tvm_ffi.structural_equal(after[fn], before[fn]), fn
+
+
+def test_float16_prefill_keeps_its_kernels_on_sm90():
+    before, after = _around_the_pass("q4f16_1")
+    assert tvm_ffi.structural_equal(after, before)
+
+
+@pytest.mark.parametrize("x_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_the_float32_stream_function_against_float64(x_dtype, rows):
+    n = tvm.tirx.Var("n", "int64")
+    x, r = (te.placeholder((n, HIDDEN), "bfloat16", name) for name in ("x", "r"))
+    w = te.placeholder((HIDDEN,), "bfloat16", "w")
+    base = te.create_prim_func([x, r, w, topi.add(x, r)])
+    func = plain_add_rms_norm(base, EPS, x_dtype, "float32")
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=LLVM)
+    rng = np.random.default_rng(rows)
+    xs = rng.standard_normal((rows, HIDDEN)).astype(ml_dtypes.bfloat16 if x_dtype == "bfloat16" else np.float32)
+    rs = (0.2 * rng.standard_normal((rows, HIDDEN))).astype(ml_dtypes.bfloat16)
+    ws = (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(ml_dtypes.bfloat16)
+    normed = tvm.runtime.empty((rows, HIDDEN), "bfloat16", tvm.cpu())
+    total = tvm.runtime.empty((rows, HIDDEN), "float32", tvm.cpu())
+    lib(*(tvm.runtime.tensor(a) for a in (xs, rs, ws)), normed, total)
+    t64 = xs.astype(np.float64) + rs.astype(np.float64)
+    n64 = t64 / np.sqrt(np.mean(t64 * t64, axis=-1, keepdims=True) + EPS) * ws.astype(np.float64)
+    assert relative_error(total.numpy(), t64) < 1e-7  # the sum of two bf16 values, in float32
+    assert relative_error(normed.numpy().astype(np.float64), n64) < 2e-3  # one bf16 rounding
