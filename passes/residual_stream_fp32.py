@@ -7,7 +7,7 @@ forward), against 1e-2 wanted; every other activation rounding together gives ab
 (docs/experiments/bf16-accuracy.md, which measures each site). float16 (3 more bits) is 8x better and
 is left alone.
 
-The stream: a half tensor ``x`` that an ``R.nn.rms_norm`` reads and an ``R.add`` of the same shape and
+On a CPU target, the stream: a half tensor ``x`` that an ``R.nn.rms_norm`` reads and an ``R.add`` of the same shape and
 dtype adds to (the other operand is the branch), then that add's result, and so on down the chain.
 Each such add becomes ``add(x32, astype(branch, "float32"))``; each norm of a stream tensor becomes
 ``astype(rms_norm(x32, astype(w, "float32")), half)``, so the matmuls still read the model dtype; a
@@ -15,12 +15,17 @@ stream tensor entering the chain (the function's input embedding) is widened onc
 of a stream tensor (the last position's slice, a function output) reads it rounded back to the half
 dtype. Only bfloat16 streams change.
 
-Only on targets without fuselight's GPU rules: on a GPU, FuseAddRMSNorm has already made each add and
-the norm after it one kernel of the model dtype when this pass runs, and ``fuse_norm_gemv`` and
-``add_rms_norm_kernels`` after it take only those; none of the kernels they lead to yet reads or
-writes a float32 stream (the plan is in the experiment log). A GPU target is returned unchanged. Runs
-in the ``before_fuse_transpose_matmul`` slot: on the CPU the adds and norms are plain ``R.add`` /
-``R.nn.rms_norm`` there.
+On a GPU target, FuseAddRMSNorm has already made each add and the norm after it one scheduled kernel
+``(x, r, w) -> (normed, x + r)`` of the model dtype when this pass runs (the CPU has no such pass).
+There, each chain of those kernels over symbolic rows (prefill: the ``x + r`` of one is the next one's
+``x``, and read by nothing else) becomes plain float32-stream functions
+(``computations.plain_add_rms_norm``: ``x`` in float32 but the first, the embedding, in bf16; ``r`` and
+``w`` widened; ``x + r`` written in float32; the norm rounded once to bf16), tagged for
+``RowReduction`` as ``add_rms_norm_kernels`` tags the bf16 ones; only where that rule takes every link,
+else the function keeps its kernels. Static rows (decode) are left alone: ``fuse_norm_gemv`` puts
+their norms into the GEMVs, whose templates take a stream of the model dtype only (the plan is in the
+experiment log). Runs in the ``before_fuse_transpose_matmul`` slot: after FuseAddRMSNorm, before
+``fuse_norm_gemv`` and ``add_rms_norm_kernels``.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ WIDE = "float32"
 
 @tvm.transform.module_pass(opt_level=0, name="ResidualStreamFP32")
 class ResidualStreamFP32:
-    """Add and normalise a bfloat16 residual stream in float32 (on GPUs: its prefill add+RMSNorm kernels)."""
+    """Add and normalise a bfloat16 residual stream in float32 (on a GPU: through prefill's add+RMSNorm kernels)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         target = tvm.target.Target.current(allow_none=True)
