@@ -7,7 +7,8 @@ against float64, next to the same kernel for the bf16 stream ``(x, r, w bf16) ->
   run (GPU host, runtime-only TVM, torch):
       python3 bench/probes/f32_stream_add_norm.py run .build/f32_stream
 
-Rows symbolic, hidden 4096 (Llama-3-8B), eps 1e-5; run at 1, 7 and 1024 rows. Prints, per stream dtype and
+The functions are the pipeline's (``computations.plain_add_rms_norm``). Rows symbolic, hidden 4096
+(Llama-3-8B), eps 1e-5; run at 1, 7 and 1024 rows. Prints, per stream dtype and
 row count, the relative error of ``normed`` and of the written stream against float64 of the same inputs.
 """
 
@@ -25,27 +26,24 @@ def build(out: Path) -> None:
     import tvm
     from tvm import te, tirx, topi
 
+    from fuselight.computations import plain_add_rms_norm
     from fuselight.rules.row_reduction import RowReduction
     from fuselight.target import resolve, to_tvm
 
     target = to_tvm(resolve("cuda", "sm_90"))
     out.mkdir(parents=True, exist_ok=True)
+    n = tirx.Var("n", "int64")
+    x, r = (te.placeholder((n, HIDDEN), "bfloat16", name) for name in ("x", "r"))
+    w = te.placeholder((HIDDEN,), "bfloat16", "w")
+    shapes = te.create_prim_func([x, r, w, topi.add(x, r)])  # the parameters' shapes and dtypes
     funcs = {}
     for stream in STREAMS:
-        n = tirx.Var("n", "int64")
-        x = te.placeholder((n, HIDDEN), stream, "x")
-        r = te.placeholder((n, HIDDEN), "bfloat16", "r")
-        w = te.placeholder((HIDDEN,), "bfloat16", "w")
-        # What the plan's pass is to write (step 2): the add and the norm in the stream dtype, one cast out.
-        total = te.compute(x.shape, lambda i, j: x[i, j] + r[i, j].astype(stream), name="total")
-        weight = te.compute(w.shape, lambda j: w[j].astype(stream), name="weight")
-        norm = topi.nn.rms_norm(total, weight, [1], EPS)
-        normed = te.compute(norm.shape, lambda i, j: norm[i, j].astype("bfloat16"), name="normed")
-        func = te.create_prim_func([x, r, w, normed, total])
+        # As the pipeline writes them: add_rms_norm_kernels for bf16, residual_stream_fp32 for float32.
+        func = plain_add_rms_norm(shapes, EPS, *((stream, stream) if stream == "float32" else ()))
         if not RowReduction.takes(func, target):
             raise SystemExit(f"RowReduction does not take the {stream} stream")
+        name = f"add_norm_{stream}"
         with target:
-            name = f"add_norm_{stream}"
             funcs[name] = RowReduction().apply(func, target, False).mod["main"].with_attr("global_symbol", name)
     lib = tvm.compile(tvm.IRModule(funcs), target=target)
     lib.export_library(str(out / "add_norm.so"))
