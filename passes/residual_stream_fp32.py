@@ -55,7 +55,7 @@ class ResidualStreamFP32:
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         target = tvm.target.Target.current(allow_none=True)
         if target is not None and "gpu" in target.keys:
-            chains = {func: kernel_chain(mod, func, target) for func in mod.functions.values()
+            chains = {func: _kernel_chain(mod, func, target) for func in mod.functions.values()
                       if isinstance(func, relax.Function)}
             return _KernelChains(mod, chains).transform() if any(chains.values()) else mod
         if not any(stream_adds(f) for f in mod.functions.values() if isinstance(f, relax.Function)):
@@ -164,13 +164,14 @@ class _Link:
 
 
 def _symbolic_rows(expr: relax.Expr) -> bool:
+    """Whether tensor ``expr``'s rows (all but its last dimension) are not all static: prefill's."""
     ty = getattr(expr, "ty", None)
     if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
         return False
     return not all(isinstance(d, tirx.IntImm) for d in ty.shape.values[:-1])
 
 
-def kernel_chain(mod: tvm.IRModule, func: relax.Function, target: tvm.target.Target) -> dict[relax.Var, _Link]:
+def _kernel_chain(mod: tvm.IRModule, func: relax.Function, target: tvm.target.Target) -> dict[relax.Var, _Link]:
     """``{call binding var: _Link}`` for the FuseAddRMSNorm kernel calls of ``func`` over a bfloat16
     stream with symbolic rows (prefill), when all of them can carry it in float32: each call's ``total``
     read by nothing but the next call's ``x``, and ``RowReduction`` taking each float32-stream function;
