@@ -17,15 +17,16 @@ dtype. Only bfloat16 streams change.
 
 On a GPU target, FuseAddRMSNorm has already made each add and the norm after it one scheduled kernel
 ``(x, r, w) -> (normed, x + r)`` of the model dtype when this pass runs (the CPU has no such pass).
-There, each chain of those kernels over symbolic rows (prefill: the ``x + r`` of one is the next one's
-``x``, and read by nothing else) becomes plain float32-stream functions
-(``computations.plain_add_rms_norm``: ``x`` in float32 but the first, the embedding, in bf16; ``r`` and
-``w`` widened; ``x + r`` written in float32; the norm rounded once to bf16), tagged for
-``RowReduction`` as ``add_rms_norm_kernels`` tags the bf16 ones; only where that rule takes every link,
-else the function keeps its kernels. Static rows (decode) are left alone: ``fuse_norm_gemv`` puts
-their norms into the GEMVs, whose templates take a stream of the model dtype only (the plan is in the
-experiment log). Runs in the ``before_fuse_transpose_matmul`` slot: after FuseAddRMSNorm, before
-``fuse_norm_gemv`` and ``add_rms_norm_kernels``.
+There, each chain of those kernels (the ``x + r`` of one is the next one's ``x``, and read by nothing
+else) becomes plain float32-stream functions (``computations.plain_add_rms_norm``: ``x`` in float32 but
+the first, the embedding, in bf16; ``r`` and ``w`` widened; ``x + r`` written in float32; the norm
+rounded once to bf16), tagged for ``RowReduction`` as ``add_rms_norm_kernels`` tags the bf16 ones; only
+where that rule takes every link, else the function keeps its kernels. In decode (static rows)
+``fuse_norm_gemv`` then puts each link into the GEMV that reads its norm
+(``computations.fused_norm_matmul`` with the stream dtype; ``stream_add_rms_norm_eps`` recognises the
+links) where the Gemv rule takes that function; a link it does not fuse stays a RowReduction kernel.
+Runs in the ``before_fuse_transpose_matmul`` slot: after FuseAddRMSNorm, before ``fuse_norm_gemv`` and
+``add_rms_norm_kernels``.
 """
 
 from __future__ import annotations
@@ -163,17 +164,29 @@ class _Link:
     out_ty: list[relax.TensorType]
 
 
-def _symbolic_rows(expr: relax.Expr) -> bool:
-    """Whether tensor ``expr``'s rows (all but its last dimension) are not all static: prefill's."""
-    ty = getattr(expr, "ty", None)
-    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
-        return False
-    return not all(isinstance(d, tirx.IntImm) for d in ty.shape.values[:-1])
+def stream_add_rms_norm_eps(func: tirx.PrimFunc) -> float | None:
+    """``eps`` where ``func`` is a float32-stream add+RMSNorm link this pass writes
+    (``plain_add_rms_norm(.., x_dtype, "float32")``, recognised by what it computes), else None."""
+    if len(func.params) != 5 or str(func.params[4].dtype) != WIDE or str(func.params[1].dtype) not in STREAM_DTYPES:
+        return None
+    found: list[float] = []
+
+    def visit(node: object) -> None:
+        if isinstance(node, tvm.ir.Call) and node.op.name == "tirx.rsqrt" and isinstance(node.args[0], tirx.Add) \
+                and isinstance(node.args[0].b, tirx.FloatImm):
+            found.append(float(node.args[0].b.value))
+
+    tirx.stmt_functor.post_order_visit(func.body, visit)
+    if len(found) != 1:
+        return None
+    ref = plain_add_rms_norm(func, found[0], str(func.params[0].dtype), WIDE)
+    same = tvm_ffi.structural_equal(tirx.PrimFunc(func.params, func.body), tirx.PrimFunc(ref.params, ref.body))
+    return found[0] if same else None
 
 
 def _kernel_chain(mod: tvm.IRModule, func: relax.Function, target: tvm.target.Target) -> dict[relax.Var, _Link]:
     """``{call binding var: _Link}`` for the FuseAddRMSNorm kernel calls of ``func`` over a bfloat16
-    stream with symbolic rows (prefill), when all of them can carry it in float32: each call's ``total``
+    stream (prefill's symbolic rows, decode's static ones), when all of them can carry it in float32: each call's ``total``
     read by nothing but the next call's ``x``, and ``RowReduction`` taking each float32-stream function;
     else empty (the function keeps its kernels)."""
     call_tir = tvm.ir.Op.get("relax.call_tir")
@@ -186,7 +199,7 @@ def _kernel_chain(mod: tvm.IRModule, func: relax.Function, target: tvm.target.Ta
                 kernel = mod[v.args[0]]
                 eps = add_rms_norm_eps(kernel) if isinstance(kernel, tirx.PrimFunc) else None
                 x = v.args[1].fields[0]
-                if eps is not None and _half_tensor(x) is not None and _symbolic_rows(x):
+                if eps is not None and _half_tensor(x) is not None:
                     calls[b.var] = (kernel, eps, x)
             elif isinstance(v, relax.TupleGetItem) and v.tuple_value in calls and v.index == 1:
                 totals[b.var] = v.tuple_value

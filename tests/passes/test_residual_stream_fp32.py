@@ -1,6 +1,7 @@
 """ResidualStreamFP32: a bfloat16 residual stream added and normalised in float32 on CPU targets, and on sm_90
-through prefill's add+RMSNorm kernels; the numbers against float64 (a hand-built stream, our LLaMA, the
-float32-stream add+RMSNorm function), what it leaves alone (float16, decode on GPUs, broadcasts)."""
+through prefill's add+RMSNorm kernels and decode's norm-GEMVs (with FuseNormIntoGemv); the numbers against
+float64 (a hand-built stream, our LLaMA, the float32-stream add+RMSNorm function, a decode chain of fused
+norm-GEMVs run on llvm), what it leaves alone (float16, plain ops on GPUs, broadcasts)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from fuselight.options import Options  # noqa: E402
 from fuselight.passes import DEFAULT, ResidualStreamFP32  # noqa: E402
 from fuselight.passes.add_rms_norm_kernels import add_rms_norm_eps  # noqa: E402
 from fuselight.passes.residual_stream_fp32 import stream_adds  # noqa: E402
+from fuselight.rules.gemm.analysis import analyze_matmul  # noqa: E402
 from fuselight.target import resolve, to_tvm  # noqa: E402
 from tvm import relax, te, topi  # noqa: E402
 
@@ -206,9 +208,10 @@ def test_prefill_carries_a_float32_stream_through_its_norm_kernels_on_sm90():
     assert links == [("bfloat16", "float32")] + [("float32", "float32")] * 3
     assert not [f for f in _called(after, "prefill") if add_rms_norm_eps(f) is not None]  # none left to FuseAddRMSNorm
     assert len(_called(after, "prefill")) == len(_called(before, "prefill"))
-    # decode's norms go into its GEMVs (fuse_norm_gemv, bf16 only so far): untouched
-    for fn in ("decode", "decode_attend", "decode_greedy"):
-        assert tvm_ffi.structural_equal(after[fn], before[fn]), fn
+    # decode's links too (then fused into the GEMVs: below)
+    links = [(str(f.params[0].dtype), str(f.params[4].dtype)) for f in _called(after, "decode")
+             if (f.attrs or {}).get(RULE_ATTR) == "row_reduction"]
+    assert links == [("bfloat16", "float32")] + [("float32", "float32")] * 3
 
 
 def test_float16_prefill_keeps_its_kernels_on_sm90():
@@ -236,3 +239,94 @@ def test_the_float32_stream_function_against_float64(x_dtype, rows):
     n64 = t64 / np.sqrt(np.mean(t64 * t64, axis=-1, keepdims=True) + EPS) * ws.astype(np.float64)
     assert relative_error(total.numpy(), t64) < 1e-7  # the sum of two bf16 values, in float32
     assert relative_error(normed.numpy().astype(np.float64), n64) < 2e-3  # one bf16 rounding
+
+
+# ---- GPU targets: decode, the add+RMSNorm in the GEMV's norm prologue ----------------------------------
+
+# A decode step's stream: a row of hidden 1024 (FuseAddRMSNorm applies on cuda), GEMV branches.
+DECODE_HIDDEN, DECODE_ADDS = 1024, 24
+
+
+def _decode_chain() -> tvm.IRModule:
+    """``main(x, w_0, W_0, ...)``: ``DECODE_ADDS`` times ``h = h + rms_norm(h, w_i) @ W_i^T`` on one bf16
+    row, then ``rms_norm(h, w) @ W^T`` (the LM head), as a decode step lays them out."""
+    ty = lambda *shape: relax.TensorType(list(shape), "bfloat16")  # noqa: E731
+    x = relax.Var("x", ty(1, 1, DECODE_HIDDEN))
+    params = [x]
+    for i in range(DECODE_ADDS + 1):
+        params += [relax.Var(f"w{i}", ty(DECODE_HIDDEN)), relax.Var(f"W{i}", ty(DECODE_HIDDEN, DECODE_HIDDEN))]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            h = x
+            for i in range(DECODE_ADDS + 1):
+                normed = bb.emit(relax.op.nn.rms_norm(h, params[1 + 2 * i], axes=[-1], epsilon=EPS))
+                y = bb.emit(relax.op.matmul(normed, bb.emit(relax.op.permute_dims(params[2 + 2 * i]))))
+                h = bb.emit(relax.op.add(h, y)) if i < DECODE_ADDS else y
+            out = bb.emit_output(h)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _decode_inputs(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    bf16 = ml_dtypes.bfloat16
+    out = [rng.standard_normal((1, 1, DECODE_HIDDEN)).astype(bf16)]
+    for _ in range(DECODE_ADDS + 1):
+        # Branches at 1/sqrt(2 adds) of the stream (as our model's weight init).
+        scale = 1 / np.sqrt(DECODE_HIDDEN * 2 * DECODE_ADDS)
+        out += [(1 + 0.1 * rng.standard_normal(DECODE_HIDDEN)).astype(bf16),
+                (scale * rng.standard_normal((DECODE_HIDDEN, DECODE_HIDDEN))).astype(bf16)]
+    return out
+
+
+def _decode_reference(x: np.ndarray, *weights: np.ndarray) -> np.ndarray:
+    h = x.astype(np.float64)
+    for i in range(DECODE_ADDS + 1):
+        w, big = weights[2 * i].astype(np.float64), weights[2 * i + 1].astype(np.float64)
+        y = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + EPS) * w @ big.T
+        h = h + y if i < DECODE_ADDS else y
+    return h
+
+
+@pytest.fixture(scope="module")
+def decode_modules() -> dict[str, tvm.IRModule]:
+    """``_decode_chain`` through sm_90's graph passes, then FuseNormIntoGemv: without and with the pass."""
+    from fuselight.baseline.fuse_add_rms_norm import FuseAddRMSNorm
+    from fuselight.baseline.fuse_transpose_matmul import FuseTransposeMatmul
+    from fuselight.passes import AccumulateMatmulFP32, FuseNormIntoGemv
+
+    out = {}
+    with SM90:
+        mod = FuseTransposeMatmul()(AccumulateMatmulFP32()(FuseAddRMSNorm(SM90)(_decode_chain())))
+        out["bf16"] = FuseNormIntoGemv()(mod)
+        out["fp32"] = FuseNormIntoGemv()(ResidualStreamFP32()(mod))
+    # (the replaced FuseAddRMSNorm kernels, scheduled for the GPU, go)
+    return {name: relax.transform.DeadCodeElimination(["main"])(m) for name, m in out.items()}
+
+
+def test_decode_carries_a_float32_stream_through_its_norm_gemvs_on_sm90(decode_modules):
+    for name, mod in decode_modules.items():
+        called = _called(mod, "main")
+        # every norm (the first alone, then each add+norm) went into its GEMV, for the Gemv rule
+        assert len(called) == DECODE_ADDS + 1 and all(f.attrs[RULE_ATTR] == "gemv" for f in called), name
+        stream = "float32" if name == "fp32" else "bfloat16"
+        # (x, total) of each add+norm GEMV: the first x is the bf16 row, the stream float32 after
+        links = [(str(f.params[0].dtype), str(f.params[-1].dtype)) for f in called[1:]]
+        assert links == [("bfloat16", stream)] + [(stream, stream)] * (DECODE_ADDS - 1), name
+        # the rule analyses each with its prologue's stream
+        pro = [analyze_matmul(f, prologue=True).operands.prologue for f in called]
+        assert [p.stream_dtype for p in pro[2:]] == [stream] * (DECODE_ADDS - 1)
+
+
+def test_decode_float32_stream_against_float64_on_llvm(decode_modules):
+    # The fused functions are plain TIR (the Gemv rule schedules them in phase 4): llvm runs them.
+    inputs = _decode_inputs(seed=5)
+    ref = _decode_reference(*inputs)
+    got = {name: _run(mod, inputs) for name, mod in decode_modules.items()}
+    err = {name: relative_error(g, ref) for name, g in got.items()}
+    assert np.abs(ref).mean() > 0.1
+    # float32 stream: the roundings of the normed rows and the branches; bf16: 24 more of the sum
+    assert err["fp32"] < 4e-3 and err["bf16"] > 2 * err["fp32"], err
+    assert relative_error(got["fp32"], got["bf16"]) < 2e-2
+
