@@ -61,8 +61,9 @@ PASSES: dict[str, GraphPass] = {
         # Before accumulate_matmul_fp32, which rewrites the matmuls FuseAttention matches.
         GraphPass("fuse_attention", "before_fuse_transpose_matmul", FuseAttention),
         GraphPass("accumulate_matmul_fp32", "before_fuse_transpose_matmul", AccumulateMatmulFP32),
-        # Before the norm fusions (fuse_norm_gemv, add_rms_norm_kernels), which are to read its stream.
-        GraphPass("residual_stream_fp32", "before_fuse_transpose_matmul", ResidualStreamFP32),
+        # Before the norm fusions (fuse_norm_gemv, add_rms_norm_kernels), which read its stream; on GPUs its
+        # add+RMSNorm functions are RowReduction's where fuse_norm_gemv leaves them.
+        GraphPass("residual_stream_fp32", "before_fuse_transpose_matmul", ResidualStreamFP32, rules=("row_reduction",)),
         # After accumulate_matmul_fp32: the fused kernel accumulates as the matmul it replaces.
         GraphPass("fuse_gate_up_silu", "before_fuse_transpose_matmul", FuseGateUpSiLU, rules=("matmul", "gemv")),
         # Moves scales across R.matmul, which FuseTransposeMatmul lowers to TIR.
@@ -83,7 +84,8 @@ PASSES: dict[str, GraphPass] = {
 
 # The passes the fuselight pipeline runs by default, in order.
 DEFAULT: tuple[str, ...] = (
-    "fuse_attention", "accumulate_matmul_fp32", "fuse_gate_up_silu", "property_rewrite", "paged_attention",
+    "fuse_attention", "accumulate_matmul_fp32", "residual_stream_fp32", "fuse_gate_up_silu", "property_rewrite",
+    "paged_attention",
     "fuse_rope_append", "fuse_norm_gemv", "add_rms_norm_kernels", "fusion_plan",
 )  # fmt: skip
 

@@ -26,7 +26,7 @@ from fuselight.options import Options
 from fuselight.passes import DEFAULT
 from fuselight.target import resolve
 
-VARIANTS = {"bf16 stream": DEFAULT, "float32 stream": (*DEFAULT, "residual_stream_fp32")}
+VARIANTS = {"bf16 stream": tuple(p for p in DEFAULT if p != "residual_stream_fp32"), "float32 stream": DEFAULT}
 
 
 def main() -> None:
