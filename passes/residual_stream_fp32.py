@@ -17,8 +17,9 @@ dtype. Only bfloat16 streams change.
 
 On a GPU target, FuseAddRMSNorm has already made each add and the norm after it one scheduled kernel
 ``(x, r, w) -> (normed, x + r)`` of the model dtype when this pass runs (the CPU has no such pass).
-There, each chain of those kernels (the ``x + r`` of one is the next one's ``x``, and read by nothing
-else) becomes plain float32-stream functions (``computations.plain_add_rms_norm``: ``x`` in float32 but
+There, each chain of those kernels (the ``x + r`` of one is the next one's ``x``; any other reader of
+an ``x + r``, such as ``decode_attend``'s last residual add, reads it rounded back to bf16) becomes
+plain float32-stream functions (``computations.plain_add_rms_norm``: ``x`` in float32 but
 the first, the embedding, in bf16; ``r`` and ``w`` widened; ``x + r`` written in float32; the norm
 rounded once to bf16), tagged for ``RowReduction`` as ``add_rms_norm_kernels`` tags the bf16 ones; only
 where that rule takes every link, else the function keeps its kernels. In decode (static rows)
@@ -58,7 +59,7 @@ class ResidualStreamFP32:
         if target is not None and "gpu" in target.keys:
             chains = {func: _kernel_chain(mod, func, target) for func in mod.functions.values()
                       if isinstance(func, relax.Function)}
-            return _KernelChains(mod, chains).transform() if any(chains.values()) else mod
+            return _KernelChains(mod, chains).transform() if any(c.links for c in chains.values()) else mod
         if not any(stream_adds(f) for f in mod.functions.values() if isinstance(f, relax.Function)):
             return mod
         # The builder names its new bindings ``lv`` again; the fusion plan names bindings by their vars.
@@ -184,11 +185,20 @@ def stream_add_rms_norm_eps(func: tirx.PrimFunc) -> float | None:
     return found[0] if same else None
 
 
-def _kernel_chain(mod: tvm.IRModule, func: relax.Function, target: tvm.target.Target) -> dict[relax.Var, _Link]:
-    """``{call binding var: _Link}`` for the FuseAddRMSNorm kernel calls of ``func`` over a bfloat16
-    stream (prefill's symbolic rows, decode's static ones), when all of them can carry it in float32: each call's ``total``
-    read by nothing but the next call's ``x``, and ``RowReduction`` taking each float32-stream function;
-    else empty (the function keeps its kernels)."""
+@dataclasses.dataclass(frozen=True)
+class _Chain:
+    """The links of one function's stream, and the totals something other than the next link reads."""
+
+    links: dict[relax.Var, _Link]  # by the kernel call's binding var
+    narrowed: frozenset[relax.Var] = frozenset()  # read elsewhere as before, rounded back to bf16
+
+
+def _kernel_chain(mod: tvm.IRModule, func: relax.Function, target: tvm.target.Target) -> _Chain:
+    """The FuseAddRMSNorm kernel calls of ``func`` over a bfloat16 stream (prefill's symbolic rows,
+    decode's static ones), when ``RowReduction`` takes each one's float32-stream function; else no
+    links (the function keeps its kernels). A total the next call reads as its ``x`` stays float32;
+    any other reader (``decode_attend``'s last residual add, a returned hidden state) reads it rounded
+    to bf16, as it did."""
     call_tir = tvm.ir.Op.get("relax.call_tir")
     calls: dict[relax.Var, tuple[tirx.PrimFunc, float, relax.Expr]] = {}
     totals: dict[relax.Var, relax.Var] = {}  # total var -> its call's var
@@ -204,46 +214,52 @@ def _kernel_chain(mod: tvm.IRModule, func: relax.Function, target: tvm.target.Ta
             elif isinstance(v, relax.TupleGetItem) and v.tuple_value in calls and v.index == 1:
                 totals[b.var] = v.tuple_value
     if not calls:
-        return {}
+        return _Chain({})
     uses = use_counts(func)
     streamed = {x for _, _, x in calls.values() if x in totals}
-    # A total read elsewhere (or twice) would need its own cast back: not proven worth it, so not done.
-    if any(uses.get(t, 0) != (1 if t in streamed else 0) for t in totals):
-        return {}
+    narrowed = frozenset(t for t in totals if uses.get(t, 0) > (1 if t in streamed else 0))
     links = {}
     for var, (kernel, eps, x) in calls.items():
         x_dtype = WIDE if x in totals else _half_tensor(x)
         plain = plain_add_rms_norm(kernel, eps, x_dtype, WIDE).without_attr("global_symbol")
         if not RowReduction.takes(plain, target):
-            return {}
+            return _Chain({})
         normed_ty, total_ty = var.ty.fields
         links[var] = _Link(plain.with_attrs({RULE_ATTR: RowReduction.family, OP_PATTERN_ATTR: OPAQUE_OP_PATTERN}),
                            f"fuse_add_norm_{x_dtype}_stream", [normed_ty, relax.TensorType(total_ty.shape, WIDE)])
-    return links
+    return _Chain(links, narrowed)
 
 
 @mutator
 class _KernelChains(FunctionRewriter):
-    """FuseAddRMSNorm's kernels of each prefill chain replaced by their float32-stream functions, tagged
+    """FuseAddRMSNorm's kernels of each chain replaced by their float32-stream functions, tagged
     for ``RowReduction`` (as ``add_rms_norm_kernels`` tags the bf16 ones)."""
 
-    def __init__(self, mod: tvm.IRModule, chains: dict[relax.Function, dict[relax.Var, _Link]]) -> None:
+    def __init__(self, mod: tvm.IRModule, chains: dict[relax.Function, _Chain]) -> None:
         super().__init__(mod)
         self.chains = chains
-        self.links: dict[relax.Var, _Link] = {}
+        self.chain = _Chain({})
+        self.wide: dict[relax.Var, relax.Var] = {}  # narrowed total -> its float32 value
         self.kernels: dict[int, tvm.ir.GlobalVar] = {}  # by structural hash: one function per kind of link
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
-        self.links = self.chains.get(func, {})
+        self.chain = self.chains.get(func, _Chain({}))
+        self.wide = {}
         return super().visit_function_(func)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        link = self.links.get(binding.var)
+        if binding.var in self.chain.narrowed:
+            wide = self.builder_.emit(self.visit_expr(binding.value), name_hint=f"{binding.var.name}_{WIDE}")
+            self.wide[binding.var] = wide
+            half = _half_tensor(binding.var)
+            self.set_var_remap(binding.var, _emit_as(self.builder_, binding.var, relax.op.astype(wide, half)))
+            return
+        link = self.chain.links.get(binding.var)
         if link is None:
             super().visit_var_binding_(binding)
             return
         key = tvm_ffi.structural_hash(link.kernel)
         if key not in self.kernels:
             self.kernels[key] = self.builder_.add_func(link.kernel, link.name)
-        args = relax.Tuple([self.visit_expr(a) for a in binding.value.args[1].fields])
+        args = relax.Tuple([self.wide.get(a, self.visit_expr(a)) for a in binding.value.args[1].fields])
         self.set_var_remap(binding.var, _emit_as(self.builder_, binding.var, relax.call_tir(self.kernels[key], args, link.out_ty)))

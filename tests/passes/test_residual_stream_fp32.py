@@ -208,10 +208,17 @@ def test_prefill_carries_a_float32_stream_through_its_norm_kernels_on_sm90():
     assert links == [("bfloat16", "float32")] + [("float32", "float32")] * 3
     assert not [f for f in _called(after, "prefill") if add_rms_norm_eps(f) is not None]  # none left to FuseAddRMSNorm
     assert len(_called(after, "prefill")) == len(_called(before, "prefill"))
-    # decode's links too (then fused into the GEMVs: below)
-    links = [(str(f.params[0].dtype), str(f.params[4].dtype)) for f in _called(after, "decode")
-             if (f.attrs or {}).get(RULE_ATTR) == "row_reduction"]
-    assert links == [("bfloat16", "float32")] + [("float32", "float32")] * 3
+    # decode's links too (then fused into the GEMVs: below); decode_attend ends in the last layer's
+    # attention, whose residual add reads the stream rounded back to bf16: it returns the hidden state as before
+    for fn, count in (("decode", 4), ("decode_attend", 2)):
+        links = [(str(f.params[0].dtype), str(f.params[4].dtype)) for f in _called(after, fn)
+                 if (f.attrs or {}).get(RULE_ATTR) == "row_reduction"]
+        assert links == [("bfloat16", "float32")] + [("float32", "float32")] * (count - 1), fn
+        assert tvm_ffi.structural_equal(after[fn].ret_ty, before[fn].ret_ty), fn
+    values = relax.analysis.get_var2val(after["decode_attend"])
+    narrowed = [e for e in _ops(after, "relax.astype", "decode_attend")
+                if isinstance(values.get(e.args[0]), relax.TupleGetItem) and str(e.args[0].ty.dtype) == "float32"]
+    assert len(narrowed) == 1 and str(narrowed[0].ty.dtype) == "bfloat16"  # the last link's total
 
 
 def test_a_default_pass_for_bfloat16():
