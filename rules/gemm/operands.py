@@ -79,7 +79,7 @@ class NormPrologue:
 class GemmOperands:
     """One GEMM over the analysed function's buffers."""
 
-    a: Any  # tvm.tirx.Buffer, dtype ``dtype``, contiguous row-major, rows = m
+    a: Any  # tvm.tirx.Buffer, dtype ``dtype`` (a prologue's x: or its stream's), contiguous row-major, rows = m
     b: Any  # tvm.tirx.Buffer, dtype ``dtype``, contiguous row-major, n x k or k x n
     m: Any  # PrimExpr (int or symbolic)
     n: int
