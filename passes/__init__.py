@@ -36,6 +36,7 @@ from .fuse_rope_append import FuseRopeAppend
 from .merge_sibling_matmuls import MergeSiblingMatmuls
 from .paged_attention import PagedAttentionKernels
 from .property_rewrite import PropertyRewrite
+from .residual_stream_fp32 import ResidualStreamFP32
 
 Slot = Literal["before_fuse_transpose_matmul", "after_graph_passes", "before_legalize"]
 SLOTS: tuple[Slot, ...] = ("before_fuse_transpose_matmul", "after_graph_passes", "before_legalize")
@@ -60,6 +61,9 @@ PASSES: dict[str, GraphPass] = {
         # Before accumulate_matmul_fp32, which rewrites the matmuls FuseAttention matches.
         GraphPass("fuse_attention", "before_fuse_transpose_matmul", FuseAttention),
         GraphPass("accumulate_matmul_fp32", "before_fuse_transpose_matmul", AccumulateMatmulFP32),
+        # Before the norm fusions (fuse_norm_gemv, add_rms_norm_kernels), which read its stream; on GPUs its
+        # add+RMSNorm functions are RowReduction's where fuse_norm_gemv leaves them.
+        GraphPass("residual_stream_fp32", "before_fuse_transpose_matmul", ResidualStreamFP32, rules=("row_reduction",)),
         # After accumulate_matmul_fp32: the fused kernel accumulates as the matmul it replaces.
         GraphPass("fuse_gate_up_silu", "before_fuse_transpose_matmul", FuseGateUpSiLU, rules=("matmul", "gemv")),
         # Moves scales across R.matmul, which FuseTransposeMatmul lowers to TIR.
@@ -80,7 +84,8 @@ PASSES: dict[str, GraphPass] = {
 
 # The passes the fuselight pipeline runs by default, in order.
 DEFAULT: tuple[str, ...] = (
-    "fuse_attention", "accumulate_matmul_fp32", "fuse_gate_up_silu", "property_rewrite", "paged_attention",
+    "fuse_attention", "accumulate_matmul_fp32", "residual_stream_fp32", "fuse_gate_up_silu", "property_rewrite",
+    "paged_attention",
     "fuse_rope_append", "fuse_norm_gemv", "add_rms_norm_kernels", "fusion_plan",
 )  # fmt: skip
 
@@ -102,4 +107,4 @@ def served(names: Sequence[str], families: Iterable[str]) -> list[str]:
     return [name for name in names if set(get(name).rules) <= have]
 
 
-__all__ = ["DEFAULT", "PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "CaptureWholeStep", "Classify", "FoldNormWeight", "FuseAttention", "FuseGateUpSiLU", "FuseNormIntoGemv", "FuseRopeAppend", "GraphPass", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "Slot", "classify_module", "default", "get", "served"]
+__all__ = ["DEFAULT", "PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "CaptureWholeStep", "Classify", "FoldNormWeight", "FuseAttention", "FuseGateUpSiLU", "FuseNormIntoGemv", "FuseRopeAppend", "GraphPass", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "ResidualStreamFP32", "Slot", "classify_module", "default", "get", "served"]

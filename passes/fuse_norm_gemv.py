@@ -4,7 +4,8 @@ In a decode step every RMSNorm of a LLaMA layer feeds exactly one linear layer (
 the gate+up projection; the final norm the LM head), and with one token row that linear layer is a
 GEMV whose kernel reads the normed row anyway. This pass finds::
 
-    normed = rms_norm(x (+ r), w)       # FuseAddRMSNorm's kernel (normed, x + r), or
+    normed = rms_norm(x (+ r), w)       # FuseAddRMSNorm's kernel (normed, x + r), or a float32-stream
+                                        # one of residual_stream_fp32 (x + r in float32), or
                                         # R.nn.rms_norm(R.add(x, r), w), or R.nn.rms_norm(x, w)
     y = call_tir(F, (normed, W))        # F: a matmul PrimFunc the GEMM analysis recognises
                                         # (FuseGateUpSiLU's unscheduled function included), or
@@ -49,6 +50,7 @@ from ..relax_rewrite import FunctionRewriter, rewrite_for_target
 from ..rules.gemm.analysis import analyze_matmul
 from ..rules.gemv import Gemv
 from .add_rms_norm_kernels import add_rms_norm_eps
+from .residual_stream_fp32 import stream_add_rms_norm_eps
 from .weight_source import dequantized_weight, loaded_weight, use_counts
 
 
@@ -62,6 +64,7 @@ class _Site:
     residual: relax.Expr | None
     weight: relax.Expr
     eps: float
+    stream: str | None  # the dtype of a float32 stream's x + r (residual_stream_fp32), else None
     consumer: tirx.PrimFunc  # plain: (A, *matrices) -> y, the dequantize included where there is one
     matrices: tuple[relax.Expr, ...]  # the weight, or its packed words and scales
     casts: tuple[str, ...]
@@ -166,27 +169,31 @@ class _Finder:
         norm = self._norm(normed)
         if norm is None:
             return None
-        kind, anchor, x, residual, weight, eps = norm
+        kind, anchor, x, residual, weight, eps, stream = norm
         # The fused call goes where the norm (or its add) was: what it reads must be there already.
         if not all(self._before(e, anchor) for e in (*matrices, weight)):
             return None
-        return _Site(anchor, kind, x, residual, weight, eps, consumer, matrices, tuple(casts), final, tuple(dropped))
+        return _Site(anchor, kind, x, residual, weight, eps, stream, consumer, matrices, tuple(casts), final,
+                     tuple(dropped))
 
-    def _norm(self, normed: relax.Var) -> tuple[str, relax.Var, Any, Any, Any, float] | None:
+    def _norm(self, normed: relax.Var) -> tuple[str, relax.Var, Any, Any, Any, float, str | None] | None:
         value = self.var2val.get(normed)
         if isinstance(value, relax.TupleGetItem) and int(value.index) == 0 and isinstance(value.tuple_value, relax.Var):
             lv = value.tuple_value
             kernel = self.var2val.get(lv)
             if not _op(kernel, "relax.call_tir") or not isinstance(kernel.args[0], tvm.ir.GlobalVar):
                 return None
-            eps = add_rms_norm_eps(self.mod[kernel.args[0]])
+            called = self.mod[kernel.args[0]]
+            eps, stream = add_rms_norm_eps(called), None
+            if eps is None and (eps := stream_add_rms_norm_eps(called)) is not None:
+                stream = str(called.params[4].dtype)
             items = [self.var2val.get(u) for u in self.users.get(lv, [])]
             if eps is None or self.uses.get(lv, 0) != len(items):
                 return None  # the kernel's result used other than through its two fields
             if not all(isinstance(i, relax.TupleGetItem) for i in items) or [int(i.index) for i in items].count(0) != 1:
                 return None
             x, r, w = kernel.args[1].fields
-            return "kernel", lv, x, r, w, eps
+            return "kernel", lv, x, r, w, eps, stream
         if not _op(value, "relax.nn.rms_norm"):
             return None
         data, weight = value.args
@@ -198,8 +205,8 @@ class _Finder:
         if _op(summed, "relax.add") and all(
             _static_shape(a) == _static_shape(data) and a.ty.dtype == data.ty.dtype for a in summed.args
         ):
-            return "add", data, summed.args[0], summed.args[1], weight, eps
-        return "norm", normed, data, None, weight, eps
+            return "add", data, summed.args[0], summed.args[1], weight, eps, None
+        return "norm", normed, data, None, weight, eps, None
 
 
 @mutator
@@ -256,12 +263,12 @@ class _Rewriter(FunctionRewriter):
     def _kernel(self, site: _Site) -> tvm.ir.GlobalVar | None:
         """The fused function's GlobalVar (added once per distinct computation), or None where it is
         not made: not recognised with static rows, or not taken by the GEMV rule."""
-        key = (site.residual is not None, site.eps, tuple(site.casts),
+        key = (site.residual is not None, site.eps, tuple(site.casts), site.stream,
                *(tvm_ffi.structural_hash(e.ty) for e in (site.x, site.weight, *site.matrices)),
                tvm_ffi.structural_hash(site.consumer))
         if key not in self.kernels:
             func = fused_norm_matmul(site.x.ty, site.residual is not None, site.weight.ty, site.eps,
-                                     site.consumer, [m.ty for m in site.matrices], site.casts)
+                                     site.consumer, [m.ty for m in site.matrices], site.casts, site.stream)
             desc = analyze_matmul(func, prologue=True, dequant=True)
             if desc is None or desc.m_static is None:
                 func = None
@@ -284,7 +291,7 @@ class _Rewriter(FunctionRewriter):
             site = self.anchors[var]
             args = [self.visit_expr(e) for e in (site.x, site.residual, site.weight, *site.matrices) if e is not None]
             final_ty = relax.TensorType(list(site.final.ty.shape.values), site.final.ty.dtype)
-            out_ty = [final_ty, relax.TensorType(list(site.x.ty.shape.values), site.x.ty.dtype)] \
+            out_ty = [final_ty, relax.TensorType(list(site.x.ty.shape.values), site.stream or site.x.ty.dtype)] \
                 if site.residual is not None else final_ty
             fused = self.builder_.emit(relax.call_tir(self._kernel(site), args, out_ty), PRIMFUNC_NAME)
             self.fused[site.final] = fused

@@ -195,18 +195,28 @@ def fused_norm_matmul(
     consumer: tirx.PrimFunc,
     matrix_tys: Sequence[relax.TensorType],
     casts: tuple[str, ...] = (),
+    stream_dtype: str | None = None,
 ) -> tirx.PrimFunc:
     """``(x[, r], w, *W) -> (y[, x + r])``, written plainly: TOPI's add (if ``residual``) and rms_norm
     of ``x`` over its last axis, ``consumer`` (a PrimFunc ``(A, *W) -> y``: the weight, or its packed
-    words and scales) reading the norm, then ``casts``; FuseTIR splices the stages into one PrimFunc."""
+    words and scales) reading the norm, then ``casts``; FuseTIR splices the stages into one PrimFunc.
+
+    ``stream_dtype`` (with ``residual``): the residual stream kept in that dtype, as
+    ``plain_add_rms_norm`` writes it (``x`` of ``x_ty``, ``r`` of the weight's dtype, ``x + r`` and the
+    norm computed and ``x + r`` written in ``stream_dtype``, the norm rounded once to ``r``'s dtype)."""
     x = relax.Var("x", x_ty)
-    r = relax.Var("residual", x_ty)
+    r = relax.Var("residual", x_ty if stream_dtype is None else relax.TensorType(x_ty.shape, weight_ty.dtype))
     w = relax.Var("norm_weight", weight_ty)
     mats = [relax.Var(f"weight{i}", ty) for i, ty in enumerate(matrix_tys)]
+    axes = [len(x_ty.shape.values) - 1]
 
     def body(bb: relax.BlockBuilder) -> relax.Expr:
-        src = bb.emit_te(topi.add, x, r) if residual else x
-        normed = bb.emit_te(topi.nn.rms_norm, src, w, [len(x_ty.shape.values) - 1], eps)
+        if stream_dtype is not None and residual:
+            both = bb.emit_te(stream_add_rms_norm_te, x, r, w, axes, eps, stream_dtype)
+            normed, src = (bb.emit(relax.TupleGetItem(both, i)) for i in (0, 1))
+        else:
+            src = bb.emit_te(topi.add, x, r) if residual else x
+            normed = bb.emit_te(topi.nn.rms_norm, src, w, axes, eps)
         y = bb.emit(_call(bb, consumer, "matmul", [normed, *mats]))
         for dtype in casts:
             y = bb.emit_te(topi.cast, y, dtype)
@@ -261,10 +271,31 @@ def _spliced(params: list[relax.Var], body: Callable[[relax.BlockBuilder], relax
 
 
 
-def plain_add_rms_norm(func: tirx.PrimFunc, eps: float) -> tirx.PrimFunc:
-    """``(x, r, w) -> (rms_norm(x + r, w), x + r)`` as TOPI writes it, over ``func``'s parameter shapes."""
+def stream_add_rms_norm_te(x: te.Tensor, r: te.Tensor, w: te.Tensor, axes: list[int], eps: float,
+                           stream_dtype: str) -> list[te.Tensor]:
+    """``[rms_norm(x + r, w), x + r]`` with the sum (a residual stream) and the norm computed in
+    ``stream_dtype`` (``x``, ``r`` and ``w`` widened to it), the norm rounded once to ``r``'s dtype."""
+    total = te.compute(x.shape, lambda *i: x(*i).astype(stream_dtype) + r(*i).astype(stream_dtype), name="T_add")
+    weight = te.compute(w.shape, lambda c: w[c].astype(stream_dtype), name="T_weight")
+    wide = topi.nn.rms_norm(total, weight, axes, eps)
+    norm = te.compute(wide.shape, lambda *i: wide(*i).astype(str(r.dtype)), name="T_normed")
+    return [norm, total]
+
+
+def plain_add_rms_norm(func: tirx.PrimFunc, eps: float, x_dtype: str | None = None,
+                       stream_dtype: str | None = None) -> tirx.PrimFunc:
+    """``(x, r, w) -> (rms_norm(x + r, w), x + r)`` as TOPI writes it, over ``func``'s parameter shapes.
+
+    ``stream_dtype``: the sum (a residual stream, written out) and the norm computed in it, ``x`` read in
+    ``x_dtype`` (default: its parameter's) and ``r`` and ``w`` widened to it, the normed rows rounded once
+    to ``r``'s dtype (``stream_add_rms_norm_te``)."""
     x, r, w = func.params[:3]
-    xs, rs, ws = (te.placeholder(b.shape, str(b.dtype), b.name) for b in (x, r, w))
-    total = topi.add(xs, rs)
-    norm = topi.nn.rms_norm(total, ws, [len(x.shape) - 1], eps)
+    xs = te.placeholder(x.shape, x_dtype or str(x.dtype), x.name)
+    rs, ws = (te.placeholder(b.shape, str(b.dtype), b.name) for b in (r, w))
+    axes = [len(x.shape) - 1]
+    if stream_dtype is None:
+        total = topi.add(xs, rs)
+        norm = topi.nn.rms_norm(total, ws, axes, eps)
+    else:
+        norm, total = stream_add_rms_norm_te(xs, rs, ws, axes, eps, stream_dtype)
     return te.create_prim_func([xs, rs, ws, norm, total]).with_attr("tirx.noalias", True)

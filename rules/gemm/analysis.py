@@ -221,19 +221,30 @@ def _norm_prologue(func: tirx.PrimFunc, count: int, allocs: list[tirx.Buffer], a
     totals = [o for o in desc.outputs if not o.buffer.same_as(a)]
     if len(normed) != 1 or len(totals) != (residual is not None):
         return None
-    if any(str(buf.dtype) != dtype or not _plain(buf) for buf in (x, weight, *(o.buffer for o in totals))):
+    # The stream (x + r, written out) in the activation dtype, or in float32 (``residual_stream_fp32``):
+    # then x is float32 or, entering the stream, of the activation dtype.
+    stream = str(totals[0].buffer.dtype) if totals else dtype
+    if stream not in (dtype, "float32") or str(x.dtype) not in (dtype, stream):
+        return None
+    if any(str(buf.dtype) != dtype for buf in (weight, *([] if residual is None else [residual]))):
+        return None
+    if not all(_plain(buf) for buf in (x, weight, *(o.buffer for o in totals), *([] if residual is None else [residual]))):
         return None
     if not all(_equal(s, e) for s, e in zip(x.shape, a.shape)) or len(x.shape) != len(a.shape):
         return None
     index = [*desc.row_vars, desc.col_var]
-    t = tirx.BufferLoad(x, index)
+
+    def load(buf: tirx.Buffer) -> Any:
+        """``buf``'s element, read in the stream's dtype."""
+        value = tirx.BufferLoad(buf, index)
+        return value if str(buf.dtype) == stream else tirx.Cast(stream, value)
+
+    t = load(x)
     if residual is not None:
-        if str(residual.dtype) != dtype or not _plain(residual):
-            return None
-        t = t + tirx.BufferLoad(residual, index)
+        t = t + load(residual)
         if not structural_equal(totals[0].value, t, map_free_vars=False):
             return None
-    t32 = tirx.Cast("float32", t)
+    t32 = t if stream == "float32" else tirx.Cast("float32", t)
     stat = desc.stats[0]
     if not (stat.reducer == "sum" and float(stat.init.value) == 0.0 and structural_equal(stat.element, t32 * t32)):
         return None

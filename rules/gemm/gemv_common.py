@@ -13,6 +13,7 @@ from .operands import GemmOperands
 MMA_N = 8  # mma.sync.m16n8k16: tokens per tile of the mma template
 PIECE_WORDS = 4  # 16 bytes as 32-bit registers
 PIECE = 2 * PIECE_WORDS  # 16-bit elements of a piece
+WIDE_LANES = PIECE_WORDS  # float32 elements of 16 bytes: a piece of a float32 stream is two such loads
 # What the templates dequantize: 4-bit values, 8 to a uint32 word along K (``NK``), a scale per
 # group of a multiple of 32 (a lane's 16-byte piece of words is 32 values, within one group), an
 # integer zero point the float dtype subtracts exactly.
@@ -95,6 +96,9 @@ def norm_prologue(ops: GemmOperands, threads: int, blocks: Any, x_stride: int,
     squares of ``x + r`` in float32, and writes the normed rows, rounded to the activation dtype as
     the norm kernel rounds them, to the shared buffer ``xs`` (row ``r`` at ``2 r x_stride``
     elements). ``x + r`` is written out in slices, one per block. The caller syncs the block after.
+    A float32 stream (``NormPrologue.stream_dtype``): ``x + r`` is summed, squared and written in
+    float32 (``x`` read as float32 or widened from the activation dtype), a piece's 8 elements
+    loaded and stored 16 bytes at a time; the normed rows are rounded as before.
 
     staging: ``(slot, order)`` where the template reads its token row permuted (the row template's
     4-bit dot product): piece ``p`` of 8 tokens goes to piece ``slot(p)``, its element ``e`` being
@@ -102,6 +106,9 @@ def norm_prologue(ops: GemmOperands, threads: int, blocks: Any, x_stride: int,
     from tvm.script import tirx as T
 
     norm, k, dtype = ops.prologue, ops.k, ops.dtype
+    stream, x_dtype = norm.stream_dtype, str(norm.x.dtype)
+    wide, x_wide = stream != dtype, x_dtype != dtype
+    halves = PIECE // WIDE_LANES
     rows_p = static_m(ops)
     pieces = k // PIECE
     thread_pieces = -(-pieces // threads)
@@ -110,12 +117,12 @@ def norm_prologue(ops: GemmOperands, threads: int, blocks: Any, x_stride: int,
     # fmt: off
     @T.macro
     def norm_rows(xs, tid, bx):
-        Xg = T.decl_buffer((rows_p * k,), dtype, data=norm.x.data)
+        Xg = T.decl_buffer((rows_p * k,), x_dtype, data=norm.x.data)
         Wn = T.decl_buffer((k,), dtype, data=norm.weight.data)
         if norm.residual is not None:
             Rg = T.decl_buffer((rows_p * k,), dtype, data=norm.residual.data)
-            Tg = T.decl_buffer((rows_p * k,), dtype, data=norm.total.data)
-        t_reg = T.sblock_alloc_buffer((thread_pieces * PIECE,), dtype, scope="local")
+            Tg = T.decl_buffer((rows_p * k,), stream, data=norm.total.data)
+        t_reg = T.sblock_alloc_buffer((thread_pieces * PIECE,), stream, scope="local")
         piece = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
         if staging is not None:
             staged = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
@@ -126,16 +133,35 @@ def norm_prologue(ops: GemmOperands, threads: int, blocks: Any, x_stride: int,
             for i in T.unroll(thread_pieces):
                 p: T.let[T.int32] = i * threads + T.Cast("int32", tid)
                 if p < pieces:
-                    for e in T.vectorized(PIECE):
-                        t_reg[i * PIECE + e] = Xg[row * k + p * PIECE + e]
+                    if x_wide:
+                        for h in T.unroll(halves):
+                            for e in T.vectorized(WIDE_LANES):
+                                t_reg[i * PIECE + h * WIDE_LANES + e] = Xg[row * k + p * PIECE + h * WIDE_LANES + e]
+                    elif wide:
+                        for e in T.vectorized(PIECE):
+                            piece[e] = Xg[row * k + p * PIECE + e]
+                        for e in T.unroll(PIECE):
+                            t_reg[i * PIECE + e] = T.Cast(stream, piece[e])
+                    else:
+                        for e in T.vectorized(PIECE):
+                            t_reg[i * PIECE + e] = Xg[row * k + p * PIECE + e]
                     if norm.residual is not None:
                         for e in T.vectorized(PIECE):
                             piece[e] = Rg[row * k + p * PIECE + e]
-                        for e in T.unroll(PIECE):
-                            t_reg[i * PIECE + e] = t_reg[i * PIECE + e] + piece[e]
+                        if wide:
+                            for e in T.unroll(PIECE):
+                                t_reg[i * PIECE + e] = t_reg[i * PIECE + e] + T.Cast(stream, piece[e])
+                        else:
+                            for e in T.unroll(PIECE):
+                                t_reg[i * PIECE + e] = t_reg[i * PIECE + e] + piece[e]
                         if bx * slice_pieces <= row * pieces + p and row * pieces + p < (bx + 1) * slice_pieces:
-                            for e in T.vectorized(PIECE):
-                                Tg[row * k + p * PIECE + e] = t_reg[i * PIECE + e]
+                            if wide:
+                                for h in T.unroll(halves):
+                                    for e in T.vectorized(WIDE_LANES):
+                                        Tg[row * k + p * PIECE + h * WIDE_LANES + e] = t_reg[i * PIECE + h * WIDE_LANES + e]
+                            else:
+                                for e in T.vectorized(PIECE):
+                                    Tg[row * k + p * PIECE + e] = t_reg[i * PIECE + e]
                     for e in T.unroll(PIECE):
                         part[0] = part[0] + T.Cast("float32", t_reg[i * PIECE + e]) * T.Cast("float32", t_reg[i * PIECE + e])
             with T.sblock("norm_sum"):

@@ -24,7 +24,10 @@ RMSNorm of ``x`` (plus a residual, whose sum the kernel also writes out), rounde
     t[r, k] = x[r, k] (+ residual[r, k])                     (in dtype; written to ``total``)
     A[r, k] = dtype(rsqrt(sum_k' float32(t[r, k'])^2 / k + eps) * float32(t[r, k]) * float32(weight[k]))
 
-``a`` is then ``x`` (A's shape and dtype; A itself is never in memory). Only templates that say so
+``a`` is then ``x`` (A's shape; A itself is never in memory). A float32 residual stream
+(``NormPrologue.stream_dtype``, ``passes.residual_stream_fp32``): ``t`` is computed in float32 from
+``x`` (float32, or of ``dtype`` where the stream starts) and the residual (of ``dtype``), and written
+to ``total`` in float32. Only templates that say so
 take a prologue; the analysis hands one out only to callers that ask for it.
 
 A "dequantized B" (``GemmOperands.dequant``, a ``dequant.Dequant``) is computed from packed integer
@@ -60,18 +63,23 @@ class Epilogue:
 class NormPrologue:
     """A computed as the RMSNorm of ``x`` (+ ``residual``) in the GEMM kernel (see the module docstring)."""
 
-    x: Any  # tvm.tirx.Buffer, contiguous row-major, m rows of k, dtype ``GemmOperands.dtype``
-    residual: Any | None  # tvm.tirx.Buffer like x, added to it first; None: a plain RMSNorm
-    weight: Any  # tvm.tirx.Buffer [k], the norm's weight, same dtype
+    x: Any  # tvm.tirx.Buffer, contiguous row-major, m rows of k, dtype ``GemmOperands.dtype`` or the stream's
+    residual: Any | None  # tvm.tirx.Buffer like x, dtype ``GemmOperands.dtype``, added to it first; None: a plain RMSNorm
+    weight: Any  # tvm.tirx.Buffer [k], the norm's weight, dtype ``GemmOperands.dtype``
     eps: float
     total: Any | None  # tvm.tirx.Buffer like x receiving x + residual (None exactly when residual is)
+
+    @property
+    def stream_dtype(self) -> str:
+        """The dtype ``x + residual`` is computed and written in: ``total``'s (else ``x``'s)."""
+        return str((self.total if self.total is not None else self.x).dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class GemmOperands:
     """One GEMM over the analysed function's buffers."""
 
-    a: Any  # tvm.tirx.Buffer, dtype ``dtype``, contiguous row-major, rows = m
+    a: Any  # tvm.tirx.Buffer, dtype ``dtype`` (a prologue's x: or its stream's), contiguous row-major, rows = m
     b: Any  # tvm.tirx.Buffer, dtype ``dtype``, contiguous row-major, n x k or k x n
     m: Any  # PrimExpr (int or symbolic)
     n: int

@@ -35,7 +35,7 @@ from fuselight.rules.matmul import Matmul
 from fuselight.target import resolve, to_tvm
 from relax_module import single_function
 from tir_query import kernel
-from tvm import relax, te, tirx
+from tvm import relax, te, tirx, topi
 
 HIDDEN = 1024  # a multiple of 1024: FuseAddRMSNorm applies on cuda
 EPS = 1e-5
@@ -66,9 +66,10 @@ def _gate_up(n: int, k: int = HIDDEN, dtype: str = "float16", m: int = 1) -> tir
 
 
 def _fused(consumer: tirx.PrimFunc, n: int, residual: bool = True, casts=("float16",), k: int = HIDDEN,
-           dtype: str = "float16"):
-    return fused_norm_matmul(_ty(1, 1, k, dtype=dtype), residual, _ty(k, dtype=dtype), EPS, consumer,
-                             [_ty(n, k, dtype=dtype)], casts)
+           dtype: str = "float16", x_dtype: str | None = None, stream: str | None = None):
+    """The norm-GEMV function; ``stream``: its residual stream in that dtype, ``x`` read in ``x_dtype``."""
+    return fused_norm_matmul(_ty(1, 1, k, dtype=x_dtype or dtype), residual, _ty(k, dtype=dtype), EPS, consumer,
+                             [_ty(n, k, dtype=dtype)], casts, stream)
 
 
 def _q4(consumer: tirx.PrimFunc, n: int, k: int = HIDDEN, scheme: str = "q4f16_1") -> tirx.PrimFunc:
@@ -81,11 +82,12 @@ def _q4(consumer: tirx.PrimFunc, n: int, k: int = HIDDEN, scheme: str = "q4f16_1
 
 
 def _fused_q4(consumer: tirx.PrimFunc, n: int, residual: bool = True, casts=("float16",), k: int = HIDDEN,
-              scheme: str = "q4f16_1", m: int = 1) -> tirx.PrimFunc:
+              scheme: str = "q4f16_1", m: int = 1, stream: str | None = None) -> tirx.PrimFunc:
+    """``_fused`` with ``scheme``'s 4-bit weight; ``stream``: a residual stream in that dtype (x read in it)."""
     dtype = SCHEMES[scheme].model_dtype
     qs, ss = SCHEMES[scheme].packed_shapes(n, k)
-    return fused_norm_matmul(_ty(m, 1, k, dtype=dtype), residual, _ty(k, dtype=dtype), EPS, _q4(consumer, n, k, scheme),
-                             [_ty(*qs, dtype="uint32"), _ty(*ss, dtype=dtype)], casts)
+    return fused_norm_matmul(_ty(m, 1, k, dtype=stream or dtype), residual, _ty(k, dtype=dtype), EPS,
+                             _q4(consumer, n, k, scheme), [_ty(*qs, dtype="uint32"), _ty(*ss, dtype=dtype)], casts, stream)
 
 
 def _calls(func: relax.Function) -> list[str]:
@@ -139,6 +141,31 @@ def test_analysis_describes_the_prologue_with_a_dequantized_weight(scheme):
     assert ops.paired and ops.out_n == 352 and ops.prologue.total.same_as(func.params[-1])
     # Either alone is not enough to describe it.
     assert analyze_matmul(func, prologue=True) is None and analyze_matmul(func, dequant=True) is None
+
+
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+def test_analysis_describes_a_float32_stream(x_dtype):
+    # residual_stream_fp32's: x + r summed and written in float32 (x bf16 where the stream starts)
+    func = _fused(_nt_matmul(384, dtype="bfloat16"), 384, casts=("bfloat16",), dtype="bfloat16", x_dtype=x_dtype,
+                  stream="float32")
+    ops = analyze_matmul(func, prologue=True).operands
+    pro = ops.prologue
+    assert ops.dtype == "bfloat16" and pro.stream_dtype == "float32" and str(pro.x.dtype) == x_dtype
+    assert pro.x.same_as(func.params[0]) and pro.residual.same_as(func.params[1]) and pro.total.same_as(func.params[-1])
+    assert str(pro.residual.dtype) == str(pro.weight.dtype) == "bfloat16" and pro.eps == pytest.approx(EPS)
+
+
+@pytest.mark.parametrize("residual_dtype,total_dtype", [("float32", "float32"), ("bfloat16", "bfloat16")])
+def test_analysis_refuses_other_float32_streams(residual_dtype, total_dtype):
+    # x in float32 with a float32 residual, or with its sum rounded to bf16: no template computes them
+    x, r = _ph((1, 1, HIDDEN), "x", "float32"), _ph((1, 1, HIDDEN), "r", residual_dtype)
+    w, b = _ph((HIDDEN,), "w", "bfloat16"), _ph((384, HIDDEN), "b", "bfloat16")
+    total = te.compute(x.shape, lambda *i: (x(*i) + r(*i).astype("float32")).astype(total_dtype), name="T_add")
+    wide = topi.nn.rms_norm(te.compute(x.shape, lambda *i: total(*i).astype("float32")),
+                            te.compute(w.shape, lambda c: w[c].astype("float32")), [2], EPS)
+    normed = te.compute(x.shape, lambda *i: wide(*i).astype("bfloat16"), name="T_normed")
+    func = te.create_prim_func([x, r, w, b, nt_matmul(normed, b, "float32"), total])
+    assert analyze_matmul(func, prologue=True) is None
 
 
 def test_analysis_refuses_another_norm():
@@ -198,6 +225,9 @@ def llama_kernels(cuda) -> dict[str, tirx.PrimFunc]:
         "gate_up_q4_m2": _fused_q4(_gate_up(28672, k, m=2), 28672, casts=(), k=k, m=2),
         "qkv_q4bf16_m4": _fused_q4(_nt_matmul(6144, k, "bfloat16", m=4), 6144, casts=("bfloat16",), k=k,
                                    scheme="q4bf16_1", m=4),
+        # a float32 residual stream (residual_stream_fp32), on the mma template
+        "qkv_q4bf16_m4_f32": _fused_q4(_nt_matmul(6144, k, "bfloat16", m=4), 6144, casts=("bfloat16",), k=k,
+                                       scheme="q4bf16_1", m=4, stream="float32"),
         "lm_head_q4_first": _fused_q4(_nt_matmul(1000, k), 1000, residual=False, casts=(), k=k),
     }
     kernels = {}

@@ -90,7 +90,7 @@ def test_a_symbolic_vocabulary_branches_on_its_alignment(cuda):
     assert [[evaluate(c, {"vocab_size": v}) for v in (128256, 32001, 32002)] for c in conds] == [[1, 0, 0]]
 
 
-@pytest.mark.parametrize("name", ["qkv_norm", "gate_up_norm", "gate_up", "head_norm"])
+@pytest.mark.parametrize("name", ["qkv_norm", "gate_up_norm", "gate_up", "head_norm", "bf16_qkv_norm_f32_stream"])
 def test_rule_takes_the_fused_decode_functions(cuda, name):
     # What fuse_norm_gemv and fuse_gate_up_silu emit for KN weights: one kernel, a block per 16
     # output columns; the norm prologue's row in shared
@@ -120,6 +120,7 @@ FUSED = {
     "head_norm": lambda: kn_fused(128256, 4096, residual=False),
     "bf16_gate_up_norm": lambda: kn_fused(2 * 1000, 1024, paired=True, dtype="bfloat16", group=128),
     "prime_norm": lambda: kn_fused(37, 1024),
+    "bf16_qkv_norm_f32_stream": lambda: kn_fused(1000, 1024, dtype="bfloat16", group=128, stream="float32"),
 }
 
 
@@ -255,10 +256,11 @@ def test_emulated_kernel_matches_the_unscheduled_function(cuda, n, k, group, m, 
 
 
 def kn_fused(n: int, k: int, *, paired: bool = False, norm: bool = True, residual: bool = True, m: int = 1,
-             dtype: str = "float16", group: int = 32) -> tirx.PrimFunc:
+             dtype: str = "float16", group: int = 32, stream: str | None = None) -> tirx.PrimFunc:
     """What the passes emit for a KN weight ``[K, n]`` (its words ``[K / 8, n]``, dequantized in the
     function): the matmul accumulating in float32 (cast back; paired: FuseGateUpSiLU's SiLU-mul),
-    and with ``norm`` FuseNormIntoGemv's RMSNorm (of x + residual with ``residual``) in front."""
+    and with ``norm`` FuseNormIntoGemv's RMSNorm (of x + residual with ``residual``) in front
+    (``stream``: x and x + residual in that dtype, residual_stream_fp32's)."""
     s = QuantScheme("kn", dtype, group, "KN")
     i64 = "int64"
     nn = tirx.IntImm(i64, n)
@@ -270,8 +272,9 @@ def kn_fused(n: int, k: int, *, paired: bool = False, norm: bool = True, residua
     func = with_dequantized_weight(consumer, te.create_prim_func([q, scale, te_dequantize((q, scale), s)]))
     if not norm:
         return func
-    return fused_norm_matmul(relax.TensorType([m, 1, k], dtype), residual, relax.TensorType([k], dtype), EPS, func,
-                             [relax.TensorType(qs, "uint32"), relax.TensorType(ss, dtype)], () if paired else (dtype,))
+    return fused_norm_matmul(relax.TensorType([m, 1, k], stream or dtype), residual, relax.TensorType([k], dtype), EPS,
+                             func, [relax.TensorType(qs, "uint32"), relax.TensorType(ss, dtype)], () if paired else (dtype,),
+                             stream)
 
 
 def _rms_norm(t: np.ndarray, w: np.ndarray) -> np.ndarray:

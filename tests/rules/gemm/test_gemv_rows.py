@@ -58,6 +58,10 @@ FUNCS = {
     "gate_up": (lambda: _fused(_gate_up(28672, K), 28672, casts=(), k=K), 28672 // 2 // 8,
                 {"Tg", "silu_multiply_intermediate"}),
     "bf16": (lambda: matmul_prim_func(4096, 4096, "bfloat16", m=1), 4096 // 8, {"O"}),
+    # a float32 residual stream (residual_stream_fp32): x in float32, or bf16 where the stream starts
+    **{f"qkv_stream_{x}": (lambda x=x: _fused(_nt_matmul(6144, K, "bfloat16"), 6144, casts=("bfloat16",), k=K,
+                                               dtype="bfloat16", x_dtype=x, stream="float32"),
+                           6144 // 8, {"Tg", "compute_intermediate"}) for x in ("float32", "bfloat16")},
 }
 
 
@@ -70,10 +74,12 @@ def test_each_epilogue_and_prologue_builds_one_kernel(name):
     assert kern.outputs == outputs
     assert "tirx.ptx.mma_legacy" not in kern.calls and kern.calls["tirx.tvm_warp_shuffle_xor"] == 1
     # The norm prologue: the row's sum of squares reduced over the block, then rsqrt.
-    normed = name in ("qkv", "qkv_first", "gate_up")
+    normed = name in ("qkv", "qkv_first", "gate_up") or name.startswith("qkv_stream")
     assert ("tirx.rsqrt" in kern.calls) == normed and ("tirx.tvm_thread_allreduce" in kern.calls) == normed
     # gate_up's warps hold a gate and an up row: two accumulators, two rows of weights in flight.
     assert kern.allocs["acc"] == ("local", "float32", (2 if name == "gate_up" else 1,))
+    if name.startswith("qkv_stream"):  # x + r held (and written) in float32
+        assert kern.allocs["t_reg"][1] == "float32"
 
 
 @needs_nvcc
