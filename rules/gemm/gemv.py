@@ -51,6 +51,7 @@ instead, with the same prologue (``gemv_common.norm_prologue``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -319,6 +320,15 @@ def piece_word(step: Any, warp: Any, quad: Any, warps: int, run: int) -> Any:
     pieces are adjacent, so each lane reads ``16 run`` contiguous bytes and the four lanes of a row
     ``64 run``. Weights and tokens are read at the same words, so every k meets its token."""
     return ((step // run) * warps + warp) * run * (STEP_K // 2) + (quad * run + step % run) * PIECE_WORDS
+
+
+def body_config(ops: GemmOperands, cfg: GemvConfig) -> GemvConfig:
+    """The config ``gemv_body(ops, cfg)`` writes the same kernel for with the least ``max_m``'s
+    variety: for a symbolic M the mma template's ``max_m`` counts only in token tiles (and the row
+    template's is 1), so the buckets of one tile count share a kernel body (``rules.base.built_once``)."""
+    if static_m(ops) is not None or cfg.rows_per_warp is not None:
+        return cfg
+    return dataclasses.replace(cfg, max_m=cfg.token_tiles * MMA_N)
 
 
 def gemv_body(ops: GemmOperands, cfg: GemvConfig) -> Any:
