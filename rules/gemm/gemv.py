@@ -323,9 +323,10 @@ def piece_word(step: Any, warp: Any, quad: Any, warps: int, run: int) -> Any:
 
 
 def body_config(ops: GemmOperands, cfg: GemvConfig) -> GemvConfig:
-    """The config ``gemv_body(ops, cfg)`` writes the same kernel for with the least ``max_m``'s
-    variety: for a symbolic M the mma template's ``max_m`` counts only in token tiles (and the row
-    template's is 1), so the buckets of one tile count share a kernel body (``rules.base.built_once``)."""
+    """A config for which ``gemv_body(ops, ...)`` writes the same kernel as for ``cfg``, the same one
+    for every bucket of ``cfg``'s token tiles: for a symbolic M the mma template uses ``max_m`` only
+    through its token tiles (the row template's is 1), so such buckets share one body
+    (``rules.base.built_once``)."""
     if static_m(ops) is not None or cfg.rows_per_warp is not None:
         return cfg
     return dataclasses.replace(cfg, max_m=cfg.token_tiles * MMA_N)
