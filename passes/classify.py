@@ -182,8 +182,9 @@ class OpInfo:
 
 def classify_module(mod: tvm.IRModule) -> dict[str, list[OpInfo]]:
     """Every binding of every Relax function, in order, keyed by function name."""
+    tir_rules: dict[str, OpRule] = {}
     return {
-        gv.name_hint: _classify_function(mod, func)
+        gv.name_hint: _classify_function(mod, func, tir_rules)
         for gv, func in mod.functions_items()
         if isinstance(func, relax.Function)
     }
@@ -192,7 +193,7 @@ def classify_module(mod: tvm.IRModule) -> dict[str, list[OpInfo]]:
 def classify_binding(binding: relax.Binding, mod: tvm.IRModule | None = None) -> OpInfo:
     """One binding on its own (``mod`` holds the PrimFuncs a ``call_tir`` calls); no inputs are marked
     as weights or constants, as that needs the function around it."""
-    return _classify_binding(mod if mod is not None else tvm.IRModule(), binding, set(), set())
+    return _classify_binding(mod if mod is not None else tvm.IRModule(), binding, set(), set(), {})
 
 
 @tvm.transform.module_pass(opt_level=0, name="Classify")
@@ -210,14 +211,14 @@ class Classify:
 # ---- bindings ------------------------------------------------------------------------------------
 
 
-def _classify_function(mod: tvm.IRModule, func: relax.Function) -> list[OpInfo]:
+def _classify_function(mod: tvm.IRModule, func: relax.Function, tir_rules: dict[str, OpRule]) -> list[OpInfo]:
     num_input = func.attrs.get("num_input") if func.attrs is not None else None
     weights = {p for p in (func.params[int(num_input) :] if num_input is not None else [])}
     consts: set[relax.Var] = set()
     infos = []
     for block in func.body.blocks:
         for binding in block.bindings:
-            info = _classify_binding(mod, binding, weights, consts)
+            info = _classify_binding(mod, binding, weights, consts, tir_rules)
             infos.append(info)
             value = binding.value
             # Weights and constants flow through tuple plumbing and aliases (packed params).
@@ -251,7 +252,7 @@ def _op_key(mod: tvm.IRModule, binding: relax.Binding) -> tuple[str, list[relax.
     if isinstance(op, tvm.ir.Op):
         if op.name in ("relax.call_tir", "relax.call_tir_inplace"):
             gv = value.args[0]
-            prim = mod[gv] if gv in mod.get_global_vars() else None
+            prim = mod[gv] if gv in mod else None
             return f"call_tir:{gv.name_hint}", _flatten(value.args[1:]), prim
         if op.name in ("relax.call_dps_packed", "relax.call_pure_packed", "relax.call_packed"):
             kind = op.name.removeprefix("relax.")
@@ -270,12 +271,17 @@ def _flatten(args: Sequence[relax.Expr]) -> list[relax.Expr]:
     return out
 
 
-def _classify_binding(mod: tvm.IRModule, binding: relax.Binding, weights: set, consts: set) -> OpInfo:
+def _classify_binding(mod: tvm.IRModule, binding: relax.Binding, weights: set, consts: set,
+                      tir_rules: dict[str, OpRule]) -> OpInfo:
+    """``tir_rules``: the rule of each PrimFunc classified so far, by op (a model calls each layer's
+    kernels once a layer)."""
     op, args, prim = _op_key(mod, binding)
     out = binding.var.ty
     rule = OPS.get(op)
     if prim is not None:
-        rule = OpRule(_tir_mapping(prim), _tir_pattern(prim), flops="tir", bytes="io")
+        if op not in tir_rules:
+            tir_rules[op] = OpRule(_tir_mapping(prim), _tir_pattern(prim), flops="tir", bytes="io")
+        rule = tir_rules[op]
     flops = read = written = None
     # An op we can't classify has no cost we could trust either.
     known = _known(out) and all(_known(a.ty) for a in args if _is_tensor(a.ty))

@@ -154,6 +154,7 @@ def _plan(infos: list[OpInfo], dims, config, decide_yellow) -> list[Group]:
     parent = {i.name: i.name for i in ops}  # union-find
     anchor = {i.name: i.name if i.mapping == "many-to-many" else None for i in ops}  # per root
     prologue: dict[str, set[str]] = {i.name: set() for i in ops}  # per root: members feeding the anchor
+    members: dict[str, list[OpInfo]] = {i.name: [i] for i in ops}  # per root
 
     def find(name: str) -> str:
         while parent[name] != name:
@@ -180,20 +181,18 @@ def _plan(infos: list[OpInfo], dims, config, decide_yellow) -> list[Group]:
                 continue  # a view costs nothing left alone; in the group, rules would no longer see the anchor's own shapes
             if feeds_anchor and producer.mapping not in _VIEWS and sweep != "prologues":
                 continue
-            if not _schedulable(
-                [by_name[m] for m in parent if find(m) == own], [by_name[m] for m in parent if find(m) == root],
-                anchor[own], a, feeds_anchor,
-            ):
+            if not _schedulable(members[own], members[root], anchor[own], a, feeds_anchor):
                 continue
             target = by_name[a] if feeds_anchor else None
             if all(_fuses(producer, by_name[c], target, dims, config, decide_yellow) for c in consumers):
                 parent[own] = root
+                members[root] += members.pop(own)
                 anchor[root] = a or anchor[own]
                 prologue[root] |= prologue[own] | ({producer.name} if feeds_anchor else set())
-    members: dict[str, list[OpInfo]] = {}
+    groups: dict[str, list[OpInfo]] = {}
     for info in ops:
-        members.setdefault(find(info.name), []).append(info)
-    return [Group([m.name for m in ms], [m.mapping for m in ms], anchor[root]) for root, ms in members.items()]
+        groups.setdefault(find(info.name), []).append(info)
+    return [Group([m.name for m in ms], [m.mapping for m in ms], anchor[root]) for root, ms in groups.items()]
 
 
 def _schedulable(own: list[OpInfo], root: list[OpInfo], own_anchor, root_anchor, feeds_anchor: bool) -> bool:

@@ -99,7 +99,8 @@ class PagedAttentionKernels:
             return mod
         out = rewriter.transform()
         # TVM's kernels are referenced by the create call only: drop the ones no longer referenced
-        still_used = {gv for func in out.functions.values() if isinstance(func, relax.Function) for gv in global_vars(func)}
+        still_used = {gv for func in out.functions.values() if isinstance(func, relax.Function)
+                      for gv in relax.analysis.all_global_vars(func)}
         for gv in rewriter.replaced:
             if gv not in still_used:
                 del out[gv]

@@ -10,12 +10,14 @@ the rule then schedules it in phase 4. ``apply`` (DLight's entry point) chains t
 moves on to the next rule. ``family`` is the rule's name in ``fuselight.rules.RULES``.
 
 Rules that replace a function's body with template kernels build it with ``host_branch`` (a
-host-side choice between kernels on a symbolic size) and ``with_kernels`` (the body bound to the
-function's own parameters, marked scheduled).
+host-side choice between kernels on a symbolic size), ``built_once`` (a template written once per
+config, where one serves several branches) and ``with_kernels`` (the body bound to the function's own
+parameters, marked scheduled).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
 
 from tvm import s_tir, tirx
@@ -70,6 +72,34 @@ def host_branch(cond: Any, then_body: tirx.Stmt, else_body: tirx.Stmt | None = N
     """``if cond`` on the host between kernel launches; thread-invariant, so TVM places the kernels'
     shared-memory syncs inside the branches."""
     return tirx.IfThenElse(tirx.op.tvm_thread_invariant(cond), then_body, else_body)
+
+
+def built_once(build: Callable[[Hashable], tirx.Stmt]) -> Callable[[Hashable], tirx.Stmt]:
+    """``build`` (a template: a plan or bucket config -> its kernel body over one function's buffers),
+    written once per config: where the same config serves several ranges of M, each further branch
+    gets a copy of the first body (``fresh_definitions``). Writing a body parses the template's
+    TVMScript, most of a rule's time, and gives the same body for the same config."""
+    bodies: dict[Hashable, tirx.Stmt] = {}
+
+    def body(config: Hashable) -> tirx.Stmt:
+        if config in bodies:
+            return fresh_definitions(bodies[config])
+        bodies[config] = build(config)
+        return bodies[config]
+
+    return body
+
+
+def fresh_definitions(stmt: tirx.Stmt) -> tirx.Stmt:
+    """``stmt`` with new objects for the variables and buffers it defines (a function defines each
+    once); the variables it uses from outside (the function's buffers and sizes) stay."""
+    # ``undefined_vars`` counts a block's iteration variables in, which the block defines.
+    iters: list[tirx.Var] = []
+    tirx.stmt_functor.post_order_visit(
+        stmt, lambda n: iters.extend(iv.var for iv in n.iter_vars) if isinstance(n, tirx.SBlock) else None)
+    free = [v for v in tirx.analysis.undefined_vars(stmt, []) if not any(v.same_as(i) for i in iters)]
+    renewed = s_tir.renew_defs(tirx.PrimFunc(free, stmt))  # renews the parameters too: mapped back
+    return tirx.stmt_functor.substitute(renewed.body, dict(zip(renewed.params, free)))
 
 
 def with_kernels(func: tirx.PrimFunc, body: tirx.Stmt) -> tirx.PrimFunc:

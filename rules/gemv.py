@@ -37,10 +37,11 @@ from tvm.target import Target
 from ..device import require_device
 from ..errors import FuselightError
 from ..target import arch_of
-from .base import AnalyzeScheduleRule, host_branch, with_kernels
+from .base import AnalyzeScheduleRule, built_once, host_branch, with_kernels
 from .gemm.analysis import MatmulDesc, analyze_matmul
 from .gemm.estimate import load_dispatch
 from .gemm.gemv import (
+    body_config,
     check_gemv,
     config_for,
     gemv_body,
@@ -209,9 +210,9 @@ def _symbolic_m(func: tirx.PrimFunc, desc: MatmulDesc, target: Target) -> tirx.P
     rest = _dlight_rest(func, target)
     if rest is None:
         return None
-    body = rest.body
+    body, bucket = rest.body, built_once(lambda cfg: gemv_kernel(ops, cfg, target))
     for upper, cfg in reversed(buckets):
-        body = host_branch(ops.m <= upper, gemv_kernel(ops, cfg, target), body)
+        body = host_branch(ops.m <= upper, bucket(body_config(ops, cfg)), body)
     return with_kernels(func, host_branch(ops.m > 0, body))  # no empty grids
 
 

@@ -26,11 +26,12 @@ from tvm.target import Target
 
 from ..errors import FuselightError
 from ..target import arch_of
-from .base import AnalyzeScheduleRule, host_branch, with_kernels
+from .base import AnalyzeScheduleRule, built_once, host_branch, with_kernels
 from .gemm import gemm_body
 from .gemm.analysis import MatmulDesc, analyze_matmul
 from .gemm.dispatch import plan_ranges, q4_plan_ranges
 from .gemm.estimate import load_dispatch
+from .gemm.gemv import body_config
 from .gemv import gemv_kernel, symbolic_m_buckets
 
 
@@ -77,11 +78,13 @@ class Matmul(AnalyzeScheduleRule):
         if gemv:
             ranges = [r for r in ranges[:-1] if r[0] > gemv[-1][0]] + ranges[-1:]
         # Host-side branch on M: the last range serves every larger M.
-        body = gemm_body(ops, ranges[-1][1])
+        gemm = built_once(lambda plan: gemm_body(ops, plan))
+        gemv_bucket = built_once(lambda cfg: gemv_kernel(ops, cfg, target))
+        body = gemm(ranges[-1][1])
         for upper, plan in reversed(ranges[:-1]):
-            body = host_branch(ops.m <= upper, gemm_body(ops, plan), body)
+            body = host_branch(ops.m <= upper, gemm(plan), body)
         for upper, cfg in reversed(gemv):
-            body = host_branch(ops.m <= upper, gemv_kernel(ops, cfg, target), body)
+            body = host_branch(ops.m <= upper, gemv_bucket(body_config(ops, cfg)), body)
         if desc.m_static is None:
             body = host_branch(ops.m > 0, body)  # no empty grids
         return with_kernels(func, body)

@@ -174,17 +174,26 @@ def _compile(out: Path, *flags: str) -> Path:
     return out
 
 
-def native_object(out_dir: Path) -> Path:
-    """The C++ wrappers as an object file in ``out_dir``, to link into a library (``export_library``'s addons)."""
-    return _compile(Path(out_dir) / "fuselight_kv_hooks.o", "-c")
+def _built(cache_dir: Path, suffix: str, *flags: str) -> Path:
+    """``NATIVE_SOURCE`` compiled with ``flags`` under ``cache_dir``, once per source (the file's name
+    carries the source's hash; not the compiler's version: clear the cache after changing it)."""
+    digest = hashlib.sha256(NATIVE_SOURCE.read_bytes()).hexdigest()[:16]
+    out = Path(cache_dir) / f"fuselight_kv_hooks-{digest}{suffix}"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # Written then renamed, so a concurrent build never reads half a file.
+        _compile(out.with_name(f"{out.name}.{os.getpid()}.tmp"), *flags).replace(out)
+    return out
+
+
+def native_object(cache_dir: Path) -> Path:
+    """The C++ wrappers as an object file (built once per source under ``cache_dir``), to link into a
+    library (``export_library``'s addons)."""
+    return _built(cache_dir, ".o", "-c")
 
 
 def load_native(cache_dir: Path) -> None:
     """Build (once per source, under ``cache_dir``) and load the C++ wrappers into this process: they
     replace the registered Python ones, as loading a library that carries them does."""
-    digest = hashlib.sha256(NATIVE_SOURCE.read_bytes()).hexdigest()[:16]
-    lib = Path(cache_dir) / f"fuselight_kv_hooks-{digest}.so"
-    if not lib.exists():
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        _compile(lib.with_suffix(".tmp"), "-shared").replace(lib)
+    lib = _built(cache_dir, ".so", "-shared")
     ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)

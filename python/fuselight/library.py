@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -138,8 +137,8 @@ def write_library(
     """Write ``executable`` to ``path``, ``meta`` to ``path.json`` and, for a GPU target with
     ``aot_cuda``, its cubins to ``path.cuda/`` (``meta["cuda_sources"]``: CUDA source hash -> cubin;
     ``meta["ptx"]``: whether they are ``target.arch``'s PTX). A library whose KV cache takes
-    ``fuselight.kv_hooks``' wrappers carries their C++ build (``meta["native_kv_hooks"]``), so running
-    it calls no Python a step."""
+    ``fuselight.kv_hooks``' wrappers carries their C++ build (``meta["native_kv_hooks"]``; compiled once
+    into the disk cache), so running it calls no Python a step."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {**meta, "cuda_sources": {}}
@@ -147,11 +146,11 @@ def write_library(
     if target.is_gpu:
         # Also without AOT cubins: the runtime then compiles the source at load, as PTX where this says so.
         meta["ptx"] = target.ptx
-    with tempfile.TemporaryDirectory(prefix="fuselight-export-") as tmp, ThreadPoolExecutor(max_workers=1) as pool:
+    with ThreadPoolExecutor(max_workers=1) as pool:
         # nvcc (a process of its own) runs while TVM exports the library.
         cubins = (pool.submit(aot_compile_cuda, sources, aot_dir(path), target.arch, ptx=target.ptx)
                   if sources is not None else None)
-        addons = [str(kv_hooks.native_object(Path(tmp)))] if kv_hooks.uses_hooks(executable) else []
+        addons = [str(kv_hooks.native_object(default_cache_dir()))] if kv_hooks.uses_hooks(executable) else []
         meta["native_kv_hooks"] = bool(addons)
         executable.export_library(str(path), addons=addons)
         if cubins is not None:

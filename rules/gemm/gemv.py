@@ -56,6 +56,7 @@ instead, with the same prologue (``gemv_common.norm_prologue``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -335,6 +336,16 @@ def piece_word(step: Any, warp: Any, quad: Any, warps: int, run: int) -> Any:
     pieces are adjacent, so each lane reads ``16 run`` contiguous bytes and the four lanes of a row
     ``64 run``. Weights and tokens are read at the same words, so every k meets its token."""
     return ((step // run) * warps + warp) * run * (STEP_K // 2) + (quad * run + step % run) * PIECE_WORDS
+
+
+def body_config(ops: GemmOperands, cfg: GemvConfig) -> GemvConfig:
+    """A config for which ``gemv_body(ops, ...)`` writes the same kernel as for ``cfg``, the same one
+    for every bucket of ``cfg``'s token tiles: for a symbolic M the mma template uses ``max_m`` only
+    through its token tiles (the row template's is 1), so such buckets share one body
+    (``rules.base.built_once``)."""
+    if static_m(ops) is not None or cfg.rows_per_warp is not None:
+        return cfg
+    return dataclasses.replace(cfg, max_m=cfg.token_tiles * MMA_N)
 
 
 def gemv_body(ops: GemmOperands, cfg: GemvConfig, sms: int | None = None) -> Any:

@@ -141,3 +141,19 @@ def test_exported_library_decodes_with_the_native_wrappers(tmp_path):
         sys.setprofile(None)
     assert max(errors) < 1e-4, errors
     assert [c for c in python_calls if c != "register"] == []
+
+
+def test_native_object_is_compiled_once_per_source_into_the_cache(tmp_path, monkeypatch):
+    compiled: list[tuple[str, ...]] = []
+    compile_ = kv_hooks._compile
+
+    def counted(out, *flags):
+        compiled.append(flags)
+        return compile_(out, *flags)
+
+    monkeypatch.setattr(kv_hooks, "_compile", counted)
+    first = kv_hooks.native_object(tmp_path)
+    again = kv_hooks.native_object(tmp_path)
+    assert compiled == [("-c",)] and again == first
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
+    assert first.read_bytes()[:4] == b"\x7fELF"
