@@ -296,7 +296,8 @@ def gemv_kernels(cuda) -> dict[str, tirx.PrimFunc]:
     return {name: Gemv().apply(f, cuda, False).mod["main"].with_attr("global_symbol", name) for name, f in funcs.items()}
 
 
-@pytest.mark.parametrize("name, convert, mma", [("q4_m1", "fuselight_q4_dot32_fp16", False),
+# (M = 1: sm_90's shipped half sums)
+@pytest.mark.parametrize("name, convert, mma", [("q4_m1", "fuselight_q4_dot32_fp16_half_sums", False),
                                                 ("q4_m8", "fuselight_q4_pair_fp16", True),
                                                 ("q4bf16_m1", "fuselight_q4_dot32_bf16", False)])
 def test_gemv_rule_builds_the_q4_paired_kernel(gemv_kernels, name: str, convert: str, mma: bool) -> None:

@@ -198,10 +198,11 @@ def test_too_much_shared_memory_is_refused():
         gemv.check_gemv(ops, cfg, gemv.shared_bytes(ops, cfg) - 4)
 
 
-# 4-bit weights: the dequantize comes along (M = 1: the row template; 2 and 4: the mma one).
-Q4_KERNELS = {"qkv_q4": "fuselight_q4_dot32_fp16", "gate_up_q4": "fuselight_q4_dot32_fp16",
+# 4-bit weights: the dequantize comes along (M = 1: the row template, with sm_90's shipped half sums;
+# 2 and 4: the mma one).
+Q4_KERNELS = {"qkv_q4": "fuselight_q4_dot32_fp16_half_sums", "gate_up_q4": "fuselight_q4_dot32_fp16_half_sums",
               "gate_up_q4_m2": "fuselight_q4_pair_fp16", "qkv_q4bf16_m4": "fuselight_q4_pair_bf16",
-              "lm_head_q4_first": "fuselight_q4_dot32_fp16", "gate_up_q4_looping": "fuselight_q4_dot32_fp16",
+              "lm_head_q4_first": "fuselight_q4_dot32_fp16_half_sums", "gate_up_q4_looping": "fuselight_q4_dot32_fp16",
               "gate_up_q4_m2_tiles": "fuselight_q4_pair_fp16"}
 # Buckets not shipped (yet) that the templates take with the prologue and the paired epilogue: a grid
 # of resident blocks looping over the column groups (M = 1, double-buffered across them), and 4 row
