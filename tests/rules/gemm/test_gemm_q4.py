@@ -207,11 +207,13 @@ def test_rule_takes_the_lm_head_with_a_symbolic_vocabulary(cuda):
         assert kern.outputs - {"C_smem"} == {"compute2"} and "vocab_size" in kern.launch["blockIdx.x"]
     # The last row tile is clamped on load: a row past the vocabulary reads the last row's words
     # (512 a row), whatever the lane's piece.
+    # (The first round's loads index from the block's first column, ``col_first``, the rest from ``col0``.)
     vocab = 1000
     for index in found[0].loads["W"]:
-        last = evaluate(index, {"col0": vocab - 1, "j": 0, "p": 0, "e": 0, "vocab_size": vocab})
+        at = {"j": 0, "p": 0, "e": 0, "vocab_size": vocab}
+        last = evaluate(index, {**at, "col0": vocab - 1, "col_first": vocab - 1})
         assert last == (vocab - 1) * 512
-        assert evaluate(index, {"col0": vocab + 7, "j": 0, "p": 0, "e": 0, "vocab_size": vocab}) == last
+        assert evaluate(index, {**at, "col0": vocab + 7, "col_first": vocab + 7}) == last
 
 
 @pytest.mark.parametrize(

@@ -231,7 +231,7 @@ def test_rule_takes_mlcs_qkv_and_the_kernel_streams_packed_words(cuda):
     packed = re.findall(r"\*\(uint4\*\)\(w_ptr \+ \d+\) = \*\(uint4\*\)\(\w+_ptr \+", source)
     assert len(packed) == unroll * rows_per_warp
     assert re.search(r"uint\* __restrict__ \w+q_weight3", source) or "uint* __restrict__ W_ptr" in source
-    assert "fuselight_q4_dot32_fp16(" in source and "0x64006400u" in source
+    assert "fuselight_q4_dot32_fp16_half_sums(" in source and "0x64006400u" in source  # sm_90 ships half sums
     assert "half* __restrict__" in source and not re.search(r"half \w+\[25165824\]", source)
     assert f"__launch_bounds__({warps * 32}, {min_blocks})" in source
 
