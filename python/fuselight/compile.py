@@ -144,9 +144,9 @@ def graphs_by_default(target: TargetSpec, programmatic_launch: bool, config: Mod
     (docs/experiments/decode-form.md), greedy generation at context 128 without / with graphs:
     SmolLM2-135M (launches ~12x the floor) 1.26 / 0.83 ms/token; Llama-3.2-1B (0.7x) 1.05 / 1.13;
     Llama-3-8B q4f16_1 (1.2x) 2.51 / 2.60. Those graphs ended at every attention call; the whole
-    step in one graph with programmatic launch inside it generates as fast as kernels one by one
-    (Llama-3.2-1B 1.055 / 1.050-1.055, Llama-3-8B fp16 5.27 / 5.26, q4f16_1 2.19 / 2.23) with one
-    host launch a step, so ``build`` takes it where the GPU sets the pace."""
+    step in one graph with programmatic launch inside it generates within 2% of kernels one by one
+    (Llama-3.2-1B 1.055 / 1.050-1.055, Llama-3-8B fp16 5.27 / 5.26, q4f16_1 2.19 / 2.23, q4f16_0
+    2.43 / 2.38) with one host launch a step, so ``build`` takes it where the GPU sets the pace."""
     if target.kind != "cuda":
         return False
     if not (programmatic_launch and tir_pipeline.programmatic_launch_supported(target.kind, target.arch)):
@@ -270,12 +270,11 @@ def build(
     pdl = pipeline != "baseline" and (options or Options()).programmatic_launch
     if cuda_graph is None:
         chosen = options or Options()
-        if chosen.passes is None:
+        whole_step = None  # the default passes and the whole-step graph, where fuselight's defaults run
+        if pdl and chosen.passes is None:
             from .passes import DEFAULT, served  # not at the top: the GPU host's runtime has no passes
 
             whole_step = tuple(served((*DEFAULT, WHOLE_STEP_PASS), chosen.rule_families))
-        else:
-            whole_step = None
         cuda_graph = graphs_by_default(target, pdl, config)
         if cuda_graph and pdl:
             # Where graphs win, the host sets the pace: programmatic launch only lengthens its launch
@@ -285,8 +284,8 @@ def build(
             options = dataclasses.replace(chosen, programmatic_launch=False, passes=whole_step or chosen.passes)
         elif pdl and whole_step is not None and config is not None and device_model(target.arch) is not None:
             # Where the GPU sets the pace, one graph for the whole step with programmatic launch inside
-            # it: as fast in generation as kernels launched one by one, and the host launches once a
-            # step (Llama-3.2-1B and Llama-3-8B fp16 / q4f16_1, decode-form.md).
+            # it: within 2% of kernels launched one by one in generation, single steps mostly faster,
+            # and the host launches once a step (Llama-3.2-1B, Llama-3-8B in four formats; decode-form.md).
             cuda_graph = True
             options = dataclasses.replace(chosen, passes=whole_step)
     if not cuda_graph and options is not None and WHOLE_STEP_PASS in (options.passes or ()):
