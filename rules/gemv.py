@@ -96,17 +96,22 @@ def kn_gemv_config(ops: GemmOperands, target: Target) -> KnGemvConfig | None:
 def symbolic_m_buckets(ops: GemmOperands, target: Target) -> list[tuple[int, GemvConfig]]:
     """``(largest M, bucket)`` in increasing M for a matmul whose M is symbolic: each bucket of the
     arch's GEMV config that takes ``ops``, so the caller can branch on M into the template (which
-    needs no static M) below the GEMM plans."""
+    needs no static M) below the GEMM plans. Neighbouring buckets whose kernels for ``ops`` are the
+    same (``body_config``: the mma template's buckets of one token tile) are one range, so a
+    function lowers and compiles that kernel once."""
     try:
         tops = sorted({c.max_m for c in load_gemv_configs(arch_of(target), ops.dequant is not None)})
     except FuselightError:
         return []
-    buckets = []
+    buckets: list[tuple[int, GemvConfig]] = []
     for top in tops:
         cfg = gemv_config(ops, top, target)
         if cfg is None:
             break  # no gaps: a bucket that does not take ops ends the GEMV range
-        buckets.append((top, cfg))
+        if buckets and body_config(ops, buckets[-1][1]) == body_config(ops, cfg):
+            buckets[-1] = (top, cfg)
+        else:
+            buckets.append((top, cfg))
     return buckets
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import tvm_ffi
 from fuselight.rules.base import built_once, fresh_definitions
 from fuselight.rules.gemm.analysis import analyze_matmul
-from fuselight.rules.gemm.gemv import gemv_body
+from fuselight.rules.gemm.gemv import body_config, config_for, gemv_body, load_gemv_configs
 from fuselight.rules.gemv import symbolic_m_buckets
 from fuselight.rules.matmul import Matmul
 from fuselight.tune.gemm import matmul_prim_func
@@ -86,8 +86,9 @@ def _leaves(stmt: tirx.Stmt) -> list[tirx.Stmt]:
 
 
 def test_matmul_rule_branches_are_the_templates_each_written_alone(cuda):
-    # Llama's o_proj: the GEMV buckets for M <= 2, 4 and 8 share one mma template body (one token
-    # tile), and two wgmma plans serve two ranges each; built once, copied for the others.
+    # Llama's o_proj: the GEMV buckets for M <= 2, 4 and 8 write one mma template body (one token
+    # tile), so they are one branch (M <= 8); two wgmma plans serve two ranges each: built once,
+    # copied for the others.
     func = matmul_prim_func(4096, 4096, "float16").with_attr("target", cuda)
     scheduled = Matmul().apply(func, cuda, False).mod["main"]
     assert tirx.analysis.verify_well_formed(scheduled, assert_mode=False)  # nothing defined twice
@@ -95,11 +96,14 @@ def test_matmul_rule_branches_are_the_templates_each_written_alone(cuda):
     leaves = _leaves(chain.then_case)
     ops = analyze_matmul(func, dequant=True).operands
     buckets = symbolic_m_buckets(ops, cuda)
-    assert [b[0] for b in buckets] == [1, 2, 4, 8, 16] and len(leaves) == 12
+    configs = load_gemv_configs("sm_90")
+    assert [b[0] for b in buckets] == [1, 8, 16] and len(leaves) == 10
+    assert [c.max_m for c in configs if c.max_blocks is None and c.max_k is None] == [1, 2, 4, 8, 16]
+    for m in (2, 4):  # the buckets folded into M <= 8 write its kernel
+        assert tvm_ffi.structural_equal(gemv_body(ops, body_config(ops, config_for(configs, m))), leaves[1])
     for leaf, (_, cfg) in zip(leaves, buckets):
-        assert tvm_ffi.structural_equal(leaf, gemv_body(ops, cfg))
-    same = [tvm_ffi.structural_equal(leaves[i], leaves[j]) for i, j in ((1, 2), (2, 3), (3, 4))]
-    assert same == [True, True, False]
+        assert tvm_ffi.structural_equal(leaf, gemv_body(ops, body_config(ops, cfg)))
+    assert not tvm_ffi.structural_equal(leaves[1], leaves[2])  # two token tiles at M <= 16
 
 
 def test_fresh_definitions_renews_block_iteration_variables():

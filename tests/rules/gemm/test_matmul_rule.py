@@ -157,11 +157,12 @@ def test_bad_dispatch_config_names_the_problem(tmp_path, monkeypatch):
 
 
 # The kernels a symbolic M gets, in host-branch order, read by hand from the shipped sm_90 configs:
-# configs/gemm/gemv.json's buckets for M <= 1, 2, 4, 8, 16 (the row template's 16 warps; the mma
-# template's 16, 16, 16 and 4 warps, 4 floats a lane per 8 tokens), then dispatch.json's measured
+# configs/gemm/gemv.json's buckets for M <= 1, 8, 16 (the row template's 16 warps; the mma template's
+# 16 and 4 warps, 4 floats a lane per 8 tokens; the buckets for M <= 2 and 4 write the M <= 8 kernel,
+# one token tile, so they are its range), then dispatch.json's measured
 # ranges above 16 (wgmma.json: a warpgroup of 128 threads per consumer plus the producer; a lane holds
 # 64 x block_n / 128 floats), each split-K range followed by its reduction.
-_GEMV = [("rows", 512, 1), ("mma", 512, 4), ("mma", 512, 4), ("mma", 512, 4), ("mma", 128, 8)]
+_GEMV = [("rows", 512, 1), ("mma", 512, 4), ("mma", 128, 8)]
 EXPECTED_KERNELS = {
     # <=48 m64n128/sk4, <=64 m64n64/sk2, <=256 m64n128, <=512 n128, <=1024 wgmma, <=1536 n128, then wgmma
     (4096, 4096): _GEMV + [("wgmma", 256, 64), ("reduce", 256, None), ("wgmma", 256, 32), ("reduce", 256, None),
