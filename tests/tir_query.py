@@ -127,7 +127,33 @@ def evaluate(expr: Any, values: dict[str, int]) -> int:
     assert not missing, f"no value for {sorted(missing)} in {expr}"
     bound = stmt_functor.substitute(expr, {v: tirx.const(values[name], v.ty.dtype if hasattr(v.ty, "dtype") else "int32")
                                            for name, v in names.items()})
-    return int(arith.Analyzer().simplify(bound))
+    folded = arith.Analyzer().simplify(bound)
+    return int(folded) if isinstance(folded, tirx.IntImm) else _fold(folded)
+
+
+# The bitwise intrinsics the analyzer leaves unfolded (a swizzle's xor), by op name.
+_BITWISE = {"tirx.bitwise_xor": lambda a, b: a ^ b, "tirx.bitwise_and": lambda a, b: a & b,
+            "tirx.bitwise_or": lambda a, b: a | b, "tirx.shift_left": lambda a, b: a << b,
+            "tirx.shift_right": lambda a, b: a >> b}
+# Integer arithmetic on non-negative values (truncating and floor division agree there), by node type.
+_ARITH = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mul": lambda a, b: a * b,
+          "FloorDiv": lambda a, b: a // b, "FloorMod": lambda a, b: a % b, "Div": lambda a, b: a // b,
+          "Mod": lambda a, b: a % b, "Min": min, "Max": max}
+
+
+def _fold(expr: Any) -> int:
+    """A constant integer expression the analyzer did not fold (bitwise calls inside), folded here."""
+    if isinstance(expr, tirx.IntImm):
+        return int(expr)
+    if isinstance(expr, tirx.Cast):
+        return _fold(expr.value)
+    if isinstance(expr, Call) and expr.op.name in _BITWISE:
+        return _BITWISE[expr.op.name](*(_fold(a) for a in expr.args))
+    kind = type(expr).__name__
+    assert kind in _ARITH, f"not a constant: {expr}"
+    a, b = _fold(expr.a), _fold(expr.b)
+    assert min(a, b) >= 0 or kind in ("Add", "Sub", "Mul", "Min", "Max"), f"negative operand in {expr}"
+    return _ARITH[kind](a, b)
 
 
 def kernels(func: tirx.PrimFunc) -> list[Kernel]:
