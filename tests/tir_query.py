@@ -127,11 +127,74 @@ def evaluate(expr: Any, values: dict[str, int]) -> int:
     assert not missing, f"no value for {sorted(missing)} in {expr}"
     bound = stmt_functor.substitute(expr, {v: tirx.const(values[name], v.ty.dtype if hasattr(v.ty, "dtype") else "int32")
                                            for name, v in names.items()})
-    return int(arith.Analyzer().simplify(bound))
+    folded = arith.Analyzer().simplify(bound)
+    return int(folded) if isinstance(folded, tirx.IntImm) else _fold(folded)
+
+
+# The bitwise intrinsics the analyzer leaves unfolded (a swizzle's xor), by op name.
+_BITWISE = {"tirx.bitwise_xor": lambda a, b: a ^ b, "tirx.bitwise_and": lambda a, b: a & b,
+            "tirx.bitwise_or": lambda a, b: a | b, "tirx.shift_left": lambda a, b: a << b,
+            "tirx.shift_right": lambda a, b: a >> b}
+# Integer arithmetic on non-negative values (truncating and floor division agree there), by node type.
+_ARITH = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mul": lambda a, b: a * b,
+          "FloorDiv": lambda a, b: a // b, "FloorMod": lambda a, b: a % b, "Div": lambda a, b: a // b,
+          "Mod": lambda a, b: a % b, "Min": min, "Max": max}
+
+
+def _fold(expr: Any) -> int:
+    """A constant integer expression the analyzer did not fold (bitwise calls inside), folded here."""
+    if isinstance(expr, tirx.IntImm):
+        return int(expr)
+    if isinstance(expr, tirx.Cast):
+        return _fold(expr.value)
+    if isinstance(expr, Call) and expr.op.name in _BITWISE:
+        return _BITWISE[expr.op.name](*(_fold(a) for a in expr.args))
+    kind = type(expr).__name__
+    assert kind in _ARITH, f"not a constant: {expr}"
+    a, b = _fold(expr.a), _fold(expr.b)
+    assert min(a, b) >= 0 or kind in ("Add", "Sub", "Mul", "Min", "Max"), f"negative operand in {expr}"
+    return _ARITH[kind](a, b)
 
 
 def kernels(func: tirx.PrimFunc) -> list[Kernel]:
     """The kernels ``func`` launches, in program order (both arms of a host-side branch included)."""
+    return _kernels_in(func.body)
+
+
+def host_ranges(func: tirx.PrimFunc) -> list[tuple[int | None, list[Kernel]]]:
+    """The kernels behind ``func``'s host-side branches on M (``m <= c``, each in the else arm of the
+    one before): ``(c, its kernels)`` in order, then ``(None, the last arm's kernels)``."""
+    def first_branch(stmt: Any) -> Any:
+        found: list[Any] = []
+
+        def visit(node: Any) -> bool:
+            if found or _is_grid(node):
+                return False
+            if isinstance(node, tirx.IfThenElse) and isinstance(_bare(node.condition), tirx.LE) \
+                    and isinstance(_bare(node.condition).b, tirx.IntImm):
+                found.append(node)
+                return False
+            return True
+
+        stmt_functor.pre_order_visit(stmt, visit)
+        return found[0] if found else None
+
+    out: list[tuple[int | None, list[Kernel]]] = []
+    stmt = func.body
+    while (branch := first_branch(stmt)) is not None:
+        out.append((int(_bare(branch.condition).b), _kernels_in(branch.then_case)))
+        stmt = branch.else_case
+    return out + [(None, _kernels_in(stmt))]
+
+
+def _bare(cond: Any) -> Any:
+    """A host branch's condition without its ``tvm_thread_invariant`` wrapper."""
+    if isinstance(cond, Call) and cond.op.name == "tirx.tvm_thread_invariant":
+        return cond.args[0]
+    return cond
+
+
+def _kernels_in(stmt: Any) -> list[Kernel]:
     roots: list[Any] = []
 
     def visit(node: Any) -> bool:
@@ -140,7 +203,7 @@ def kernels(func: tirx.PrimFunc) -> list[Kernel]:
             return False  # its inner loops belong to this kernel
         return True
 
-    stmt_functor.pre_order_visit(func.body, visit)
+    stmt_functor.pre_order_visit(stmt, visit)
     return [_kernel(r) for r in roots]
 
 

@@ -208,6 +208,28 @@ def measure_gemv(fn: Callable[[], Any], out: Any | None, ref: Any, tolerance: fl
     return entry
 
 
+def int4pack_weight(n: int, k: int, torch: Any) -> tuple[Any, Any] | Exception:
+    """tinygemm's packed ``[n, k]`` weight and its scales (``_weight_int4pack_mm``'s operands: its own
+    random words, bf16, group 32; for timing only), or the error where this torch lacks it."""
+    try:
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+        w4 = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
+        return w4, torch.rand((k // 32, n, 2), device="cuda").to(torch.bfloat16) + 0.01
+    except Exception as err:  # noqa: BLE001 - recorded as the anchor's error
+        return err
+
+
+def measure_int4pack(anchor: tuple[Any, Any] | Exception, x2: Any, nbytes: int, torch: Any) -> dict[str, Any]:
+    """``_weight_int4pack_mm`` of the tokens ``x2`` ([M, K], as bf16) and ``anchor`` (``int4pack_weight``'s),
+    timed as ``measure_gemv`` times a kernel (no check: another packing), or its error."""
+    if isinstance(anchor, Exception):
+        return {"error": f"{type(anchor).__name__}: {anchor}"[:300]}
+    (w4, sz), xb = anchor, x2.to(torch.bfloat16)
+    entry = measure_gemv(lambda: torch.ops.aten._weight_int4pack_mm(xb, w4, 32, sz), None, None, 0.0, nbytes, torch)
+    entry["note"] = "tinygemm, bf16 tokens, group 32 (timing only)"
+    return entry
+
+
 def gemv_row(case: str, kernel: str, entry: dict[str, Any] | None, widths: tuple[int, int]) -> str:
     """A line of a GEMV probe's table (``entry`` None: the header), the case and kernel names
     ``widths`` wide: time (us), % of the copy rate, relative error, and a mark where not correct."""

@@ -27,6 +27,19 @@ Two halves, one file:
   (``--plans``: only the plans whose names start with these; ``q4rs-``: the weight-in-registers
   template's, ``wgmma-``: the dequantizing producer's).
 
+Batch decode (M = 2..16), its own build and run:
+      python3 bench/probes/q4_gemm.py build .build/q4_batch --batch-decode
+  writes, for each Llama shape of ``BATCH_CASES`` (MLC-LLM's batch functions: tokens ``x[M, 1, k]``,
+  symbolic M; the LM head at a static 128256 rows for the template, which needs a static N), one
+  library ``batch_<case>.so``: the weight-in-registers template under each tile of
+  ``BATCH_RS_TILES`` (token tiles of 16 and 32) and the shipped kernel of the same function (the
+  GEMV buckets, as ``q4_gemv.py`` builds them), with ptxas -v reports and ``manifest.json``.
+      python3 bench/probes/q4_gemm.py run .build/q4_batch/manifest.json -o q4_batch.json [--cases ...] [--m 2 16]
+  (a batch-decode manifest runs this mode) checks every kernel against float64 at each M of
+  ``BATCH_M``, times it, torch's fp16 matmul and ``_weight_int4pack_mm`` (L2 flushed, medians), and
+  prints per case and M the shipped kernel, the best tile, their ratio and the speedups over both
+  anchors, then the geomean and minimum over the cases at M = 2..16.
+
 The cases are MLC-LLM's prefill functions (``fuselight.quant_prim_funcs.q4_linear``, ``prefill``:
 tokens ``x[1, seq_len, k]``): dequantize in two stages, NT_matmul accumulating in float32, the cast epilogue (o_proj and
 down also the residual add, the LM head the second cast to float32 and a symbolic vocabulary, run
@@ -39,13 +52,16 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 # beside this script (its folder is on sys.path)
-from q4_common import CASES, command_line, kernel_args, linear_args, q4_tokens, q4_weights, rel_error, tensor_to_tvm
+from q4_common import (CASES, command_line, gemv_target, int4pack_weight, kernel_args, linear_args, measure_gemv,
+                       measure_int4pack, q4_tokens, q4_weights, rel_error, tensor_to_tvm)
+from q4_gemv import gemv_rule_kernel
 
 M_VALUES = (17, 128, 512, 1000, 1024, 2048, 4095)
 
@@ -93,6 +109,17 @@ SMALL_SWEEP_RS_TILES = (
     (128, 1, 6, "rs", 1),
     (128, 2, 6, "rs", 1),
     (128, 2, 4, "rs", 1),
+)
+# ``build --batch-decode``: batch decode's M on the five Llama shapes, token tiles of 16 and 32 (a 16-token
+# tile wastes nothing at M = 16; 32 halves the weight tiles' count where the grid is short), one or
+# two warpgroups, 6-12 stages, one or two persistent blocks an SM (two only with one warpgroup: two
+# blocks of 384 threads do not fit the registers). Fields: block_t, warpgroups, stages, blocks an SM.
+BATCH_M = (2, 4, 8, 11, 16)
+BATCH_CASES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
+BATCH_RS_TILES = (
+    (16, 1, 8, 1), (16, 1, 12, 1), (16, 1, 8, 2), (16, 1, 12, 2),
+    (16, 2, 6, 1), (16, 2, 8, 1), (16, 2, 12, 1),
+    (32, 1, 8, 1), (32, 1, 8, 2), (32, 2, 6, 1), (32, 2, 8, 1),
 )
 SWEEP_SPLIT_N = 6144  # split-K 2 is swept where N is at most this, for these tiles:
 SWEEP_SPLIT_TILES = ((128, 256, 64, 2, 4, 4), (256, 2, 3, 4), (128, 2, 5, 5))
@@ -194,6 +221,55 @@ def build(out: Path, sweep: bool = True, small_m: bool = False) -> None:
                 f.write(source)
         print(f"{fname}: {len(mod.functions)} functions, {time.time() - t0:.0f} s", flush=True)
     manifest["libraries"] = {key: fname for key, (fname, _) in libs.items()}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    print(f"wrote {out}/manifest.json")
+
+
+def build_batch_decode(out: Path) -> None:
+    """``build --batch-decode`` (the module docstring): a library a case, the manifest."""
+    import tvm
+    from fuselight.compile import library_metadata, write_library
+    from fuselight.device import require_device
+    from fuselight.errors import FuselightError
+    from fuselight.quant_prim_funcs import q4_linear
+    from fuselight.rules.base import host_branch, with_kernels
+    from fuselight.rules.gemm import gemm_body
+    from fuselight.rules.gemm.analysis import analyze_matmul
+    from fuselight.rules.gemm.wgmma_q4 import WgmmaQ4Plan, WgmmaQ4Tile, check_tile
+    from fuselight.runtime import cuda_sources
+
+    spec, target = gemv_target()
+    sms = require_device("sm_90").sms
+    out.mkdir(parents=True, exist_ok=True)
+    manifest: dict[str, Any] = {"batch_decode": {"m": list(BATCH_M)}, "target": spec.options, "cases": {}, "libraries": {}}
+    t0 = time.time()
+    for name in BATCH_CASES:
+        case = CASES[name]
+        batch = q4_linear(**linear_args(case), m=None).with_attr("target", target)
+        funcs = {f"{name}__shipped": gemv_rule_kernel(batch, target, f"{name}__shipped")}
+        func = q4_linear(**dict(linear_args(case), n=case["n"] or case["vocab"]), m=None)
+        ops = analyze_matmul(func, dequant=True).operands
+        entries = []
+        for bt, wg, stages, per_sm in BATCH_RS_TILES:
+            plan = WgmmaQ4Plan(WgmmaQ4Tile(bt, wg, stages, group_m=8, max_blocks=sms * per_sm))
+            try:
+                check_tile(plan.tile, ops)
+            except FuselightError as err:  # a tile this shape cannot take: recorded
+                print(f"batch {name} {_q4_name(plan)}: {err}", flush=True)
+                continue
+            fname = f"{name}__{_q4_name(plan).replace('-', '_')}"
+            body = host_branch(ops.m > 0, gemm_body(ops, plan))
+            funcs[fname] = with_kernels(func, body).with_attr("target", target).with_attr("global_symbol", fname)
+            entries.append({"plan": _q4_name(plan), "function": fname})
+        lib = tvm.compile(tvm.IRModule(funcs), target=target)
+        fname = f"batch_{name}.so"
+        write_library(lib, out / fname, library_metadata(spec, "fuselight", "dlight (MLC-LLM's GPU rules)", probe="q4_gemm"), spec)
+        _ptxas_report("\n".join(cuda_sources(lib)), out / f"batch_{name}_ptxas.txt")
+        manifest["cases"][name] = {**case, "params": [p.name for p in batch.params], "shipped": f"{name}__shipped",
+                                   "rs": entries}
+        manifest["libraries"][name] = fname
+        print(f"{fname}: {len(funcs)} functions, {(out / fname).stat().st_size / 2**20:.1f} MiB, {time.time() - t0:.0f} s",
+              flush=True)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"wrote {out}/manifest.json")
 
@@ -463,15 +539,104 @@ def run_sweep(manifest_path: Path, out_json: Path, only: list[str] | None, ms: l
     print(f"wrote {out_json}")
 
 
+def run_batch_decode(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[int] | None) -> None:
+    """A batch-decode manifest's run (the module docstring): every kernel checked, then timed, with the anchors."""
+    import torch
+    import tvm
+    from fuselight.bench.timing import device_name
+    from fuselight.runtime import load_module
+
+    manifest = json.loads(manifest_path.read_text())
+    results: dict[str, Any] = {"device": device_name("cuda"), "torch": torch.__version__, "manifest": str(manifest_path),
+                               "cases": {}}
+    rows = []
+    for idx, (name, case) in enumerate(manifest["cases"].items()):
+        if only and name not in only:
+            continue
+        lib = load_module(manifest_path.parent / manifest["libraries"][name])[0]
+        wd = q4_weights(case, torch, seed=2468 + idx)
+        n, k = wd["n"], wd["k"]
+        weight_bytes = n * k // 2 + n * (k // case.get("group", 32)) * 2  # packed words + scales
+        anchor = int4pack_weight(n, k, torch)
+        rec: dict[str, Any] = {"n": n, "k": k, "epilogue": case.get("epilogue", "cast"), "weight_bytes": weight_bytes, "m": {}}
+        for m in ms or manifest["batch_decode"]["m"]:
+            data = q4_tokens(case, wd, (m, 1), torch)
+            ks: dict[str, Any] = {}
+            for label, fname in [("shipped", case["shipped"])] + [(e["plan"], e["function"]) for e in case["rs"]]:
+                out = torch.full((m, 1, n), float("nan"), dtype=data["out_dtype"], device="cuda")
+                args = kernel_args(case["params"], wd, data, out, tvm, torch)
+                f = lib[fname]
+                ks[label] = measure_gemv(lambda f=f, args=args: f(*args), out, data["ref"], 1e-3, weight_bytes, torch)
+                del out, args
+            x2 = data["x"].reshape(m, k)
+            ks["torch_fp16_linear"] = measure_gemv(lambda: torch.nn.functional.linear(x2, wd["w"]), None, None, 0.0,
+                                                   weight_bytes, torch)
+            ks["torch_int4pack_mm"] = measure_int4pack(anchor, x2, weight_bytes, torch)
+            tiles = [(e["median_us"], p["plan"]) for p in case["rs"] if (e := ks[p["plan"]]).get("correct")]
+            best = min(tiles, default=None)
+            rec["m"][str(m)] = {"shape": {"n": n, "k": k, "m": m, "quantization": "q4f16_1"}, "kernels": ks,
+                                "best_tile": best[1] if best else None}
+            rows.append((name, m, ks, best))
+            del data
+        results["cases"][name] = rec
+        del wd, anchor
+        torch.cuda.empty_cache()
+        print(f"{name} done", file=sys.stderr, flush=True)
+    _batch_table(rows)
+    bad = [(name, m, lbl, e.get("rel_err"), e.get("error")) for name, m, ks, _ in rows for lbl, e in ks.items()
+           if "error" in e or e.get("correct") is False]
+    for err in bad:
+        print("NOT CORRECT / ERROR:", *err)
+    out_json.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {out_json}")
+
+
+def _batch_table(rows: list[tuple[str, int, dict[str, Any], tuple[float, str] | None]]) -> None:
+    """Print the batch-decode run's table and, over its points, the geomean and minimum speedups over
+    both anchors of the shipped kernel and of the faster of it and the best tile."""
+    def us(e: dict[str, Any]) -> float | None:
+        return e["median_us"] if "median_us" in e and e.get("correct", True) else None
+
+    print(f"{'case':<8} {'M':>3} {'shipped':>8} {'best tile':<18} {'us':>8} {'tile/shp':>8} {'torch16':>8} {'int4pk':>8}"
+          f" {'x16 shp':>7} {'x16 best':>8} {'xint4 best':>10}")
+    ratios: dict[str, list[float]] = {"x16 shipped": [], "x16 best": [], "xint4 shipped": [], "xint4 best": []}
+    for name, m, ks, best in rows:
+        shipped, t16, i4 = us(ks["shipped"]), us(ks["torch_fp16_linear"]), us(ks["torch_int4pack_mm"])
+        tile_us = best[0] if best else None
+        fastest = min((t for t in (shipped, tile_us) if t is not None), default=None)
+
+        def ratio(a: float | None, b: float | None) -> str:
+            return f"{a / b:.2f}" if a is not None and b is not None else "-"
+        for key, anchor, ours in (("x16 shipped", t16, shipped), ("x16 best", t16, fastest),
+                                  ("xint4 shipped", i4, shipped), ("xint4 best", i4, fastest)):
+            if anchor is not None and ours is not None:
+                ratios[key].append(anchor / ours)
+        print(f"{name:<8} {m:>3} {shipped or float('nan'):8.2f} {best[1] if best else '-':<18} {tile_us or float('nan'):8.2f}"
+              f" {ratio(tile_us, shipped):>8} {t16 or float('nan'):8.2f} {i4 or float('nan'):8.2f} {ratio(t16, shipped):>7}"
+              f" {ratio(t16, fastest):>8} {ratio(i4, fastest):>10}")
+    for key, values in ratios.items():
+        if values:
+            gm = math.exp(sum(map(math.log, values)) / len(values))
+            print(f"{key}: geomean x{gm:.2f}, min x{min(values):.2f} over {len(values)} points")
+
+
 def main() -> None:
-    ap, r = command_line(__doc__, "leave out the config sweep (sweep.so)", lambda b: b.add_argument(
-        "--small-m", action="store_true", help="sweep the weight-in-registers tiles at M up to 512 instead"))
+    def build_options(b: Any) -> None:
+        b.add_argument("--small-m", action="store_true", help="sweep the weight-in-registers tiles at M up to 512 instead")
+        b.add_argument("--batch-decode", action="store_true",
+                       help="batch decode's M = 2..16 instead: token tiles of 16 and 32 against the GEMV buckets")
+
+    ap, r = command_line(__doc__, "leave out the config sweep (sweep.so)", build_options)
     r.add_argument("--m", nargs="*", type=int)
     r.add_argument("--sweep", action="store_true", help="time the config sweep (sweep.so) instead")
     r.add_argument("--plans", nargs="*", help="with --sweep: only the plans whose names start with these (e.g. q4rs- wgmma-)")
     a = ap.parse_args()
-    if a.cmd == "build":
+    if a.cmd == "build" and a.batch_decode:
+        build_batch_decode(a.out)
+    elif a.cmd == "build":
         build(a.out, sweep=not a.no_sweep, small_m=a.small_m)
+    elif "batch_decode" in json.loads(a.manifest.read_text()):
+        run_batch_decode(a.manifest, a.output, a.cases, a.m)
     elif a.sweep:
         run_sweep(a.manifest, a.output, a.cases, a.m, a.plans)
     else:

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 # beside this script (its folder is on sys.path)
-from q4_common import (CASES, TARGET, chosen_cases, command_line, gemv_target, kernel_args, linear_args, measure_gemv,
-                       open_gemv_run, q4_tokens, q4_weights, write_gemv_libraries)
+from q4_common import (CASES, TARGET, chosen_cases, command_line, gemv_target, int4pack_weight, kernel_args, linear_args,
+                       measure_gemv, measure_int4pack, open_gemv_run, q4_tokens, q4_weights, write_gemv_libraries)
 
 # Token rows timed: decode (1) and batch decode up to the GEMV buckets' 16.
 MS = (1, 2, 3, 4, 5, 7, 8, 11, 13, 16)
@@ -117,13 +117,24 @@ def _dlight_batch(func: Any, target: Any) -> dict[str, tuple[Any, str]]:
     return {"lb2": sched(dl.gpu.LowBatchGEMV(2), *rest), "lb4": sched(*rest), "gemm": sched(dl.gpu.Matmul(), *rest)}
 
 
+def gemv_rule_kernel(func: Any, target: Any, fname: str) -> Any:
+    """``func`` as the Gemv rule schedules it with the shipped configs (a static M: its bucket; a
+    symbolic M: every bucket behind host branches on M), named ``fname``."""
+    from fuselight.rules.gemv import Gemv
+
+    sch = Gemv().apply(func, target, False)
+    if sch is None:
+        raise SystemExit(f"{fname}: the Gemv rule does not take it")
+    return sch.mod["main"].with_attr("global_symbol", fname)
+
+
 def build(out: Path, sweep: bool) -> None:
     from fuselight.device import require_device
     from fuselight.quant_prim_funcs import q4_linear
     from fuselight.rules.base import with_kernels
     from fuselight.rules.gemm import gemv
     from fuselight.rules.gemm.analysis import analyze_matmul
-    from fuselight.rules.gemv import Gemv, gemv_config, symbolic_m_buckets
+    from fuselight.rules.gemv import gemv_config, symbolic_m_buckets
 
     _, target = gemv_target()
     sms = require_device(TARGET["arch"]).sms
@@ -132,10 +143,7 @@ def build(out: Path, sweep: bool) -> None:
         entry: dict[str, Any] = {**case, "functions": {"decode": f"{name}__m1", "batch": f"{name}__batch"}, "variants": {}}
         funcs = {m: q4_linear(**linear_args(case), m=m).with_attr("target", target) for m in (1, None)}
         for m, fname in ((1, f"{name}__m1"), (None, f"{name}__batch")):
-            sch = Gemv().apply(funcs[m], target, False)
-            if sch is None:
-                raise SystemExit(f"{name}: the Gemv rule does not take M = {m or 'batch_size'}")
-            ours[fname] = sch.mod["main"].with_attr("global_symbol", fname)
+            ours[fname] = gemv_rule_kernel(funcs[m], target, fname)
         entry["params"] = [p.name for p in funcs[1].params]
         ops1 = analyze_matmul(funcs[1], dequant=True).operands
         entry["config"] = _cfg_dict(gemv_config(ops1, 1, target))
@@ -188,13 +196,7 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
                                "epilogue": case.get("epilogue", "cast"), "weight_bytes": weight_bytes,
                                "config": case["config"], "batch_buckets": case.get("batch_buckets"),
                                "dlight_batch": case.get("dlight_batch"), "m": {}}
-        # tinygemm's packed weight (timing only: its own random words, bf16 tokens, group 32).
-        try:
-            packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
-            w4 = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
-            sz = torch.rand((k // 32, n, 2), device="cuda").to(torch.bfloat16) + 0.01
-        except Exception as err:  # noqa: BLE001
-            w4 = err
+        w4 = int4pack_weight(n, k, torch)  # tinygemm's packed weight (timing only)
         for m in ms or manifest.get("ms", [1]):
             data = q4_tokens(case, wd, (m, 1), torch)
             mrec: dict[str, Any] = {"shape": {"n": n, "k": k, "m": m, "quantization": quant}, "kernels": {}}
@@ -227,12 +229,7 @@ def run(manifest_path: Path, out_json: Path, only: list[str] | None, ms: list[in
             # Anchors: torch's fp16 matmul of the dequantized weight, tinygemm's int4 matmul (bf16).
             x2 = data["x"].reshape(m, k)
             measure("torch_fp16_linear", lambda: torch.nn.functional.linear(x2, wd["w"]), None)
-            if isinstance(w4, Exception):
-                mrec["kernels"]["torch_int4pack_mm"] = {"error": f"{type(w4).__name__}: {w4}"[:300]}
-            else:
-                xb = x2.to(torch.bfloat16)
-                measure("torch_int4pack_mm", lambda: torch.ops.aten._weight_int4pack_mm(xb, w4, 32, sz), None)
-                mrec["kernels"]["torch_int4pack_mm"]["note"] = "tinygemm, bf16 tokens, group 32 (timing only)"
+            mrec["kernels"]["torch_int4pack_mm"] = measure_int4pack(w4, x2, weight_bytes, torch)
             rec["m"][str(m)] = mrec
             ks = mrec["kernels"]
             best = min(((lbl, e["median_us"]) for lbl, e in ks.items() if lbl.startswith(("w", "mma_", "shipped"))

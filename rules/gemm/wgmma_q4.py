@@ -30,9 +30,15 @@ wgmma group runs (PTX ISA), so the K loop is unrolled by two with a register set
 ``k + 1`` is dequantized into the other set while slice ``k``'s group runs.
 
 The accumulators are ``64 features x block_t tokens`` a warpgroup; the epilogue transposes them
-through a shared buffer of the warpgroup's own in chunks of 64 tokens (feature piece ``p`` of
-token row ``r`` stored at ``p ^ ((r / 2) % 4)``: the accumulator writes of a warp hit 32 banks),
-then every thread applies ``ops.out.value`` to 8 adjacent features of a token: 16-byte stores.
+through a shared buffer of the warpgroup's own in chunks of ``epi_tokens(block_t)`` tokens (64
+where ``block_t`` is a multiple of 64, else the largest multiple of 16 below it dividing
+``block_t``: 16, 32 or 48 for batch decode's small token tiles; feature piece ``p`` of token row
+``r`` stored at ``p ^ ((r / 2) % 4)``: the accumulator writes of a warp hit 32 banks), then every
+thread applies ``ops.out.value`` to 8 adjacent features of a token: 16-byte stores, a chunk's
+token rows 16 at a time over the warpgroup's 128 threads (so ``block_t`` is a multiple of 16).
+A token tile of 16 rows is one 2 KB slot (two 8-row swizzle atoms: TMA's box, 64 halves x 16 rows
+under the 128-byte swizzle, and wgmma's B descriptor, atoms 1024 bytes apart, are those of any
+``block_t``); slots stay on 1024-byte atoms.
 
 Blocks are persistent (``max_blocks``), walking the tiles in groups of ``group_m`` token tiles (the
 ``wgmma`` template's order). Served: fp16 tokens, the NK layout in order with a constant integer
@@ -91,6 +97,9 @@ SCALES_A_CHUNK = 8  # scales of a row a TMA box holds (16 bytes: TMA's narrowest
 SCALE_CHUNK_BYTES = SCALES_A_CHUNK * ELEM_BYTES
 UNROLL = 2  # register sets of A fragments (one slice in flight while the next is dequantized)
 A_REGS = 4  # 32-bit registers of one m64k16 A fragment a thread
+# The epilogue's 128 threads store 8-feature pieces (EPI_VEC) of a warpgroup's 64 features: 16 token
+# rows at a time, so token tiles and epilogue chunks are multiples of this.
+EPI_ROWS = WARPGROUP * EPI_VEC // WGMMA_M
 RS_PREFIX = "q4rs-"  # the tiles' names in configs/gemm/mma_sync_q4.json (``wgmma_rs_tiles``)
 # fp16 bit patterns of the conversion's constants.
 HALF_ONE, HALF_SIXTEENTH = 0x3C00, 0x2C00
@@ -120,6 +129,12 @@ def cvt_source(zero: int) -> str:
     mul = HALF_ONE | HALF_SIXTEENTH << 16
     add = _half_bits(-(1024 + zero)) | _half_bits(-(64 + zero)) << 16
     return CVT_SOURCE.format(name=CVT, magic=hex(MAGIC), mul=hex(mul), add=hex(add))
+
+
+def epi_tokens(block_t: int) -> int:
+    """Token rows of an epilogue chunk for a ``block_t``-token tile: ``EPI_COLS`` where that divides
+    it, else the largest multiple of ``EPI_ROWS`` below ``EPI_COLS`` that does (the whole tile up to 48)."""
+    return max(c for c in range(EPI_ROWS, EPI_COLS + 1, EPI_ROWS) if block_t % c == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +214,7 @@ def smem_layout(tile: WgmmaQ4Tile, group: int) -> Smem:
     s_chunk = tile.block_f * SCALE_CHUNK_BYTES
     ring = scale_ring(tile, group)
     epi_base = s_base + ring * s_chunk
-    bar_base = epi_base + tile.warpgroups * WGMMA_M * EPI_COLS * FLOAT_BYTES
+    bar_base = epi_base + tile.warpgroups * WGMMA_M * epi_tokens(tile.block_t) * FLOAT_BYTES
     return Smem(x_slot, w_base, w_slot, s_base, s_chunk, ring, epi_base, bar_base,
                 bar_base + 2 * tile.stages * MBAR_BYTES)
 
@@ -216,8 +231,9 @@ def check_tile(tile: WgmmaQ4Tile, ops: GemmOperands, split_k: int = 1) -> None:
         raise FuselightError("wgmma q4 gemm: a paired epilogue, a norm prologue or no epilogue is unsupported")
     if split_k != 1:
         raise FuselightError(f"wgmma q4 gemm: split_k {split_k} unsupported (1 only)")
-    if tile.block_t % EPI_COLS or not EPI_COLS <= tile.block_t <= WGMMA_N_MAX:
-        raise FuselightError(f"wgmma q4 tile: block_t {tile.block_t} must be a multiple of {EPI_COLS} up to {WGMMA_N_MAX}")
+    if tile.block_t % EPI_ROWS or not EPI_ROWS <= tile.block_t <= WGMMA_N_MAX:
+        raise FuselightError(f"wgmma q4 tile: block_t {tile.block_t} must be a multiple of {EPI_ROWS} (the epilogue's "
+                             f"token rows at a time) up to {WGMMA_N_MAX}")
     if tile.warpgroups not in SUPPORTED_WARPGROUPS:
         raise FuselightError(f"wgmma q4 tile: warpgroups {tile.warpgroups} unsupported (supported: {list(SUPPORTED_WARPGROUPS)})")
     if tile.stages < GROUPS_IN_FLIGHT + 1 or tile.group_m < 1 or tile.max_blocks < 1:
@@ -252,8 +268,9 @@ def wgmma_q4_gemm(ops: GemmOperands, tile: WgmmaQ4Tile) -> tvm.tirx.Stmt:
     n_acc = WGMMA_M * bt // WARPGROUP
     consumer_warps = consumers // WARP
     pieces = WGMMA_M // EPI_VEC  # 8-feature pieces of a chunk row (a token's warpgroup features)
-    per_thread = EPI_COLS * pieces // WARPGROUP  # pieces a thread stores a chunk
-    epi_chunk = EPI_COLS * WGMMA_M  # floats a warpgroup: EPI_COLS token rows of its 64 features
+    chunk_t = epi_tokens(bt)  # token rows of an epilogue chunk
+    per_thread = chunk_t * pieces // WARPGROUP  # pieces a thread stores a chunk
+    epi_chunk = chunk_t * WGMMA_M  # floats a warpgroup: chunk_t token rows of its 64 features
     out_buf = ops.out.buffer
     grown_regs = consumer_regs(tile.warpgroups, PRODUCER_REGS)
     cvt_src = cvt_source(int(deq.zero))
@@ -396,14 +413,15 @@ def wgmma_q4_gemm(ops: GemmOperands, tile: WgmmaQ4Tile) -> tvm.tirx.Stmt:
                                 consume_slice(buf_dyn_shmem, regs1, w_smem, s_smem, words, scales, acc, smem_desc, tid, wg, ti, kp * UNROLL + 1)
                             retire(buf_dyn_shmem, acc, tid, ti)
                             # Accumulator 4j + 2h + e: feature 16 w + g + 8h of the warpgroup's 64 (piece
-                            # 2w + h, place g), token 8j + 2t + e; a chunk holds j = 8 cc .. 8 cc + 7.
-                            for cc in T.unroll(bt // EPI_COLS):
-                                for jj in T.unroll(EPI_COLS // 8):
+                            # 2w + h, place g), token 8j + 2t + e; chunk cc holds j = cc c .. cc c + c - 1
+                            # (c = chunk_t / 8).
+                            for cc in T.unroll(bt // chunk_t):
+                                for jj in T.unroll(chunk_t // 8):
                                     for h in T.unroll(2):
                                         for e in T.unroll(2):
                                             epi[wg * epi_chunk + (jj * 8 + tid % 4 * 2 + e) * WGMMA_M
                                                 + T.bitwise_xor((tid % WARPGROUP) // WARP * 2 + h, tid % 4) * EPI_VEC
-                                                + (tid % WARP) // 4] = acc[(cc * 8 + jj) * 4 + h * 2 + e]
+                                                + (tid % WARP) // 4] = acc[(cc * (chunk_t // 8) + jj) * 4 + h * 2 + e]
                                 T.cuda.warpgroup_sync(1 + wg)
                                 # Thread i of the warpgroup: feature piece i % 8 of token rows i / 8 + 16 r. All
                                 # values first (rows past M clamped to the last row, so the loads are
@@ -412,12 +430,12 @@ def wgmma_q4_gemm(ops: GemmOperands, tile: WgmmaQ4Tile) -> tvm.tirx.Stmt:
                                     row: T.let[T.int32] = r * (WARPGROUP // pieces) + (tid % WARPGROUP) // pieces
                                     for e in T.vectorized(EPI_VEC):
                                         vals[r * EPI_VEC + e] = ops.out.value(
-                                            T.Cast("int64", T.min(t0 + cc * EPI_COLS + row, m - 1)),
+                                            T.Cast("int64", T.min(t0 + cc * chunk_t + row, m - 1)),
                                             f0 + wg * WGMMA_M + tid % pieces * EPI_VEC + e,
                                             epi[wg * epi_chunk + row * WGMMA_M + T.bitwise_xor(tid % pieces, T.truncmod(row // 2, 4)) * EPI_VEC + e],
                                         )
                                 for r in T.unroll(per_thread):
-                                    tok: T.let[T.int32] = t0 + cc * EPI_COLS + r * (WARPGROUP // pieces) + (tid % WARPGROUP) // pieces
+                                    tok: T.let[T.int32] = t0 + cc * chunk_t + r * (WARPGROUP // pieces) + (tid % WARPGROUP) // pieces
                                     if tok < m:
                                         for e in T.vectorized(EPI_VEC):
                                             out_buf[ops.out.index(T.Cast("int64", tok), f0 + wg * WGMMA_M + tid % pieces * EPI_VEC + e)] = vals[r * EPI_VEC + e]
