@@ -212,16 +212,20 @@ _PARAM = re.compile(r"ld\.param\.u64\s+(%rd\d+),\s*\[(\w+)_param_(\d+)\]")
 _REG = re.compile(r"%\w+")
 
 
-def nc_load_origins(ptx: str, kernel_name: str) -> list[set[int]]:
-    """For each ``ld.global.nc`` of the kernel, the kernel parameters (indices) its address may derive
-    from: a flow-insensitive closure over the PTX's register definitions (ld.param gives a parameter;
-    arithmetic and moves carry their operands'; other loads start nothing)."""
+def _ptx_body(ptx: str, kernel_name: str) -> list[str]:
     start = ptx.index(f".entry {kernel_name}(")
-    body = ptx[start:ptx.find(".entry", start + 1) if ".entry" in ptx[start + 1:] else len(ptx)]
+    end = ptx.find(".entry", start + 1)
+    return ptx[start:end if end > 0 else len(ptx)].splitlines()
+
+
+def nc_loads(ptx: str, kernel_name: str) -> list[tuple[int, set[int]]]:
+    """Each ``ld.global.nc`` of the kernel: its line in the kernel's PTX and the kernel parameters
+    (indices) its address may derive from: a flow-insensitive closure over the register definitions
+    (ld.param gives a parameter; arithmetic and moves carry their operands'; other loads start nothing)."""
     origins: dict[str, set[int]] = {}
     defs: list[tuple[str, list[str]]] = []
     nc_addresses = []
-    for line in body.splitlines():
+    for n, line in enumerate(_ptx_body(ptx, kernel_name)):
         line = re.sub(r"^\s*@!?%p\d+\s+", "", line.strip())
         m = _PARAM.match(line)
         if m:
@@ -229,7 +233,7 @@ def nc_load_origins(ptx: str, kernel_name: str) -> list[set[int]]:
             continue
         op, _, rest = line.partition(" ")
         if op.startswith("ld.global.nc"):
-            nc_addresses.append(re.search(r"\[(%rd\d+)", rest).group(1))
+            nc_addresses.append((n, re.search(r"\[(%rd\d+)", rest).group(1)))
         if op.startswith(("ld.", "st.", "atom.", "red.", "bra", "setp", "bar", "@", "//", ".")) or not rest:
             continue
         regs = _REG.findall(rest)
@@ -243,7 +247,7 @@ def nc_load_origins(ptx: str, kernel_name: str) -> list[set[int]]:
             if new:
                 origins.setdefault(dst, set()).update(new)
                 changed = True
-    return [origins.get(a, set()) for a in nc_addresses]
+    return [(n, origins.get(a, set())) for n, a in nc_addresses]
 
 
 def _pointer_params(source: str, kernel_name: str) -> list[str]:
@@ -261,11 +265,26 @@ def test_no_buffer_the_kernel_writes_is_read_through_the_read_only_path(built, s
     # Every other pointer is one of the function's inputs (weights, scales, norms, x, residual): no
     # second pointer to a written buffer (a flat view's) that nvcc could take for read-only.
     assert len(params) - len(written) == len(built["funcs"][scheme][0].params) - STAGES
-    origins = nc_load_origins(built["ptx"], name)
-    nc_params = {params[i] for o in origins for i in o}
+    nc_params = {params[i] for _, o in nc_loads(built["ptx"], name) for i in o}
     assert nc_params, "the weights are read through ld.global.nc"  # (the analysis sees such loads)
     assert any(p.startswith("W_ptr") for p in nc_params)
     assert not nc_params & written
+
+
+@pytest.mark.parametrize("scheme", WEIGHTS)
+def test_in_the_ptx_each_stage_loads_weights_before_its_barrier(built, scheme):
+    # The TIR's order survives NVVM: each barrier's counter reset (one atom.exch a barrier) comes
+    # after a load of the next stage's weights (W, W_1, ...: the stages' views in order) and after the
+    # last barrier before it.
+    name = f"persistent_{WEIGHTS[scheme]}_kernel"
+    params = _pointer_params(built["source90"], name)
+    barriers = [n for n, line in enumerate(_ptx_body(built["ptx"], name)) if "atom.global.exch" in line]
+    assert len(barriers) == STAGES - 1
+    loads = nc_loads(built["ptx"], name)
+    for s in range(1, STAGES):
+        weight = params.index(f"W_ptr_{s}")
+        first = min(n for n, o in loads if weight in o)
+        assert (barriers[s - 2] if s > 1 else 0) < first < barriers[s - 1]
 
 
 def test_nc_origins_follow_address_arithmetic():
@@ -279,7 +298,7 @@ def test_nc_origins_follow_address_arithmetic():
 \tld.global.nc.v4.u32 \t{%r2, %r3, %r4, %r5}, [%rd5+16];
 \tld.global.u16 \t%rs1, [%rd1];
 }"""
-    assert nc_load_origins(ptx, "k") == [{1}]
+    assert nc_loads(ptx, "k") == [(6, {1})]
 
 
 # --- the occupancy guard and other refusals ---------------------------------------------------------
