@@ -55,7 +55,6 @@ from typing import Any
 
 from fuselight.device import require_device
 from fuselight.errors import FuselightError
-
 from fuselight.paths import config_dir
 
 from .. import arch_config
