@@ -40,6 +40,11 @@ grid: the token row is staged once a block, and with ``double_buffer`` a warp is
 group's first round while computing the last of this one, so a block streams without a gap
 between groups and the grid has no partial last wave of block launches.
 
+``rows_stage`` is one block's work as a TIR macro over ``(bx, tid)`` and the shared token row, with
+a hook after the block's first round of weight loads and before anything else is read;
+``rows_body`` binds it to a grid of its own, and ``gemv_persistent`` runs several, one per stage of a
+decode layer, in one kernel with a grid barrier at each hook.
+
 Why beside the mma template: at M = 1 the tensor cores buy nothing, and there its rows-of-16 layout
 (64 bytes of each of 16 rows a load) streamed the decode step's smaller projections slower than
 whole-row streaming (``docs/experiments/config-gemm-gemv.md`` has the numbers).
@@ -166,6 +171,42 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig, sms: int | None = None) -> Any
     """The kernel body (a ``tvm.tirx.Stmt``) computing ``ops`` (M = 1) over ``ops``' buffers; call
     it through ``gemv.gemv_body``, which checks first that the template serves ``ops`` (and that
     ``sms``, the device's SM count, is given where ``cfg.grid_blocks_per_sm`` needs it)."""
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    groups_n = rows_grid_blocks(ops, cfg)  # column groups: a block's each, or looped over
+    blocks = groups_n
+    if cfg.grid_blocks_per_sm is not None:
+        resident = sms * cfg.grid_blocks_per_sm
+        blocks = min(groups_n, resident) if isinstance(groups_n, int) else tirx.min(groups_n, resident)
+    stage, views = rows_stage(ops, cfg, blocks, looping=cfg.grid_blocks_per_sm is not None)
+    threads = cfg.warps * WARP
+
+    # fmt: off
+    @T.prim_func(s_tir=True, check_well_formed=False)
+    def body():
+        for bx in T.thread_binding(blocks, thread="blockIdx.x"):
+            for tid in T.thread_binding(threads, thread="threadIdx.x"):
+                with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", cfg.min_blocks_per_sm), T.sblock("gemv_rows"):
+                    T.reads()
+                    T.writes()
+                    xs = T.sblock_alloc_buffer((ops.k,), ops.dtype, scope="shared")
+                    stage(bx, tid, xs)
+    # fmt: on
+    return declared(views, body.body)
+
+
+def rows_stage(ops: GemmOperands, cfg: GemvConfig, blocks: Any, looping: bool, hook: Any = None) -> Any:
+    """The per-block work of the row template as a TIR macro ``stage(bx, tid, xs)``, to be expanded
+    inside a kernel's ``blockIdx.x`` / ``threadIdx.x`` bindings (``bx`` of ``blocks``, ``cfg.warps``
+    warps) and an ``sblock`` it allocates its registers in; ``xs``: a shared buffer of at least
+    ``ops.k`` elements of ``ops.dtype`` for the token row. ``looping``: block ``bx`` computes column
+    groups ``bx``, ``bx + blocks``, ... (``blocks`` may then be fewer or more than the groups);
+    else group ``bx`` alone. ``hook``: a TIR macro without arguments expanded after the block's
+    first round of weight loads and before anything else is read (the token row, the norm's input):
+    ``gemv_persistent``'s grid barrier. Returns the macro and the flat views of ``ops``' buffers it
+    reads through, for the caller to declare around its kernel (``declared``)."""
+    from tvm import tirx
     from tvm.backend.cuda import op as cuda_op
     from tvm.script import tirx as T
 
@@ -179,20 +220,14 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig, sms: int | None = None) -> Any
     pieces = k // piece_k  # 16-byte pieces of a row
     rounds = -(-pieces // (WARP * unroll))
     ragged = pieces % (WARP * unroll) != 0
-    # A looping block (``grid_blocks_per_sm``) double-buffers across its groups too.
-    looping = cfg.grid_blocks_per_sm is not None
+    # A looping block double-buffers across its groups too.
     double_buffer = cfg.double_buffer and (rounds > 1 or looping)
-    groups_n = rows_grid_blocks(ops, cfg)  # column groups: a block's each, or looped over
-    blocks, iters = groups_n, 1
+    groups_n = rows_grid_blocks(ops, cfg)  # column groups
+    iters = 1
     if looping:
-        resident = sms * cfg.grid_blocks_per_sm
-        if isinstance(groups_n, int):
-            blocks = min(groups_n, resident)
+        if isinstance(groups_n, int) and isinstance(blocks, int):
             iters = -(-groups_n // blocks)
         else:
-            from tvm import tirx
-
-            blocks = tirx.min(groups_n, resident)
             iters = tirx.floordiv(groups_n + blocks - 1, blocks)
     group_cols = warps * cols_w  # output columns of a group
     out_n = ops.out_n if isinstance(ops.out_n, int) else T.Cast("int32", ops.out_n)
@@ -233,135 +268,141 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig, sms: int | None = None) -> Any
                     if deq is not None:
                         sc[j * unroll + u] = S[T.Cast("int64", weight_row(col0, j)) * groups + p * Q4_PIECE // deq.group]
 
+    # Flat views of the weights (packed words), their scales and token row 0, which the caller
+    # declares (``declared``) where its kernel's parameters should take their names.
+    W = tirx.decl_buffer((n * row_len,), w_dtype, "W", data=ops.b.data)
+    S = None if deq is None else tirx.decl_buffer((n * groups,), dtype, "S", data=deq.scale.data)
+    X = None if norm is not None else tirx.decl_buffer((k,), dtype, "X", data=ops.a.data)
+    views = [(W, ops.b.data)] + ([] if S is None else [(S, deq.scale.data)]) + ([] if X is None else [(X, ops.a.data)])
+
     # fmt: off
-    @T.prim_func(s_tir=True, check_well_formed=False)
-    def body():
-        W = T.decl_buffer((n * row_len,), w_dtype, data=ops.b.data)
+    @T.macro
+    def stage(bx, tid, xs):
+        w = T.sblock_alloc_buffer((rows_w * unroll * w_vec,), w_dtype, scope="local")
         if deq is not None:
-            S = T.decl_buffer((n * groups,), dtype, data=deq.scale.data)
+            sc = T.sblock_alloc_buffer((rows_w * unroll,), dtype, scope="local")
+            xp = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
+            xf = T.sblock_alloc_buffer((Q4_PIECE,), x_dtype, scope="local")
+        if double_buffer:
+            wn = T.sblock_alloc_buffer((rows_w * unroll * w_vec,), w_dtype, scope="local")
+            if deq is not None:
+                scn = T.sblock_alloc_buffer((rows_w * unroll,), dtype, scope="local")
+        xv = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
+        acc = T.sblock_alloc_buffer((rows_w,), "float32", scope="local")
+        warp: T.let[T.int32] = T.Cast("int32", tid) // WARP
+        lane: T.let[T.int32] = T.Cast("int32", tid) % WARP
+        col_first: T.let[T.int32] = (T.Cast("int32", bx) * warps + warp) * cols_w
+        if prefetch_bytes > 0:
+            for j in T.unroll(rows_w):
+                T.evaluate(cuda_op.cuda_func_call(
+                    PREFETCH_L2, W.access_ptr("r", offset=T.Cast("int64", weight_row(col_first, j)) * row_len),
+                    T.uint32(prefetch_bytes), source_code=PREFETCH_L2_SOURCE))
+            T.ptx.griddepcontrol.wait()
+        # The first round's weights are in flight while the token row is staged.
+        if deq is None:
+            load_round(w, w, W, W, col_first, lane, 0)  # (no scales)
+        else:
+            load_round(w, sc, W, S, col_first, lane, 0)
+        if hook is not None:
+            hook()
         if norm is None:
-            X = T.decl_buffer((k,), dtype, data=ops.a.data)  # token row 0
-        for bx in T.thread_binding(blocks, thread="blockIdx.x"):
-            for tid in T.thread_binding(threads, thread="threadIdx.x"):
-                with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", cfg.min_blocks_per_sm), T.sblock("gemv_rows"):
-                    T.reads()
-                    T.writes()
-                    w = T.sblock_alloc_buffer((rows_w * unroll * w_vec,), w_dtype, scope="local")
-                    if deq is not None:
-                        sc = T.sblock_alloc_buffer((rows_w * unroll,), dtype, scope="local")
-                        xp = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
-                        xf = T.sblock_alloc_buffer((Q4_PIECE,), x_dtype, scope="local")
-                    if double_buffer:
-                        wn = T.sblock_alloc_buffer((rows_w * unroll * w_vec,), w_dtype, scope="local")
-                        if deq is not None:
-                            scn = T.sblock_alloc_buffer((rows_w * unroll,), dtype, scope="local")
-                    xv = T.sblock_alloc_buffer((PIECE,), dtype, scope="local")
-                    acc = T.sblock_alloc_buffer((rows_w,), "float32", scope="local")
-                    xs = T.sblock_alloc_buffer((k,), dtype, scope="shared")
-                    warp: T.let[T.int32] = T.Cast("int32", tid) // WARP
-                    lane: T.let[T.int32] = T.Cast("int32", tid) % WARP
-                    col_first: T.let[T.int32] = (T.Cast("int32", bx) * warps + warp) * cols_w
-                    if prefetch_bytes > 0:
-                        for j in T.unroll(rows_w):
-                            T.evaluate(cuda_op.cuda_func_call(
-                                PREFETCH_L2, W.access_ptr("r", offset=T.Cast("int64", weight_row(col_first, j)) * row_len),
-                                T.uint32(prefetch_bytes), source_code=PREFETCH_L2_SOURCE))
-                        T.ptx.griddepcontrol.wait()
-                    # The first round's weights are in flight while the token row is staged.
+            for i in T.unroll(copy_pieces):
+                p: T.let[T.int32] = i * threads + T.Cast("int32", tid)
+                if p < k // PIECE:
                     if deq is None:
-                        load_round(w, w, W, W, col_first, lane, 0)  # (no scales)
+                        for e in T.vectorized(PIECE):
+                            xs[p * PIECE + e] = X[p * PIECE + e]
                     else:
-                        load_round(w, sc, W, S, col_first, lane, 0)
-                    if norm is None:
-                        for i in T.unroll(copy_pieces):
-                            p: T.let[T.int32] = i * threads + T.Cast("int32", tid)
-                            if p < k // PIECE:
-                                if deq is None:
-                                    for e in T.vectorized(PIECE):
-                                        xs[p * PIECE + e] = X[p * PIECE + e]
-                                else:
-                                    # Tokens in the order of a word's values (``q4_order``).
-                                    for e in T.vectorized(PIECE):
-                                        xv[e] = X[p * PIECE + e]
-                                    for e in T.unroll(PIECE):
-                                        xp[e] = xv[q4_order(e)]
-                                    for e in T.vectorized(PIECE):
-                                        xs[q4_slot(p) * PIECE + e] = xp[e]
+                        # Tokens in the order of a word's values (``q4_order``).
+                        for e in T.vectorized(PIECE):
+                            xv[e] = X[p * PIECE + e]
+                        for e in T.unroll(PIECE):
+                            xp[e] = xv[q4_order(e)]
+                        for e in T.vectorized(PIECE):
+                            xs[q4_slot(p) * PIECE + e] = xp[e]
+        else:
+            norm_rows(xs, tid, bx)
+        T.tvm_storage_sync("shared")
+        for it in T.serial(iters):
+            g: T.let[T.int32] = T.Cast("int32", bx) + it * blocks
+            col0: T.let[T.int32] = (g * warps + warp) * cols_w
+            if not looping or g < groups_n:  # (block-uniform)
+                if looping and not double_buffer and it > 0:
+                    if deq is None:
+                        load_round(w, w, W, W, col0, lane, 0)
                     else:
-                        norm_rows(xs, tid, bx)
-                    T.tvm_storage_sync("shared")
-                    for it in T.serial(iters):
-                        g: T.let[T.int32] = T.Cast("int32", bx) + it * blocks
-                        col0: T.let[T.int32] = (g * warps + warp) * cols_w
-                        if not looping or g < groups_n:  # (block-uniform)
-                            if looping and not double_buffer and it > 0:
-                                if deq is None:
-                                    load_round(w, w, W, W, col0, lane, 0)
-                                else:
-                                    load_round(w, sc, W, S, col0, lane, 0)
-                            for j in T.unroll(rows_w):
-                                acc[j] = T.float32(0)
-                            for r in T.serial(rounds):
-                                if double_buffer:
-                                    # Round r + 1's loads are in flight while round r is computed (after
-                                    # the last, the block's next group's first).
-                                    if rounds > 1 and r + 1 < rounds:
-                                        if deq is None:
-                                            load_round(wn, wn, W, W, col0, lane, r + 1)
-                                        else:
-                                            load_round(wn, scn, W, S, col0, lane, r + 1)
-                                    if looping and r + 1 == rounds and g + blocks < groups_n:
-                                        if deq is None:
-                                            load_round(wn, wn, W, W, col0 + blocks * group_cols, lane, 0)
-                                        else:
-                                            load_round(wn, scn, W, S, col0 + blocks * group_cols, lane, 0)
-                                elif r > 0:
-                                    if deq is None:
-                                        load_round(w, w, W, W, col0, lane, r)
-                                    else:
-                                        load_round(w, sc, W, S, col0, lane, r)
-                                for u in T.unroll(unroll):
-                                    p: T.let[T.int32] = (r * unroll + u) * WARP + lane
-                                    if not ragged or p < pieces:
-                                        if deq is None:
-                                            for e in T.vectorized(PIECE):
-                                                xv[e] = xs[p * PIECE + e]
-                                            for j in T.unroll(rows_w):
-                                                for e in T.unroll(PIECE):
-                                                    acc[j] = acc[j] + T.Cast("float32", w[(j * unroll + u) * PIECE + e]) * T.Cast("float32", xv[e])
-                                        else:
-                                            # The piece's 32 tokens in float32 (with half sums, fp16), converted
-                                            # once for every row.
-                                            for c in T.unroll(Q4_PIECE // PIECE):
-                                                for e in T.vectorized(PIECE):
-                                                    xv[e] = xs[(p * (Q4_PIECE // PIECE) + q4_chunk(p, c)) * PIECE + e]
-                                                for e in T.unroll(PIECE):
-                                                    xf[c * PIECE + e] = T.Cast(x_dtype, xv[e])
-                                            for j in T.unroll(rows_w):
-                                                acc[j] = cuda_op.cuda_func_call(
-                                                    dot, w[(j * unroll + u) * PIECE_WORDS], w[(j * unroll + u) * PIECE_WORDS + 1],
-                                                    w[(j * unroll + u) * PIECE_WORDS + 2], w[(j * unroll + u) * PIECE_WORDS + 3],
-                                                    sc[j * unroll + u], xf.access_ptr("r"), acc[j],
-                                                    source_code=dot_source, return_type="float32")
-                                if double_buffer:
-                                    if r + 1 < rounds or (looping and g + blocks < groups_n):
-                                        for i in T.unroll(rows_w * unroll * w_vec):
-                                            w[i] = wn[i]
-                                        if deq is not None:
-                                            for i in T.unroll(rows_w * unroll):
-                                                sc[i] = scn[i]
-                            # Butterfly sums: every lane ends with its warp's row totals.
-                            for sh in T.unroll(LOG_WARP):
+                        load_round(w, sc, W, S, col0, lane, 0)
+                for j in T.unroll(rows_w):
+                    acc[j] = T.float32(0)
+                for r in T.serial(rounds):
+                    if double_buffer:
+                        # Round r + 1's loads are in flight while round r is computed (after
+                        # the last, the block's next group's first).
+                        if rounds > 1 and r + 1 < rounds:
+                            if deq is None:
+                                load_round(wn, wn, W, W, col0, lane, r + 1)
+                            else:
+                                load_round(wn, scn, W, S, col0, lane, r + 1)
+                        if looping and r + 1 == rounds and g + blocks < groups_n:
+                            if deq is None:
+                                load_round(wn, wn, W, W, col0 + blocks * group_cols, lane, 0)
+                            else:
+                                load_round(wn, scn, W, S, col0 + blocks * group_cols, lane, 0)
+                    elif r > 0:
+                        if deq is None:
+                            load_round(w, w, W, W, col0, lane, r)
+                        else:
+                            load_round(w, sc, W, S, col0, lane, r)
+                    for u in T.unroll(unroll):
+                        p: T.let[T.int32] = (r * unroll + u) * WARP + lane
+                        if not ragged or p < pieces:
+                            if deq is None:
+                                for e in T.vectorized(PIECE):
+                                    xv[e] = xs[p * PIECE + e]
                                 for j in T.unroll(rows_w):
-                                    acc[j] = acc[j] + T.tvm_warp_shuffle_xor(
-                                        T.tvm_warp_activemask(), acc[j], T.shift_right(WARP, sh + 1), WARP, WARP)
-                            for j in T.unroll(cols_w):
-                                if lane == j and col0 + j < out_n:
-                                    if pair is None:
-                                        ops.out.buffer[ops.out.index(T.Cast(m_dtype, 0), T.Cast(m_dtype, col0 + j))] = ops.out.value(
-                                            T.Cast(m_dtype, 0), T.Cast(m_dtype, col0 + j), acc[j])
-                                    else:
-                                        ops.out.buffer[ops.out.index(T.Cast(m_dtype, 0), T.Cast(m_dtype, col0 + j))] = ops.out.value(
-                                            T.Cast(m_dtype, 0), T.Cast(m_dtype, col0 + j), acc[j], acc[j + cols_w])
+                                    for e in T.unroll(PIECE):
+                                        acc[j] = acc[j] + T.Cast("float32", w[(j * unroll + u) * PIECE + e]) * T.Cast("float32", xv[e])
+                            else:
+                                # The piece's 32 tokens in float32 (with half sums, fp16), converted
+                                # once for every row.
+                                for c in T.unroll(Q4_PIECE // PIECE):
+                                    for e in T.vectorized(PIECE):
+                                        xv[e] = xs[(p * (Q4_PIECE // PIECE) + q4_chunk(p, c)) * PIECE + e]
+                                    for e in T.unroll(PIECE):
+                                        xf[c * PIECE + e] = T.Cast(x_dtype, xv[e])
+                                for j in T.unroll(rows_w):
+                                    acc[j] = cuda_op.cuda_func_call(
+                                        dot, w[(j * unroll + u) * PIECE_WORDS], w[(j * unroll + u) * PIECE_WORDS + 1],
+                                        w[(j * unroll + u) * PIECE_WORDS + 2], w[(j * unroll + u) * PIECE_WORDS + 3],
+                                        sc[j * unroll + u], xf.access_ptr("r"), acc[j],
+                                        source_code=dot_source, return_type="float32")
+                    if double_buffer:
+                        if r + 1 < rounds or (looping and g + blocks < groups_n):
+                            for i in T.unroll(rows_w * unroll * w_vec):
+                                w[i] = wn[i]
+                            if deq is not None:
+                                for i in T.unroll(rows_w * unroll):
+                                    sc[i] = scn[i]
+                # Butterfly sums: every lane ends with its warp's row totals.
+                for sh in T.unroll(LOG_WARP):
+                    for j in T.unroll(rows_w):
+                        acc[j] = acc[j] + T.tvm_warp_shuffle_xor(
+                            T.tvm_warp_activemask(), acc[j], T.shift_right(WARP, sh + 1), WARP, WARP)
+                for j in T.unroll(cols_w):
+                    if lane == j and col0 + j < out_n:
+                        if pair is None:
+                            ops.out.buffer[ops.out.index(T.Cast(m_dtype, 0), T.Cast(m_dtype, col0 + j))] = ops.out.value(
+                                T.Cast(m_dtype, 0), T.Cast(m_dtype, col0 + j), acc[j])
+                        else:
+                            ops.out.buffer[ops.out.index(T.Cast(m_dtype, 0), T.Cast(m_dtype, col0 + j))] = ops.out.value(
+                                T.Cast(m_dtype, 0), T.Cast(m_dtype, col0 + j), acc[j], acc[j + cols_w])
     # fmt: on
-    return body.body
+    return stage, views
+
+
+def declared(views: list[tuple[Any, Any]], stmt: Any) -> Any:
+    """``stmt`` after the declarations of the buffer views ``views`` (``rows_stage``'s: each a view
+    and the data it aliases), in order."""
+    from tvm import tirx
+
+    return tirx.SeqStmt([*(tirx.DeclBuffer(view, data=data) for view, data in views), stmt])
