@@ -16,11 +16,7 @@ plans of ``configs/gemm/mma_sync_q4.json``: at large M the wgmma template, whose
 streams the packed words and scales and dequantizes them into the slots' B tiles (static N), else
 (and for a symbolic N: the quantized LM head) the mma.sync template, which dequantizes them in
 shared memory between its mmas; one neither can serve (another packing, a zero-point buffer, a
-group no multiple of 32) is left to DLight. Where those plans' table names ``"gemv"``
-(``dispatch.q4_claims_small_m``: a shape's measured ranges), the table, not the buckets, decides M up
-to the largest bucket: a ``"gemv"`` range runs the buckets covering it (its largest M in the bucket
-holding it), the other ranges their plans, a static M below ``min_static_m`` included (one whose
-range is ``"gemv"`` stays the Gemv rule's).
+group no multiple of 32) is left to DLight.
 """
 
 from __future__ import annotations
@@ -33,11 +29,10 @@ from ..target import arch_of
 from .base import AnalyzeScheduleRule, built_once, host_branch, with_kernels
 from .gemm import gemm_body
 from .gemm.analysis import MatmulDesc, analyze_matmul
-from .gemm.dispatch import GemvRange, plan_ranges, q4_claims_small_m, q4_plan_ranges
-from .gemm.estimate import Dispatch, Plan, load_dispatch
+from .gemm.dispatch import plan_ranges, q4_plan_ranges
+from .gemm.estimate import load_dispatch
 from .gemm.gemv import body_config
-from .gemm.gemv_common import GemvConfig
-from .gemv import gemv_config, gemv_kernel, symbolic_m_buckets
+from .gemv import gemv_kernel, symbolic_m_buckets
 
 
 class Matmul(AnalyzeScheduleRule):
@@ -53,10 +48,13 @@ class Matmul(AnalyzeScheduleRule):
     @classmethod
     def supports(cls, desc: MatmulDesc, target: Target) -> bool:
         """Whether ``schedule`` builds ``desc`` on ``target``: a GEMM config for the arch, M not left
-        to the Gemv rule, and a plan or bucket for every M (from the plans for a dequantized B where
-        it is one)."""
+        to the Gemv rule, and a plan for every M (from the plans for a dequantized B where it is one)."""
         try:
-            return bool(_kernel_ranges(desc, target, load_dispatch(arch_of(target))))
+            dispatch = load_dispatch(arch_of(target))
+            if desc.m_static is not None and desc.m_static < dispatch.min_static_m:
+                return False
+            ops = desc.operands
+            return bool(plan_ranges(ops, dispatch) if ops.dequant is None else q4_plan_ranges(ops, arch_of(target)))
         except FuselightError:
             return False
 
@@ -67,69 +65,26 @@ class Matmul(AnalyzeScheduleRule):
             dispatch = load_dispatch(arch_of(target))
         except FuselightError:
             return None  # no GEMM config for this arch
-        ranges = _kernel_ranges(desc, target, dispatch)
-        if not ranges:
+        if desc.m_static is not None and desc.m_static < dispatch.min_static_m:
             return None
         ops = desc.operands
+        # A dequantized B: the mma.sync template's plans for it (configs/gemm/mma_sync_q4.json).
+        ranges = plan_ranges(ops, dispatch) if ops.dequant is None else q4_plan_ranges(ops, arch_of(target))
+        if not ranges:
+            return None
+        # A symbolic M of a few rows runs the GEMV template (one kernel at weight-streaming
+        # bandwidth, where the GEMM plans there split K over a second, reducing launch).
+        gemv = symbolic_m_buckets(ops, target) if desc.m_static is None else []
+        if gemv:
+            ranges = [r for r in ranges[:-1] if r[0] > gemv[-1][0]] + ranges[-1:]
+        # Host-side branch on M: the last range serves every larger M.
         gemm = built_once(lambda plan: gemm_body(ops, plan))
         gemv_bucket = built_once(lambda cfg: gemv_kernel(ops, cfg, target))
-
-        def kernel(plan: Plan | GemvConfig) -> tirx.Stmt:
-            return gemv_bucket(body_config(ops, plan)) if isinstance(plan, GemvConfig) else gemm(plan)
-
-        # Host-side branch on M: the last range serves every larger M.
-        body = kernel(ranges[-1][1])
+        body = gemm(ranges[-1][1])
         for upper, plan in reversed(ranges[:-1]):
-            body = host_branch(ops.m <= upper, kernel(plan), body)
+            body = host_branch(ops.m <= upper, gemm(plan), body)
+        for upper, cfg in reversed(gemv):
+            body = host_branch(ops.m <= upper, gemv_bucket(body_config(ops, cfg)), body)
         if desc.m_static is None:
             body = host_branch(ops.m > 0, body)  # no empty grids
         return with_kernels(func, body)
-
-
-def _kernel_ranges(desc: MatmulDesc, target: Target, dispatch: Dispatch) -> list[tuple[int, Plan | GemvConfig]]:
-    """``(largest M, GEMM plan or GEMV bucket)`` in increasing M serving ``desc`` (the last range also
-    every larger M); empty where the function is not this rule's. A symbolic M of a few rows runs the
-    GEMV buckets (one kernel at weight-streaming bandwidth, where the GEMM plans there split K over a
-    second, reducing launch), below the dispatch's ranges, unless a q4 table decides those M itself
-    (the module docstring)."""
-    ops = desc.operands
-    small = desc.m_static is not None and desc.m_static < dispatch.min_static_m
-    if ops.dequant is None:
-        ranges = [] if small else plan_ranges(ops, dispatch)
-    else:
-        arch = arch_of(target)
-        # A small static M is the Gemv rule's unless a q4 table claims it for a plan.
-        ranges = [] if small and not q4_claims_small_m(ops, arch) else q4_plan_ranges(ops, arch)
-    if not ranges or (small and isinstance(ranges[0][1], GemvRange)):
-        return []
-    if any(isinstance(plan, GemvRange) for _, plan in ranges):
-        return _gemv_ranges(desc, target, ranges)
-    gemv = symbolic_m_buckets(ops, target) if desc.m_static is None else []
-    if gemv:
-        ranges = [r for r in ranges[:-1] if r[0] > gemv[-1][0]] + ranges[-1:]
-    return [*gemv, *ranges]
-
-
-def _gemv_ranges(desc: MatmulDesc, target: Target,
-                 ranges: list[tuple[int, Plan | GemvRange]]) -> list[tuple[int, Plan | GemvConfig]]:
-    """``ranges`` with each ``"gemv"`` range replaced by the GEMV buckets serving its M (those ending
-    inside it, then the one holding its largest M; a static M: its bucket); empty where a bucket is
-    missing."""
-    ops = desc.operands
-    if desc.m_static is not None:
-        cfg = gemv_config(ops, desc.m_static, target)
-        return [] if cfg is None else [(ranges[0][0], cfg)]
-    buckets = symbolic_m_buckets(ops, target)
-    out: list[tuple[int, Plan | GemvConfig]] = []
-    lower = 0
-    for upper, plan in ranges:
-        if isinstance(plan, GemvRange):
-            inside = [(top, cfg) for top, cfg in buckets if lower < top < upper]
-            holding = next((cfg for top, cfg in buckets if top >= upper), None)
-            if holding is None:
-                return []  # no bucket reaches the range's largest M
-            out += [*inside, (upper, holding)]
-        else:
-            out.append((upper, plan))
-        lower = upper
-    return out

@@ -158,43 +158,6 @@ def _fold(expr: Any) -> int:
 
 def kernels(func: tirx.PrimFunc) -> list[Kernel]:
     """The kernels ``func`` launches, in program order (both arms of a host-side branch included)."""
-    return _kernels_in(func.body)
-
-
-def host_ranges(func: tirx.PrimFunc) -> list[tuple[int | None, list[Kernel]]]:
-    """The kernels behind ``func``'s host-side branches on M (``m <= c``, each in the else arm of the
-    one before): ``(c, its kernels)`` in order, then ``(None, the last arm's kernels)``."""
-    def first_branch(stmt: Any) -> Any:
-        found: list[Any] = []
-
-        def visit(node: Any) -> bool:
-            if found or _is_grid(node):
-                return False
-            if isinstance(node, tirx.IfThenElse) and isinstance(_bare(node.condition), tirx.LE) \
-                    and isinstance(_bare(node.condition).b, tirx.IntImm):
-                found.append(node)
-                return False
-            return True
-
-        stmt_functor.pre_order_visit(stmt, visit)
-        return found[0] if found else None
-
-    out: list[tuple[int | None, list[Kernel]]] = []
-    stmt = func.body
-    while (branch := first_branch(stmt)) is not None:
-        out.append((int(_bare(branch.condition).b), _kernels_in(branch.then_case)))
-        stmt = branch.else_case
-    return out + [(None, _kernels_in(stmt))]
-
-
-def _bare(cond: Any) -> Any:
-    """A host branch's condition without its ``tvm_thread_invariant`` wrapper."""
-    if isinstance(cond, Call) and cond.op.name == "tirx.tvm_thread_invariant":
-        return cond.args[0]
-    return cond
-
-
-def _kernels_in(stmt: Any) -> list[Kernel]:
     roots: list[Any] = []
 
     def visit(node: Any) -> bool:
@@ -203,7 +166,7 @@ def _kernels_in(stmt: Any) -> list[Kernel]:
             return False  # its inner loops belong to this kernel
         return True
 
-    stmt_functor.pre_order_visit(stmt, visit)
+    stmt_functor.pre_order_visit(func.body, visit)
     return [_kernel(r) for r in roots]
 
 

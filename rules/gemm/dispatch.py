@@ -107,19 +107,7 @@ def _static(m: Any) -> bool:
     return isinstance(m, (int, tirx.IntImm))
 
 
-GEMV_NAME = "gemv"  # a q4 range naming the GEMV template's buckets (``rules.gemv``) for its M
-
-
-@dataclasses.dataclass(frozen=True)
-class GemvRange:
-    """The plan of a q4 range named ``GEMV_NAME``: the GEMV template's buckets serve its M (the Matmul
-    rule picks them, ``rules.gemv``; the dispatch does not know them)."""
-
-
-GEMV = GemvRange()
-
-
-def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, Plan | GemvRange]]:
+def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, Plan]]:
     """``(largest M, plan)`` in increasing M for a matmul whose B is dequantized in the kernel
     (``ops.dequant``), from ``configs/gemm/mma_sync_q4.json``; the last range also serves every
     larger M. A range names a plan or a list of plans, the first that can serve ``ops`` taken (a
@@ -129,28 +117,10 @@ def q4_plan_ranges(ops: GemmOperands, arch: str) -> list[tuple[int, Plan | GemvR
     ``by_shape`` ranges (measured, keyed ``NxK``) replace ``ranges`` for that shape where every
     plan they name can serve ``ops``. Empty: the arch has no entry, or no plan of a range can serve
     ``ops`` (the function is left to the next rule). Neighbouring ranges that come to the same plan
-    are one. A static M gets the one range holding it.
-
-    A range may name ``"gemv"`` (``GEMV``; alone or among plans, taken where those before it cannot
-    serve; never the last range): its M stay with the GEMV buckets. A table naming it decides every M
-    up to the largest bucket (``q4_claims_small_m``): the M of its other ranges take their plans,
-    a static M below ``min_static_m`` included. A table naming none leaves those M to the buckets,
-    whatever its first range says (the Matmul rule branches a symbolic M into them, the Gemv rule
-    takes a small static M)."""
-    return _q4_ranges(ops, arch)[0]
-
-
-def q4_claims_small_m(ops: GemmOperands, arch: str) -> bool:
-    """Whether the q4 ranges serving ``ops`` (``q4_plan_ranges``) come from a table naming ``"gemv"``:
-    that table, not the GEMV buckets, decides the M up to the largest bucket."""
-    return _q4_ranges(ops, arch)[1]
-
-
-def _q4_ranges(ops: GemmOperands, arch: str) -> tuple[list[tuple[int, Plan | GemvRange]], bool]:
-    """``q4_plan_ranges`` and ``q4_claims_small_m`` of ``ops``."""
+    are one. A static M gets the one range holding it."""
     device = device_model(arch)
     if ops.dequant is None or device is None:
-        return [], False
+        return []
     cfg, where = arch_entry(config_dir() / "gemm" / "mma_sync_q4.json", arch,
                             lambda d, t: arch_config.mma_sync_q4(d, t, q4_tile_bytes))
     limit = device.smem_per_block_optin
@@ -166,9 +136,7 @@ def _q4_ranges(ops: GemmOperands, arch: str) -> tuple[list[tuple[int, Plan | Gem
         if any(not name.startswith(RS_PREFIX) for name in rs):
             raise ValueError(f"wgmma_rs_tiles names must start with {RS_PREFIX!r}")
 
-        def plan_of(name: str) -> Plan | GemvRange:
-            if name == GEMV_NAME:
-                return GEMV
+        def plan_of(name: str) -> Plan:
             return WgmmaQ4Plan(rs[name]) if name in rs else parse_plan(tiles, wgmma, name)
         tables = [_q4_table(cfg["ranges"], plan_of)]
         shape = cfg.get("by_shape", {}).get(f"{ops.n}x{ops.k}") if isinstance(ops.n, int) else None
@@ -183,17 +151,15 @@ def _q4_ranges(ops: GemmOperands, arch: str) -> tuple[list[tuple[int, Plan | Gem
         if ranges:
             break
     else:
-        return [], False
-    claims = any(GEMV_NAME in names for _, names in table)
+        return []
     if _static(ops.m):
         m = int(ops.m)
-        return [next((r for r in ranges if m <= r[0]), ranges[-1])], claims
-    return ranges, claims
+        return [next((r for r in ranges if m <= r[0]), ranges[-1])]
+    return ranges
 
 
-def _q4_table(entries: list, plan_of: Callable[[str], Plan | GemvRange]) -> list[tuple[int | None, list[str]]]:
-    """A config's ``[largest M, plan or plans]`` list, checked: names known, one ``[null, ...]`` last,
-    which names no ``"gemv"`` (the buckets end somewhere)."""
+def _q4_table(entries: list, plan_of: Callable[[str], Plan]) -> list[tuple[int | None, list[str]]]:
+    """A config's ``[largest M, plan or plans]`` list, checked: names known, one ``[null, ...]`` last."""
     table = [
         (None if upper is None else int(upper), [str(n) for n in (names if isinstance(names, list) else [names])])
         for upper, names in entries
@@ -202,28 +168,24 @@ def _q4_table(entries: list, plan_of: Callable[[str], Plan | GemvRange]) -> list
         raise ValueError("ranges must end with one [null, plan]")
     if any(not names for _, names in table):
         raise ValueError("a range names no plan")
-    if GEMV_NAME in table[-1][1]:
-        raise ValueError(f"the last range (every larger M) cannot name {GEMV_NAME!r}")
     for _, names in table:
         for name in names:
             plan_of(name)
     return table
 
 
-def _q4_resolve(ops: GemmOperands, table: list[tuple[int | None, list[str]]],
-                plan_of: Callable[[str], Plan | GemvRange], splits: list[int], min_blocks: int,
-                limit: int) -> list[tuple[int, Plan | GemvRange]]:
+def _q4_resolve(ops: GemmOperands, table: list[tuple[int | None, list[str]]], plan_of: Callable[[str], Plan],
+                splits: list[int], min_blocks: int, limit: int) -> list[tuple[int, Plan]]:
     """``table``'s ranges with each range's first plan that serves ``ops`` (split K until the range's
-    largest M has ``min_blocks`` blocks, static N only; ``GEMV`` as named: the Matmul rule checks the
-    buckets); empty if a range has none."""
-    ranges: list[tuple[int, Plan | GemvRange]] = []
+    largest M has ``min_blocks`` blocks, static N only); empty if a range has none."""
+    ranges: list[tuple[int, Plan]] = []
     for i, (upper, names) in enumerate(table):
-        plan = next((p for p in map(plan_of, names) if p is GEMV or fits(p, ops, limit)), None)
+        plan = next((p for p in map(plan_of, names) if fits(p, ops, limit)), None)
         if plan is None:
             return []
         if i == len(table) - 1:
             upper = 2**31 - 1  # every larger M
-        elif plan is not GEMV and isinstance(ops.n, int) and plan.split_k == 1:
+        elif isinstance(ops.n, int) and plan.split_k == 1:
             # Split K until the range's largest M fills the GPU (where K allows it).
             tile = plan.tile if isinstance(plan, (WgmmaPlan, WgmmaQ4Plan)) else plan.main
             for split in splits:

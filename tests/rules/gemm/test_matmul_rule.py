@@ -1,7 +1,6 @@
 """The Matmul rule and its dispatcher: which functions it schedules, that the result builds for sm_90
 and nvcc compiles it, and that the dispatch ranges come from the config (numerics run on the GPU:
-``fuselight tune gemm-run`` and the kernel suite); a q4 table naming "gemv" decides batch decode's M
-(which the GEMV buckets keep, which its plans take)."""
+``fuselight tune gemm-run`` and the kernel suite)."""
 
 from __future__ import annotations
 
@@ -19,12 +18,10 @@ from fuselight.paths import config_dir
 from fuselight.rules.gemm import dispatch, estimate
 from fuselight.rules.gemm.analysis import analyze_matmul
 from fuselight.rules.gemm.operands import GemmOperands
-from fuselight.quant_prim_funcs import q4_linear
-from fuselight.rules.gemv import Gemv
 from fuselight.rules.matmul import Matmul
 from fuselight.tune.gemm import matmul_prim_func
 from tvm import tirx
-from tir_query import host_ranges, kernels
+from tir_query import kernels
 
 LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
@@ -215,90 +212,3 @@ def test_rule_leaves_gemv_and_cpu_to_the_next_rule(cuda):
 def test_rule_leaves_shapes_no_plan_tiles(cuda):
     # N = 4100 is no multiple of any tile's block_n: the template does not predicate N.
     assert Matmul().apply(matmul_prim_func(4100, 4096, "float16").with_attr("target", cuda), cuda, False) is None
-
-
-# ---- a q4 table that decides M up to the GEMV buckets ("gemv" ranges) -------------------------------
-
-
-T16 = {"block_t": 16, "warpgroups": 1, "stages": 8, "group_m": 8, "max_blocks": {"per_sm": 1}}
-
-
-@pytest.fixture
-def q4_config(tmp_path, monkeypatch):
-    """``write(shape ranges)``: sm_90's q4 config with o_proj's (4096 x 4096) measured ranges replaced,
-    a 16-token tile of the weight-in-registers template added (``q4rs-t16f64s8``)."""
-    cfg = json.loads((config_dir() / "gemm" / "mma_sync_q4.json").read_text())
-    (tmp_path / "gemm").mkdir()
-    (tmp_path / "gemm" / "mma_sync_q4.json").write_text(json.dumps(cfg))  # as shipped until ``write``
-    monkeypatch.setattr(dispatch, "config_dir", lambda: tmp_path)
-
-    def write(ranges):
-        cfg["sm_90"]["wgmma_rs_tiles"]["q4rs-t16f64s8"] = T16
-        cfg["sm_90"]["by_shape"]["4096x4096"] = ranges
-        (tmp_path / "gemm" / "mma_sync_q4.json").write_text(json.dumps(cfg))
-    return write
-
-
-def _o_proj(m=None):
-    return q4_linear(n=4096, k=4096, m=m, epilogue="residual")
-
-
-def _rs_n(kernel) -> int | None:
-    """wgmma's N (the token tile) of a weight-in-registers kernel, None for another template's."""
-    calls = kernel.call_args.get("tirx.ptx.wgmma_mma_async_rs")
-    return None if calls is None else int(calls[0][1])
-
-
-def _fingerprint(ranges):
-    """Each range's kernels as launched: grid, threads, buffers, the wgmma token tile (the bounds apart)."""
-    return [[(k.launch, k.allocs, _rs_n(k)) for k in ks] for _, ks in ranges]
-
-
-def test_a_q4_table_naming_gemv_decides_batch_decodes_m(q4_config, cuda):
-    """o_proj's batch function (symbolic M): shipped, the GEMV buckets take M <= 16 (1, 2, 4, 8, 16) and
-    the measured ranges the rest; with ``[4, "gemv"], [16, "q4rs-t16f64s8"]`` first, the buckets of 1, 2
-    and 4 stay, the 16-token tile takes 5..16, and every range above is as before. A static M = 8 goes to
-    the Gemv rule before, to this rule's 16-token kernel after; M = 2 stays the Gemv rule's."""
-    func = _o_proj().with_attr("target", cuda)
-    before = host_ranges(Matmul().apply(func, cuda, False).mod["main"])
-    assert [u for u, _ in before][:6] == [1, 2, 4, 8, 16, 32]
-    assert not any(_rs_n(k) for u, ks in before[:5] for k in ks)
-    static8 = _o_proj(8).with_attr("target", cuda)
-    assert Matmul().apply(static8, cuda, False) is None and Gemv().apply(static8, cuda, False) is not None
-    shipped = json.loads((config_dir() / "gemm" / "mma_sync_q4.json").read_text())["sm_90"]["by_shape"]["4096x4096"]
-    q4_config([[4, "gemv"], [16, "q4rs-t16f64s8"], *shipped])
-    after = host_ranges(Matmul().apply(func, cuda, False).mod["main"])
-    assert [u for u, _ in after][:5] == [1, 2, 4, 16, 32]
-    assert _fingerprint(after[:3]) == _fingerprint(before[:3])  # the same buckets at M <= 4
-    (rs,) = after[3][1]
-    assert _rs_n(rs) == 16 and rs.threads == 256  # one consumer warpgroup and the producer
-    assert after[4:] and _fingerprint(after[4:]) == _fingerprint(before[5:])  # M > 16 unchanged
-    assert [u for u, _ in after[4:]] == [u for u, _ in before[5:]]
-    (kernel,) = kernels(Matmul().apply(static8, cuda, False).mod["main"])
-    assert _rs_n(kernel) == 16
-    static2 = _o_proj(2).with_attr("target", cuda)
-    assert not Matmul.takes(static2, cuda) and Matmul().apply(static2, cuda, False) is None
-
-
-def test_a_gemv_range_ends_in_the_bucket_holding_it(q4_config, cuda):
-    """A "gemv" range up to 11 runs the buckets of 1, 2, 4, 8 and, for 9..11, the 16-row bucket; one past
-    the largest bucket (32) leaves the symbolic-M function to the Gemv rule; a static M = 16 in a
-    "gemv" range gets the bucket from this rule (the Gemv rule leaves M = 16 to it)."""
-    func = _o_proj().with_attr("target", cuda)
-    shipped = host_ranges(Matmul().apply(func, cuda, False).mod["main"])
-    q4_config([[11, "gemv"], [16, "q4rs-t16f64s8"], [None, "q4rs-t256s4"]])
-    after = host_ranges(Matmul().apply(func, cuda, False).mod["main"])
-    assert [u for u, _ in after] == [1, 2, 4, 8, 11, 16, None]
-    assert _fingerprint(after[:5]) == _fingerprint(shipped[:5])  # 9..11: the 16-row bucket
-    q4_config([[16, "gemv"], [None, "q4rs-t256s4"]])
-    (bucket,) = kernels(Matmul().apply(_o_proj(16).with_attr("target", cuda), cuda, False).mod["main"])
-    assert _fingerprint([(0, [bucket])]) == _fingerprint([(0, shipped[4][1])])
-    q4_config([[32, "gemv"], [None, "q4rs-t256s4"]])
-    assert Matmul().apply(func, cuda, False) is None
-
-
-def test_a_gemv_range_cannot_be_last(q4_config):
-    q4_config([[16, "q4rs-t16f64s8"], [None, "gemv"]])
-    ops = analyze_matmul(_o_proj(), dequant=True).operands
-    with pytest.raises(FuselightError, match="mma_sync_q4.json.*last range .* cannot name 'gemv'"):
-        dispatch.q4_plan_ranges(ops, "sm_90")
