@@ -99,16 +99,13 @@ def plan_name(plan: dict[str, Any]) -> str:
 
 def build(out: Path, only: list[str] | None) -> None:
     import dataclasses
-    import subprocess
-    import tempfile
 
     import tvm
     from fuselight import tir_pipeline
     from fuselight.compile import library_metadata
-    from fuselight.cuda_compile import TVM_FLAGS, gencode, nvcc_path
     from fuselight.device import require_device
     from fuselight.layer_prim_funcs import decode_layer
-    from fuselight.library import cuda_sources, write_library
+    from fuselight.library import write_library
     from fuselight.rules.gemm import gemv_persistent as gp
     from fuselight.rules.gemm.analysis import analyze_matmul
     from fuselight.rules.gemv import Gemv
@@ -165,15 +162,7 @@ def build(out: Path, only: list[str] | None) -> None:
     write_library(lib, out / "persistent.so", meta, spec)
     print(f"persistent.so: {len(funcs_out)} functions, {time.time() - t0:.0f} s", flush=True)
     # ptxas's registers of every kernel, for the run's occupancy fallback and the record.
-    regs: dict[str, dict[str, int]] = {}
-    if nvcc_path() is not None:
-        with tempfile.TemporaryDirectory() as tmp:
-            src = Path(tmp, "k.cu")
-            src.write_text("\n".join(cuda_sources(lib)))
-            proc = subprocess.run([nvcc_path(), "-O3", "-cubin", f"-gencode={gencode(ARCH)}", *TVM_FLAGS, "--use_fast_math",
-                                   "--resource-usage", "-o", str(Path(tmp, "k.cubin")), str(src)],
-                                  capture_output=True, text=True)
-            regs = parse_registers(proc.stderr + proc.stdout)
+    regs = ptxas_registers(lib, ARCH)
     for entry in manifest["cases"].values():
         for v in entry["persistent"].values():
             if "function" in v:
@@ -181,6 +170,26 @@ def build(out: Path, only: list[str] | None) -> None:
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"wrote {out}/manifest.json; {total / 2**20:.1f} MiB under {out}")
+
+
+def ptxas_registers(lib: Any, arch: str) -> dict[str, dict[str, int]]:
+    """ptxas's registers and spill stores of every kernel of the compiled module ``lib`` for ``arch``
+    (its CUDA compiled once more with ``--resource-usage``); empty without nvcc."""
+    import subprocess
+    import tempfile
+
+    from fuselight.cuda_compile import TVM_FLAGS, gencode, nvcc_path
+    from fuselight.library import cuda_sources
+
+    if nvcc_path() is None:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "k.cu")
+        src.write_text("\n".join(cuda_sources(lib)))
+        proc = subprocess.run([nvcc_path(), "-O3", "-cubin", f"-gencode={gencode(arch)}", *TVM_FLAGS, "--use_fast_math",
+                               "--resource-usage", "-o", str(Path(tmp, "k.cubin")), str(src)],
+                              capture_output=True, text=True)
+    return parse_registers(proc.stderr + proc.stdout)
 
 
 def _origin(param: Any, linked: list[Any], funcs: list[Any]) -> list[Any]:
