@@ -214,7 +214,7 @@ def test_sm90s_grid_sizes_written_per_sm_resolve_to_its_measured_numbers():
     split = load_split_config("sm_90")
     assert (split.target_blocks, split.below_rows) == (264, 256)
     m1 = sorted(c.max_blocks for c in load_gemv_configs("sm_90") if c.max_m == 1 and c.max_blocks is not None)
-    assert m1 == [256, 256, 528]
+    assert m1 == [128, 256, 256, 256, 256, 256, 528]
     q4, _ = arch_entry(config_dir() / "gemm" / "mma_sync_q4.json", "sm_90", lambda d, t: pytest.fail("measured"))
     assert q4["min_blocks"] == 132 and {t["max_blocks"] for t in q4["wgmma_tiles"].values()} == {132}
 
