@@ -14,11 +14,18 @@ Two halves, one file:
   waits for the grid before it, as builds launch them), one library a model (``<model>.so``, AOT
   cubins beside it), ptxas's registers and spills, and ``manifest.json``.
 
+  With ``--quantization q4f16_1`` the models have our 4-bit weights (``fuselight compile
+  --quantization``): the functions are the dequantize-fused GEMVs (``fused_rms_norm_gemv*``,
+  ``fused_dequantize*_NT_matmul*``), the shipped bucket is ``configs/gemm/gemv_q4.json``'s, swept
+  beside it with and without half sums and its L2 prefetch, and the sweep is the 4-bit one
+  (``variants(quantized=True)``: half sums on); a model's key and library are ``<model>-q4f16_1``.
+
   run (GPU host, runtime-only TVM + torch):
       python3 bench/probes/gemv_decode_sweep.py run .build/smallk/manifest.json -o sweep.json [--models ...]
-  random inputs (never zeros; weights N(0, 1/K), norm weights 1 + N(0, 0.01)), every kernel checked
-  against a float64 reference of its function (``reference``), then timed with L2 flushed
-  (``fuselight.bench.timing``, medians) isolated, and in a chain: the kernel launched ``CHAIN`` times
+  random inputs (never zeros; weights N(0, 1/K), norm weights 1 + N(0, 0.01); 4-bit: packed words and
+  scales as the q4 probes draw them, ``q4_common.q4_weights``), every kernel checked against a float64
+  reference of its function (``reference``; 4-bit: of the weight as its dequantize rounds it), then
+  timed with L2 flushed (``fuselight.bench.timing``, medians) isolated, and in a chain: the kernel launched ``CHAIN`` times
   back to back on distinct weight copies inside one CUDA graph (in the model the GEMVs run back to
   back, launched early: isolated times carry each launch's ramp and tail). A device copy of 256 MB
   is the bandwidth anchor. Prints per model and function the shipped kernel, the best variant
@@ -39,69 +46,102 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from fuselight.device import require_device
+from fuselight.quantization import dequantize, scheme
 
 # beside this script (its folder is on sys.path)
 from persistent_decode import graph_of, ptxas_registers
+from q4_common import q4_weights
 
 ARCH = "sm_90"
 MODELS = ("smollm2-135m", "llama-3.2-1b", "llama-3-8b")
+QUANTIZATIONS = ("q4f16_1",)  # 4-bit schemes the build takes (``--quantization``; the row template's NK words)
 CHAIN = 8  # launches of one kernel on distinct weight copies a timed graph replays
 ROW_BYTES = 512  # a warp's load of one weight row (32 lanes x 16 bytes): the row template's K step
-# The sweep (``GemvConfig`` fields of the row template), pruned by ``variants``.
+# The sweep (``GemvConfig`` fields of the row template), pruned by ``variants``: fp16 weights, and
+# 4-bit ones (a lane's 16-byte piece is 4 words, 32 values: a 512-byte step of a row holds 1024 values,
+# so K 4096 is 4 steps and unroll 1 already has a quarter of a row in flight).
 WARPS = (2, 4, 8, 16)
 ROWS_PER_WARP = (1, 2)
 UNROLL = (2, 4, 8)
+Q4_WARPS = (4, 8, 16)
+Q4_ROWS_PER_WARP = (1, 2, 4)
+Q4_UNROLL = (1, 2, 4)
 MIN_BLOCKS = (1, 2, 3, 4)
-MAX_WARPS_PER_SM = 64  # the SM's 2048 threads
+_SM = require_device(ARCH)
+MAX_WARPS_PER_SM = _SM.max_threads_per_sm // _SM.warp_size
+# 4-bit: registers a thread keeps at least (ptxas gave session 21's row-template q4 kernels 60-84 and
+# spilled at 80: docs/experiments/q4-gemv.md), which bounds the warps resident an SM (32 on sm_90).
+Q4_MIN_REGISTERS = 64
+# 4-bit, a grid of at least 4 blocks an SM: resident warps an SM at least, in place of twice
+# ``MIN_WARPS_PER_SM`` (which the register bound meets exactly): the shipped m1_k4096's 8 x 3.
+Q4_LARGE_GRID_WARPS = 24
 MIN_WARPS_PER_SM = 16  # fewer resident warps than this leave too few loads in flight to stream
 MAX_ROWS_IN_FLIGHT = 8  # unroll x rows_per_warp (x2 double-buffered): 512-byte steps a warp holds in registers
+MIN_ROWS_IN_FLIGHT = 2  # ... and at least this many (one 512-byte step a warp leaves too few bytes in flight)
 REDUCED = {"warps": (8, 16), "unroll": (4, 8)}  # --reduced (Llama-3-8B's check)
 # fp16 outputs of float32 sums: norm-wise error of the output's rounding and a last-bit difference
-# in the normed row carried through a matmul stay well below this.
+# in the normed row carried through a matmul stay well below this; so do 4-bit half sums (fp16 sums of
+# each word's products: 4.2-4.9e-4 against float64 at K 4096-14336 in session 21).
 TOLERANCE = 5e-3
 _FIELDS = ("warps", "rows_per_warp", "unroll", "min_blocks_per_sm", "double_buffer", "prefetch_l2_percent")
+_Q4_FIELDS = (*_FIELDS, "half_sums")
 
 
 def variant_name(cfg: dict[str, Any]) -> str:
-    """A row-template config's short name: ``w16_r1_u4_b1[_db][_pf25]``."""
+    """A row-template config's short name: ``w16_r1_u4_b1[_db][_hs][_pf25]``."""
     return (f"w{cfg['warps']}_r{cfg['rows_per_warp']}_u{cfg['unroll']}_b{cfg['min_blocks_per_sm']}"
-            + ("_db" if cfg.get("double_buffer") else "")
+            + ("_db" if cfg.get("double_buffer") else "") + ("_hs" if cfg.get("half_sums") else "")
             + (f"_pf{cfg['prefetch_l2_percent']}" if cfg.get("prefetch_l2_percent") else ""))
 
 
-def variants(out_n: int, k: int, elem_bytes: int, sms: int, reduced: bool = False) -> list[dict[str, Any]]:
+def variants(out_n: int, k: int, elem_bytes: float, sms: int, reduced: bool = False,
+             quantized: bool = False) -> list[dict[str, Any]]:
     """The row-template configs swept for a GEMV of ``out_n`` output columns and rows of ``k``
-    elements on ``sms`` SMs: every combination of ``WARPS``, ``ROWS_PER_WARP``, ``UNROLL``,
-    ``MIN_BLOCKS`` and double buffering that
-    - fits an SM (warps x blocks <= ``MAX_WARPS_PER_SM``) and keeps ``MIN_WARPS_PER_SM`` warps resident
-      (twice that in a grid of at least 4 blocks an SM; a smaller grid: as many as it gives);
+    elements of ``elem_bytes`` (0.5: 4-bit) on ``sms`` SMs: every combination of ``WARPS``,
+    ``ROWS_PER_WARP``, ``UNROLL`` (``quantized``: ``Q4_WARPS``, ``Q4_ROWS_PER_WARP``, ``Q4_UNROLL``,
+    with half sums, which won at every shape in session 21; ``extra_configs`` adds the float32 dot at
+    the shipped settings), ``MIN_BLOCKS`` and double buffering that
+    - fits an SM (warps x blocks <= ``MAX_WARPS_PER_SM``; 4-bit: and ``Q4_MIN_REGISTERS`` a thread of
+      the SM's registers) and keeps ``MIN_WARPS_PER_SM`` warps resident
+      (twice that in a grid of at least 4 blocks an SM, 4-bit ``Q4_LARGE_GRID_WARPS``; a smaller
+      grid: as many as it gives);
     - asks for no more resident blocks than the grid has an SM (``min_blocks_per_sm`` only budgets
       registers for blocks that exist);
-    - holds at most ``MAX_ROWS_IN_FLIGHT`` rows' steps in registers (unroll x rows_per_warp, twice that
-      double-buffered), and unrolls no more steps than a row has (at least 2: K 576 is 2.25 steps);
+    - holds ``MIN_ROWS_IN_FLIGHT`` to ``MAX_ROWS_IN_FLIGHT`` rows' steps in registers (unroll x
+      rows_per_warp, twice that double-buffered), and unrolls no more steps than a row has (at
+      least 2: K 576 is 2.25 steps);
     - double-buffers only where a row takes more than one round of ``unroll`` steps.
-    ``reduced``: only the warps and unrolls of ``REDUCED``."""
-    steps = -(-k * elem_bytes // ROW_BYTES)
+    ``reduced``: only the warps and unrolls of ``REDUCED`` (fp16)."""
+    steps = math.ceil(k * elem_bytes / ROW_BYTES)
+    if quantized:
+        axes = (Q4_WARPS, Q4_ROWS_PER_WARP, Q4_UNROLL, MIN_BLOCKS, (False, True), (True,))
+    else:
+        axes = (REDUCED["warps"] if reduced else WARPS, ROWS_PER_WARP, REDUCED["unroll"] if reduced else UNROLL,
+                MIN_BLOCKS, (False, True), (False,))
+    max_warps = MAX_WARPS_PER_SM
+    if quantized:
+        max_warps = min(max_warps, _SM.regs_per_sm // (Q4_MIN_REGISTERS * _SM.warp_size))
     out = []
-    for warps, rows, unroll, blocks, db in itertools.product(
-            REDUCED["warps"] if reduced else WARPS, ROWS_PER_WARP, REDUCED["unroll"] if reduced else UNROLL,
-            MIN_BLOCKS, (False, True)):
+    for warps, rows, unroll, blocks, db, half in itertools.product(*axes):
         grid_per_sm = -(-(-(-out_n // (warps * rows))) // sms)
-        if warps * blocks > MAX_WARPS_PER_SM or blocks > max(1, grid_per_sm):
+        if warps * blocks > max_warps or blocks > max(1, grid_per_sm):
             continue
         # warps resident an SM: at least the floor (twice it where the grid has blocks for every
         # MIN_BLOCKS), or, in a smaller grid, as many as the grid gives
         large = grid_per_sm >= len(MIN_BLOCKS)
-        floor = 2 * MIN_WARPS_PER_SM if large else MIN_WARPS_PER_SM
+        floor = (Q4_LARGE_GRID_WARPS if quantized else 2 * MIN_WARPS_PER_SM) if large else MIN_WARPS_PER_SM
         reachable = warps * min(grid_per_sm, len(MIN_BLOCKS), MAX_WARPS_PER_SM // warps)
         if warps * blocks < (floor if large else min(floor, reachable)):
             continue
-        if (1 + db) * unroll * rows > MAX_ROWS_IN_FLIGHT or (unroll > 2 and unroll // 2 >= steps):
+        in_flight = (1 + db) * unroll * rows
+        if not MIN_ROWS_IN_FLIGHT <= in_flight <= MAX_ROWS_IN_FLIGHT or (unroll > 2 and unroll // 2 >= steps):
             continue
         if db and -(-steps // unroll) < 2:
             continue
-        out.append({"warps": warps, "rows_per_warp": rows, "unroll": unroll, "min_blocks_per_sm": blocks,
-                    "double_buffer": db, "prefetch_l2_percent": None})
+        cfg = {"warps": warps, "rows_per_warp": rows, "unroll": unroll, "min_blocks_per_sm": blocks,
+               "double_buffer": db, "prefetch_l2_percent": None}
+        out.append({**cfg, "half_sums": half} if quantized else cfg)
     return out
 
 
@@ -115,10 +155,16 @@ def _round(a: np.ndarray, dtype: str) -> np.ndarray:
 def reference(desc: dict[str, Any], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The function's outputs in float64 (by role: ``out``, and ``total`` where the norm prologue
     adds a residual first) from its inputs by role (``x``, ``weight`` [N, K], ``norm_weight``,
-    ``residual`` (the prologue's), ``out_residual`` (the epilogue's add)), ``desc`` its analysis
+    ``residual`` (the prologue's), ``out_residual`` (the epilogue's add); with ``desc["quantization"]``
+    ``weight`` the packed words [N, K / 8] and ``scale`` their scales), ``desc`` its analysis
     (``norm``, ``eps``, ``paired``, ``dtype``, ``out_dtype``): rounded where the function stores or
-    casts (``x + residual``, the normed row, the matmul's cast before SiLU-mul or an add, the output)."""
-    dt, f = desc["dtype"], {k: np.asarray(v, dtype=np.float64) for k, v in inputs.items()}
+    casts (``x + residual``, the normed row, the dequantized weight, the matmul's cast before SiLU-mul
+    or an add, the output)."""
+    dt, inputs = desc["dtype"], dict(inputs)
+    if desc.get("quantization"):  # the dequantize's (value - zero) * scale, rounded to dt as it is computed
+        stored = (np.asarray(inputs.pop("weight"), dtype=np.uint32), inputs.pop("scale"))
+        inputs["weight"] = _round(dequantize(stored, scheme(desc["quantization"])), dt)
+    f = {k: np.asarray(v, dtype=np.float64) for k, v in inputs.items()}
     x = f["x"].reshape(-1)
     got: dict[str, np.ndarray] = {}
     if desc["norm"]:
@@ -146,9 +192,12 @@ def rel_error(out: np.ndarray, ref: np.ndarray) -> float:
 # ---- build ------------------------------------------------------------------------------------
 
 
-def decode_gemvs(model: str, target: Any, dtype: str = "float16") -> dict[str, Any]:
-    """Name -> PrimFunc: the functions of our model's ``decode`` that the Gemv rule takes at a static
-    M = 1, as phases 1-3 of the fuselight pipeline hand them to the rules, one of each structure."""
+def decode_gemvs(model: Any, target: Any, dtype: str = "float16", quantization: str | None = None) -> dict[str, Any]:
+    """Name -> PrimFunc: the functions of our model's ``decode`` (``model``: a preset's name, in
+    ``dtype`` or with the 4-bit scheme ``quantization``; or a ``ModelConfig``) that the Gemv rule takes
+    at a static M = 1, as phases 1-3 of the fuselight pipeline hand them to the rules, one of each
+    structure (with 4-bit weights, the dequantize fused into each: ``fused_rms_norm_gemv*``,
+    ``fused_dequantize*_NT_matmul*``)."""
     import tvm
     import tvm_ffi
     from fuselight import pipeline as pl
@@ -159,7 +208,8 @@ def decode_gemvs(model: str, target: Any, dtype: str = "float16") -> dict[str, A
     from fuselight.rules.gemv import Gemv
     from tvm import relax, tirx
 
-    mod = export_module(load(model).with_dtype(dtype), target)[0]
+    config = load(model).with_dtype(dtype).with_quantization(quantization) if isinstance(model, str) else model
+    mod = export_module(config, target)[0]
     stages = pl.stages(target, graph_passes=pl.graph_passes(None, None), rules=pl.fuselight_rules())
     with target:
         mod = tvm.transform.Sequential([s.pass_ for s in stages if s.phase <= 3])(mod)
@@ -169,7 +219,7 @@ def decode_gemvs(model: str, target: Any, dtype: str = "float16") -> dict[str, A
         if (gv.name_hint not in called or not isinstance(func, tirx.PrimFunc)
                 or "tirx.is_scheduled" in (func.attrs or {})):
             continue
-        desc = analyze_matmul(func, prologue=True)
+        desc = analyze_matmul(func, prologue=True, dequant=True)
         if desc is None or static_m(desc.operands) != 1 or Gemv().apply(func.with_attr("target", target), target, False) is None:
             continue
         bare = func.without_attr("global_symbol")
@@ -178,14 +228,16 @@ def decode_gemvs(model: str, target: Any, dtype: str = "float16") -> dict[str, A
     return found
 
 
-def describe(func: Any) -> dict[str, Any]:
-    """What the run half needs of a GEMV function: its parameters' roles, shapes and dtypes, and the
-    analysis the reference reads."""
+def describe(func: Any, quantization: str | None = None) -> dict[str, Any]:
+    """What the run half needs of a GEMV function: its parameters' roles, shapes and dtypes (4-bit
+    weights: ``weight`` the packed words, ``scale`` their scales), the analysis the reference reads,
+    and the bytes of weights (and scales) it streams."""
     from fuselight.rules.gemm.analysis import analyze_matmul
 
-    ops = analyze_matmul(func, prologue=True).operands
-    norm = ops.prologue
-    named = {"weight": ops.b, "x": norm.x if norm else ops.a, "out": ops.out.buffer}
+    ops = analyze_matmul(func, prologue=True, dequant=True).operands
+    norm, deq = ops.prologue, ops.dequant
+    named = {"weight": ops.b, "x": norm.x if norm else ops.a, "out": ops.out.buffer,
+             "scale": deq.scale if deq is not None else None}
     if norm is not None:
         named.update(norm_weight=norm.weight, residual=norm.residual, total=norm.total)
     params = []
@@ -194,28 +246,49 @@ def describe(func: Any) -> dict[str, Any]:
         params.append({"name": p.name, "role": role, "shape": [int(s) for s in p.ty.shape], "dtype": str(p.ty.dtype)})
     return {"params": params, "n": ops.n, "k": ops.k, "out_n": ops.out_n, "dtype": ops.dtype,
             "out_dtype": str(ops.out.buffer.dtype), "norm": norm is not None, "eps": norm.eps if norm else None,
-            "paired": ops.paired, "weight_bytes": ops.n * ops.k * 2}
+            "paired": ops.paired, "quantization": quantization,
+            "weight_bytes": sum(math.prod(p["shape"]) * np.dtype(p["dtype"]).itemsize
+                                for p in params if p["role"] in ("weight", "scale"))}
 
 
 def shipped_bucket(func: Any, target: Any) -> tuple[str, dict[str, Any], int | None, int]:
-    """The bucket of ``configs/gemm/gemv.json`` (sm_90) serving ``func`` now: its name, fields, its
-    ``max_blocks`` (None: any grid), and the grid size (16-row blocks) that ``max_blocks`` bounds."""
+    """The bucket of ``configs/gemm/gemv.json`` (4-bit weights: ``gemv_q4.json``; sm_90) serving
+    ``func`` now: its name, fields (4-bit: with ``half_sums``), its ``max_blocks`` (None: any grid),
+    and the grid size (16-row blocks) that ``max_blocks`` bounds."""
     from fuselight.rules.gemm import gemv
     from fuselight.rules.gemm.analysis import analyze_matmul
     from fuselight.rules.gemv import gemv_config
 
-    ops = analyze_matmul(func, prologue=True).operands
+    ops = analyze_matmul(func, prologue=True, dequant=True).operands
     cfg = gemv_config(ops, 1, target)
-    buckets, _ = gemv.read_buckets(gemv.CONFIG_NAME, ARCH, gemv.arch_config.gemv, gemv.GemvConfig, gemv.check_gemv_config)
+    quantized = ops.dequant is not None
+    buckets, _ = gemv.read_buckets(gemv.CONFIG_NAME_Q4 if quantized else gemv.CONFIG_NAME, ARCH,
+                                   gemv.arch_config.as_written if quantized else gemv.arch_config.gemv,
+                                   gemv.GemvConfig, gemv.check_gemv_config)
     name = next((at.rsplit("[", 1)[1].strip("'[]") for c, at in buckets if c == cfg), "?")
-    return name, {f: getattr(cfg, f) for f in _FIELDS}, cfg.max_blocks, gemv.grid_blocks(ops)
+    return name, {f: getattr(cfg, f) for f in (_Q4_FIELDS if quantized else _FIELDS)}, cfg.max_blocks, gemv.grid_blocks(ops)
 
 
-def build(out: Path, models: list[str], reduced: list[str]) -> None:
+def extra_configs(shipped: dict[str, Any]) -> list[dict[str, Any]]:
+    """Beside the sweep: the shipped bucket without its L2 prefetch (where it has one) and, with 4-bit
+    weights, with the float32 dot instead of half sums (or the other way round), with and without."""
+    out = [shipped]
+    if "half_sums" in shipped:
+        out.append({**shipped, "half_sums": not shipped["half_sums"]})
+    if shipped["prefetch_l2_percent"] is not None:
+        out += [{**c, "prefetch_l2_percent": None} for c in out]
+    return out[1:]
+
+
+def manifest_key(model: str, quantization: str | None) -> str:
+    """A model's key in the manifest and its library's name: ``llama-3-8b``, ``llama-3-8b-q4f16_1``."""
+    return f"{model}-{quantization}" if quantization else model
+
+
+def build(out: Path, models: list[str], reduced: list[str], quantization: str | None = None) -> None:
     import tvm
     from fuselight import tir_pipeline
     from fuselight.compile import library_metadata
-    from fuselight.device import require_device
     from fuselight.library import write_library
     from fuselight.rules.base import with_kernels
     from fuselight.rules.gemm import gemv
@@ -225,25 +298,26 @@ def build(out: Path, models: list[str], reduced: list[str]) -> None:
 
     spec = resolve("cuda", ARCH)
     target = to_tvm(spec)
-    sms = require_device(ARCH).sms
+    sms = _SM.sms
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"arch": ARCH, "sms": sms, "chain": CHAIN, "models": {}}
     t0 = time.time()
     for model in models:
-        funcs = decode_gemvs(model, target)
-        entry: dict[str, Any] = {"library": f"{model}.so", "functions": {}}
+        key = manifest_key(model, quantization)
+        funcs = decode_gemvs(model, target, quantization=quantization)
+        entry: dict[str, Any] = {"library": f"{key}.so", "quantization": quantization, "functions": {}}
         kernels: dict[str, Any] = {}
         for fname, func in funcs.items():
-            rec = describe(func)
+            rec = describe(func, quantization)
             rec["bucket"], shipped, rec["bucket_max_blocks"], rec["grid_blocks"] = shipped_bucket(func, target)
-            sym = f"{model}__{fname}".replace("-", "_").replace(".", "_")
+            sym = f"{key}__{fname}".replace("-", "_").replace(".", "_")
             kernels[f"{sym}__shipped"] = Gemv().apply(func, target, False).mod["main"].with_attr("global_symbol", f"{sym}__shipped")
             rec["kernels"] = {"shipped": {"function": f"{sym}__shipped", "config": shipped}}
-            ops = analyze_matmul(func, prologue=True).operands
-            sweep = variants(rec["out_n"], rec["k"], 2, sms, reduced=model in reduced)
-            if shipped["prefetch_l2_percent"] is not None:  # the shipped bucket without its prefetch
-                sweep.append({**shipped, "prefetch_l2_percent": None})
+            ops = analyze_matmul(func, prologue=True, dequant=True).operands
+            quantized = ops.dequant is not None
+            sweep = variants(rec["out_n"], rec["k"], ops.dequant.bits / 8 if quantized else 2, sms,
+                             reduced=model in reduced, quantized=quantized) + extra_configs(shipped)
             for fields in sweep:
                 vname = variant_name(fields)
                 if fields == shipped or vname in rec["kernels"]:
@@ -264,9 +338,9 @@ def build(out: Path, models: list[str], reduced: list[str]) -> None:
         for rec in entry["functions"].values():
             for v in rec["kernels"].values():
                 v.update(regs.get(v["function"] + "_kernel", {}))
-        manifest["models"][model] = entry
+        manifest["models"][key] = entry
         manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
-        print(f"{model}: {len(kernels)} kernels, {time.time() - t0:.0f} s", flush=True)
+        print(f"{key}: {len(kernels)} kernels, {time.time() - t0:.0f} s", flush=True)
     total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"wrote {manifest_path}; {total / 2**20:.1f} MiB under {out}")
 
@@ -274,9 +348,11 @@ def build(out: Path, models: list[str], reduced: list[str]) -> None:
 # ---- run --------------------------------------------------------------------------------------
 
 
-def make_inputs(rec: dict[str, Any], torch: Any, gen: Any, copies: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def make_inputs(rec: dict[str, Any], torch: Any, gen: Any, copies: int, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """``copies`` argument sets by role (distinct weights, the other inputs and the outputs shared),
-    outputs NaN; and the first set's inputs as float64 numpy for ``reference``."""
+    outputs NaN; and the first set's inputs as numpy for ``reference`` (float64; packed words uint32).
+    4-bit weights: random packed words and scales as the q4 probes draw them (``q4_weights``, seeded
+    ``seed`` + copy)."""
     shared: dict[str, Any] = {}
     for p in rec["params"]:
         dtype, shape = getattr(torch, p["dtype"]), p["shape"]
@@ -284,12 +360,22 @@ def make_inputs(rec: dict[str, Any], torch: Any, gen: Any, copies: int) -> tuple
             shared[p["role"]] = torch.full(shape, float("nan"), device="cuda", dtype=dtype)
         elif p["role"] == "norm_weight":
             shared[p["role"]] = (1 + 0.01 * torch.randn(shape, device="cuda", generator=gen)).to(dtype)
-        elif p["role"] != "weight":
+        elif p["role"] not in ("weight", "scale"):
             shared[p["role"]] = torch.randn(shape, device="cuda", generator=gen).to(dtype)
     weight = next(p for p in rec["params"] if p["role"] == "weight")
-    sets = [{**shared, "weight": (torch.randn(weight["shape"], device="cuda", generator=gen)
-                                  / math.sqrt(rec["k"])).to(getattr(torch, weight["dtype"]))} for _ in range(copies)]
-    ref_in = {r: t.double().cpu().numpy() for r, t in sets[0].items() if r not in ("out", "total")}
+    if rec.get("quantization"):
+        scale = next(p for p in rec["params"] if p["role"] == "scale")
+        case = {"n": rec["n"], "k": rec["k"], "dtype": scale["dtype"], "group": rec["k"] // scale["shape"][-1]}
+        sets = []
+        for c in range(copies):
+            wd = q4_weights(case, torch, seed + c)
+            sets.append({**shared, "weight": wd["q"], "scale": wd["scale"]})
+            del wd
+    else:
+        sets = [{**shared, "weight": (torch.randn(weight["shape"], device="cuda", generator=gen)
+                                      / math.sqrt(rec["k"])).to(getattr(torch, weight["dtype"]))} for _ in range(copies)]
+    ref_in = {r: t.view(torch.int32).cpu().numpy().view(np.uint32) if t.dtype == torch.uint32 else t.double().cpu().numpy()
+              for r, t in sets[0].items() if r not in ("out", "total")}
     return sets, ref_in
 
 
@@ -321,11 +407,11 @@ def run(manifest_path: Path, out_json: Path, models: list[str] | None) -> None:
         results["models"][model] = {}
         for fi, (fname, rec) in enumerate(entry["functions"].items()):
             gen = torch.Generator(device="cuda").manual_seed(100 * mi + fi)
-            sets, ref_in = make_inputs(rec, torch, gen, manifest["chain"])
+            sets, ref_in = make_inputs(rec, torch, gen, manifest["chain"], seed=1000 * (100 * mi + fi))
             ref = reference(rec, ref_in)
             targs = [[tensor_to_tvm(tvm, torch, s[p["role"]]) for p in rec["params"]] for s in sets]
-            frec: dict[str, Any] = {k: rec[k] for k in ("n", "k", "out_n", "grid_blocks", "bucket", "bucket_max_blocks",
-                                                        "weight_bytes", "norm", "paired")}
+            frec: dict[str, Any] = {k: rec.get(k) for k in ("n", "k", "out_n", "grid_blocks", "bucket", "bucket_max_blocks",
+                                                            "weight_bytes", "norm", "paired", "quantization")}
             frec["kernels"] = {}
             for vname, v in rec["kernels"].items():
                 kern = lib[v["function"]]
@@ -398,7 +484,7 @@ def suggest(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def print_table(results: dict[str, Any], rate: float) -> None:
-    print(f"{'model':<13} {'function':<28} {'N x K':>12} {'grid':>5} {'bucket':<14} {'shipped iso/chain':>18} "
+    print(f"{'model':<18} {'function':<28} {'N x K':>12} {'grid':>5} {'bucket':<14} {'shipped iso/chain':>18} "
           f"{'best iso':>22} {'best chain':>22} {'ratio':>6} {'%copy':>6}")
     for model, funcs in results["models"].items():
         for fname, f in funcs.items():
@@ -409,7 +495,7 @@ def print_table(results: dict[str, Any], rate: float) -> None:
             ship = f"{s.get('isolated_us', float('nan')):8.2f}/{sc or float('nan'):8.2f}"
             ratio = f"{sc / tc:6.3f}" if sc and tc else f"{'-':>6}"
             pct = f"{100 * f['weight_bytes'] / tc / 1e3 / rate:6.1f}" if tc else f"{'-':>6}"
-            print(f"{model:<13} {fname:<28} {f['n']:>6}x{f['k']:<5} {f['grid_blocks']:>5} {f['bucket']:<14} {ship:>18} "
+            print(f"{model:<18} {fname:<28} {f['n']:>6}x{f['k']:<5} {f['grid_blocks']:>5} {f['bucket']:<14} {ship:>18} "
                   f"{(ti or float('nan')):7.2f} {vi or '-':<14} {(tc or float('nan')):7.2f} {vc or '-':<14} {ratio} {pct}")
             bad = [v for v, e in f["kernels"].items() if not e.get("correct")]
             if bad:
@@ -422,25 +508,28 @@ def print_table(results: dict[str, Any], rate: float) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The probe's command line: ``build OUT [--model ...] [--reduced ...]`` or ``run MANIFEST -o JSON [--models ...]``."""
+    """The probe's command line: ``build OUT [--model ...] [--reduced ...] [--quantization q4f16_1]`` or
+    ``run MANIFEST -o JSON [--models ...]`` (a model with 4-bit weights is named ``manifest_key``'s way)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("out", type=Path)
     b.add_argument("--model", nargs="+", choices=MODELS, default=list(MODELS))
     b.add_argument("--reduced", nargs="*", choices=MODELS, default=[],
-                   help="models swept with the reduced variant set (REDUCED)")
+                   help="models swept with the reduced variant set (REDUCED; fp16)")
+    b.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="4-bit weights of this scheme (the row template's 4-bit sweep, configs/gemm/gemv_q4.json)")
     r = sub.add_parser("run")
     r.add_argument("manifest", type=Path)
     r.add_argument("-o", "--output", type=Path, required=True)
-    r.add_argument("--models", nargs="*", choices=MODELS)
+    r.add_argument("--models", nargs="*", choices=[manifest_key(m, q) for m in MODELS for q in (None, *QUANTIZATIONS)])
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     if a.cmd == "build":
-        build(a.out, a.model, a.reduced)
+        build(a.out, a.model, a.reduced, a.quantization)
     else:
         run(a.manifest, a.output, a.models)
 

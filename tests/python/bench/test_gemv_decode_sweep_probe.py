@@ -10,6 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fuselight import config
+from fuselight.device import require_device
+from fuselight.model.weights import hf_config
+from fuselight.quantization import pack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "probes"))
 import gemv_decode_sweep as probe  # noqa: E402
@@ -114,16 +118,33 @@ def test_rel_error():
     assert probe.rel_error(ref, ref) == 0.0
 
 
-def test_reference_computes_what_the_model_functions_do():
-    # tiny-llama's decode GEMVs as the pipeline hands them to the rules, run on the CPU in fp16
-    # (the unscheduled functions), against the reference from their descriptions.
+def _tiny_q4():
+    """tiny-llama at hidden 1024 (so the norm fuses into the GEMVs) with whole 4-bit groups, q4f16_1."""
+    raw = {**hf_config(config.load("tiny-llama")), "hidden_size": 1024, "intermediate_size": 2816,
+           "num_attention_heads": 8, "num_key_value_heads": 2}
+    return config.from_dict(raw, name="tiny-q").with_quantization("q4f16_1")
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp16", "q4f16_1"])
+def test_reference_computes_what_the_model_functions_do(quantized):
+    # tiny-llama's decode GEMVs as the pipeline hands them to the rules (4-bit: fused with their
+    # dequantize), run on the CPU in fp16 (the unscheduled functions), against the reference from
+    # their descriptions.
     import tvm
     from fuselight.target import resolve, to_tvm
 
-    funcs = probe.decode_gemvs("tiny-llama", to_tvm(resolve("cuda", "sm_90")))
-    descs = {name: probe.describe(f) for name, f in funcs.items()}
+    target = to_tvm(resolve("cuda", "sm_90"))
+    funcs = probe.decode_gemvs(_tiny_q4(), target) if quantized else probe.decode_gemvs("tiny-llama", target)
+    descs = {name: probe.describe(f, "q4f16_1" if quantized else None) for name, f in funcs.items()}
     assert any(d["paired"] for d in descs.values()) and any(d["norm"] and not d["paired"] for d in descs.values())
     assert any(not d["norm"] for d in descs.values()) and any(d["out_dtype"] == "float32" for d in descs.values())
+    for d in descs.values():  # 4-bit: packed words [N, K / 8] and a scale a group of 32, both streamed
+        roles = {p["role"]: p for p in d["params"]}
+        assert ("scale" in roles) == quantized
+        if quantized:
+            assert roles["weight"]["shape"] == [d["n"], d["k"] // 8] and roles["weight"]["dtype"] == "uint32"
+            assert roles["scale"]["shape"] == [d["n"], d["k"] // 32]
+            assert d["weight_bytes"] == d["n"] * d["k"] // 2 + d["n"] * d["k"] // 32 * 2
     rng = np.random.default_rng(2)
     for name, func in funcs.items():
         d = descs[name]
@@ -131,8 +152,13 @@ def test_reference_computes_what_the_model_functions_do():
                           target="llvm")
         inputs, args = {}, []
         for p in d["params"]:
-            scale = {"weight": 1 / np.sqrt(d["k"]), "norm_weight": 0.01}.get(p["role"], 1.0)
-            a = (rng.standard_normal(p["shape"]) * scale + (p["role"] == "norm_weight")).astype(p["dtype"])
+            if quantized and p["role"] == "weight":  # random words, none zero
+                a = rng.integers(1, 2**32, p["shape"], dtype=np.uint64).astype(np.uint32)
+            elif quantized and p["role"] == "scale":  # as the q4 probes draw them
+                a = (rng.random(p["shape"]) * 0.018 + 0.002).astype(p["dtype"])
+            else:
+                scale = {"weight": 1 / np.sqrt(d["k"]), "norm_weight": 0.01}.get(p["role"], 1.0)
+                a = (rng.standard_normal(p["shape"]) * scale + (p["role"] == "norm_weight")).astype(p["dtype"])
             if p["role"] not in ("out", "total"):
                 inputs[p["role"]] = a
             args.append(tvm.runtime.tensor(a))
@@ -142,9 +168,82 @@ def test_reference_computes_what_the_model_functions_do():
             assert probe.rel_error(got[role], want) < 2e-3, (name, role)
 
 
+def test_q4_reference_by_hand():
+    # 2 rows of K 64 (two groups): words packed value e in bits 4e.., weight (e - 7) * scale rounded to fp16
+    rng = np.random.default_rng(3)
+    values = rng.integers(0, 16, (2, 64))
+    scale = (rng.random((2, 2)) * 0.018 + 0.002).astype(np.float16)
+    x = rng.standard_normal(64)
+    w = _f16((values - 7) * np.repeat(scale.astype(np.float64), 32, axis=1))
+    got = probe.reference(_desc(quantization="q4f16_1"), {"x": x, "weight": pack(values), "scale": scale})
+    np.testing.assert_array_equal(got["out"], _f16(w @ x))
+    assert np.abs(got["out"]).max() > 0.01
+    # value e sits in bits 4e..4e+3 of its word: the words with their nibbles reversed compute another row
+    flipped = probe.reference(_desc(quantization="q4f16_1"), {"x": x, "weight": pack(values[:, ::-1].copy())[:, ::-1].copy(),
+                                                             "scale": scale})
+    assert not np.allclose(flipped["out"], got["out"])
+
+
+# (out_n, K) of Llama-3-8B's decode GEMVs with 4-bit weights: o_proj, down, QKV, gate_up (paired), LM head
+Q4_SHAPES = [(4096, 4096), (4096, 14336), (6144, 4096), (14336, 4096), (128256, 4096), (384, 1024)]
+
+
+@pytest.mark.parametrize("out_n,k", Q4_SHAPES)
+def test_q4_variants_fit_and_are_pruned(out_n, k):
+    found = probe.variants(out_n, k, 0.5, SMS, quantized=True)
+    assert 10 <= len(found) <= 45, len(found)
+    names = [probe.variant_name(c) for c in found]
+    assert len(set(names)) == len(names) and all(n.endswith("_hs") for n in names)
+    sm = require_device("sm_90")
+    steps = -(-k // 1024)  # a 512-byte step of a 4-bit row holds 1024 values
+    for c in found:
+        assert c["half_sums"] is True and c["prefetch_l2_percent"] is None
+        assert c["warps"] * 32 * c["min_blocks_per_sm"] * probe.Q4_MIN_REGISTERS <= sm.regs_per_sm
+        in_flight = (1 + c["double_buffer"]) * c["unroll"] * c["rows_per_warp"]
+        assert probe.MIN_ROWS_IN_FLIGHT <= in_flight <= probe.MAX_ROWS_IN_FLIGHT
+        assert not c["double_buffer"] or -(-steps // c["unroll"]) >= 2
+    # unroll 4 needs 3+ steps (K 1024 is one); every rows_per_warp stays
+    assert {c["unroll"] for c in found} == ({1, 2, 4} if steps > 2 else {1, 2})
+    assert {c["rows_per_warp"] for c in found} == {1, 2, 4}
+
+
+def test_q4_variants_keep_the_shipped_settings_and_the_fp16_sweep_is_unchanged():
+    # gemv_q4.json's m1_k4096 (QKV, gate_up, LM head) and m1 (down) settings, half sums on
+    m1_k4096 = {"warps": 8, "rows_per_warp": 2, "unroll": 4, "min_blocks_per_sm": 3, "double_buffer": False,
+                "prefetch_l2_percent": None, "half_sums": True}
+    for out_n in (6144, 14336, 128256):
+        assert m1_k4096 in probe.variants(out_n, 4096, 0.5, SMS, quantized=True)
+    # large grids: 24-32 resident warps an SM (the register bound above, the shipped 8 x 3 below)
+    head = probe.variants(128256, 4096, 0.5, SMS, quantized=True)
+    assert {c["warps"] * c["min_blocks_per_sm"] for c in head} == {24, 32}
+    down = probe.variants(4096, 14336, 0.5, SMS, quantized=True)
+    assert {"warps": 8, "rows_per_warp": 2, "unroll": 2, "min_blocks_per_sm": 2, "double_buffer": True,
+            "prefetch_l2_percent": None, "half_sums": True} in down
+    assert all("half_sums" not in c for c in probe.variants(6144, 4096, 2, SMS))
+    assert probe.MAX_WARPS_PER_SM == require_device("sm_90").max_threads_per_sm // 32
+
+
+def test_extra_configs():
+    shipped = {"warps": 8, "rows_per_warp": 2, "unroll": 4, "min_blocks_per_sm": 2, "double_buffer": False,
+               "prefetch_l2_percent": 25, "half_sums": True}
+    names = {probe.variant_name(c) for c in probe.extra_configs(shipped)}
+    assert names == {"w8_r2_u4_b2_pf25", "w8_r2_u4_b2_hs", "w8_r2_u4_b2"}
+    assert [probe.variant_name(c) for c in probe.extra_configs({**shipped, "prefetch_l2_percent": None})] == ["w8_r2_u4_b2"]
+    fp16 = {k: v for k, v in shipped.items() if k != "half_sums"}
+    assert [probe.variant_name(c) for c in probe.extra_configs(fp16)] == ["w8_r2_u4_b2"]
+    assert probe.extra_configs({**fp16, "prefetch_l2_percent": None}) == []
+
+
 def test_command_line():
     a = probe.parse_args(["build", "out", "--model", "smollm2-135m", "llama-3.2-1b"])
     assert (a.cmd, a.model, a.reduced) == ("build", ["smollm2-135m", "llama-3.2-1b"], [])
+    assert a.quantization is None
+    q = probe.parse_args(["build", "out", "--model", "llama-3-8b", "--quantization", "q4f16_1"])
+    assert (q.model, q.quantization) == (["llama-3-8b"], "q4f16_1")
+    assert probe.manifest_key("llama-3-8b", "q4f16_1") == "llama-3-8b-q4f16_1"
+    assert probe.parse_args(["run", "m.json", "-o", "x.json", "--models", "llama-3-8b-q4f16_1"]).models == ["llama-3-8b-q4f16_1"]
+    with pytest.raises(SystemExit):
+        probe.parse_args(["build", "out", "--quantization", "q3f16_1"])
     assert probe.parse_args(["build", "out"]).model == list(probe.MODELS)
     r = probe.parse_args(["run", "m.json", "-o", "x.json", "--models", "llama-3-8b"])
     assert (r.cmd, str(r.output), r.models) == ("run", "x.json", ["llama-3-8b"])
