@@ -83,8 +83,8 @@ def load_arch_config(family: str, name: str, arch: str, cls: type[C], *keys: str
 
 
 def from_fields(cls: type[C], node: Any, where: str) -> C:
-    """``cls(**node)`` where every field is a positive int, or a boolean where its default is one (a
-    field with a default may be left out)."""
+    """``cls(**node)`` where every field is a positive int, a boolean where its default is one, or a
+    string where it is annotated one (a field with a default may be left out)."""
     if not isinstance(node, dict):
         raise FuselightError(f"{where}: must be an object")
     values = {}
@@ -95,6 +95,9 @@ def from_fields(cls: type[C], node: Any, where: str) -> C:
         if isinstance(field.default, bool):
             if not isinstance(v, bool):
                 raise FuselightError(f"{where}: field {field.name!r} must be true or false, got {v!r}")
+        elif str(field.type).startswith("str"):
+            if not isinstance(v, str):
+                raise FuselightError(f"{where}: field {field.name!r} must be a string, got {v!r}")
         elif not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise FuselightError(f"{where}: field {field.name!r} must be a positive integer, got {v!r}")
         values[field.name] = v

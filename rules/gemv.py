@@ -60,7 +60,7 @@ def gemv_config(ops: GemmOperands, m: int, target: Target) -> GemvConfig | None:
     does not take (NN weights, K not a multiple of 32, too much shared memory)."""
     try:
         arch = arch_of(target)
-        cfg = config_for(load_gemv_configs(arch, ops.dequant is not None), m, grid_blocks(ops), ops.k)
+        cfg = config_for(load_gemv_configs(arch, ops.dequant is not None), m, grid_blocks(ops), ops.k, ops.dtype)
         if cfg is None:
             return None
         if cfg.half_sums and ops.dtype != "float16":

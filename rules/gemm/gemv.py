@@ -164,6 +164,8 @@ def check_gemv_config(cfg: GemvConfig, where: str = "GEMV config") -> None:
         raise FuselightError(f"{where}: field 'half_sums' needs rows_per_warp (the row template)")
     if cfg.row_tiles > 1 and cfg.rows_per_warp is not None:
         raise FuselightError(f"{where}: field 'row_tiles' is the mma template's (no rows_per_warp), got {cfg.row_tiles}")
+    if cfg.dtype is not None and cfg.dtype not in DTYPE_ABBREV:
+        raise FuselightError(f"{where}: field 'dtype' must be one of {sorted(DTYPE_ABBREV)} or absent, got {cfg.dtype!r}")
 
 
 def load_gemv_configs(arch: str, quantized: bool = False) -> list[GemvConfig]:
@@ -180,8 +182,8 @@ def load_gemv_configs(arch: str, quantized: bool = False) -> list[GemvConfig]:
             raise FuselightError(f"{at}: prefetch_l2_percent needs TMA and griddepcontrol, which {arch} lacks")
         configs.append(cfg)
     configs.sort(key=_bucket_order)
-    if len({(c.max_m, c.max_blocks, c.max_k) for c in configs}) != len(configs):
-        raise FuselightError(f"{where}: two buckets with the same 'max_m', 'max_blocks' and 'max_k'")
+    if len({(c.max_m, c.max_blocks, c.max_k, c.dtype) for c in configs}) != len(configs):
+        raise FuselightError(f"{where}: two buckets with the same 'max_m', 'max_blocks', 'max_k' and 'dtype'")
     return configs
 
 
@@ -202,24 +204,27 @@ def read_buckets(name: str, arch: str, analytic: Any, cls: type[C],
     return buckets, where
 
 
-def _bucket_order(cfg: GemvConfig) -> tuple[int, float, float]:
+def _bucket_order(cfg: GemvConfig) -> tuple[int, float, float, bool]:
     def bound(v: int | None) -> float:
         return math.inf if v is None else v
 
-    return cfg.max_m, bound(cfg.max_blocks), bound(cfg.max_k)
+    return cfg.max_m, bound(cfg.max_blocks), bound(cfg.max_k), cfg.dtype is None
 
 
-def config_for(configs: list[GemvConfig], m: int, blocks: int | None = None, k: int | None = None) -> GemvConfig | None:
+def config_for(configs: list[GemvConfig], m: int, blocks: int | None = None, k: int | None = None,
+               dtype: str | None = None) -> GemvConfig | None:
     """The bucket serving ``m`` rows on a grid of ``blocks`` (see ``grid_blocks``) with ``k``-long rows
-    (None: unknown, so only buckets for any): the smallest ``max_m`` at least ``m``, then the
-    smallest ``max_blocks`` at least ``blocks``, then the smallest ``max_k`` at least ``k`` (None: no
-    bucket serves it)."""
+    (None: unknown, so only buckets for any) of ``dtype`` tokens (None: only buckets for any): the
+    smallest ``max_m`` at least ``m``, then the smallest ``max_blocks`` at least ``blocks``, then the
+    smallest ``max_k`` at least ``k``, a bucket for ``dtype`` before one for any (None: no bucket
+    serves it)."""
 
     def fits(bound: int | None, v: int | None) -> bool:
         return bound is None or (v is not None and v <= bound)
 
     return next(
-        (c for c in sorted(configs, key=_bucket_order) if m <= c.max_m and fits(c.max_blocks, blocks) and fits(c.max_k, k)),
+        (c for c in sorted(configs, key=_bucket_order)
+         if m <= c.max_m and fits(c.max_blocks, blocks) and fits(c.max_k, k) and c.dtype in (None, dtype)),
         None,
     )
 

@@ -65,6 +65,10 @@ class GemvConfig:
     # the SM's issue rate (about 4 instructions a weight); this takes about 2.5, at about twice the
     # rounding error (a product of at most 8 x |token|, 4 to a half-precision sum).
     half_sums: bool = False
+    # Serves only tokens of this dtype (None: any). Where fp16 and bf16 want different settings of
+    # one bucket (the 4-bit row template's fp16 half sums against bf16's float32 dot), the bucket
+    # for one dtype comes first among those alike in max_m, max_blocks and max_k.
+    dtype: str | None = None
     # mma template: 16-row tiles a block owns. Its warps' token fragments of a K step feed every
     # tile, so the token rows, read from L2 by every block (at M = 16 four times the bytes of one
     # tile's weights), are read once per ``row_tiles`` tiles.

@@ -240,8 +240,9 @@ def test_rule_takes_the_lm_head_with_a_symbolic_vocabulary(cuda):
     func = q4_linear(None, 4096, epilogue="cast_fp32")
     kernel = apply_rule(Gemv(), func, cuda)
     grid, _ = _grid_and_allocs(kernel)
-    cfg = gemv.config_for(gemv.load_gemv_configs("sm_90", quantized=True), 1, None, 4096)
-    cols = cfg.warps * cfg.rows_per_warp
+    # configs/gemm/gemv_q4.json's sm_90 bucket for fp16 tokens, any grid, K <= 4096, read by hand:
+    # m1_k4096_fp16, 16 warps of 2 columns a block.
+    cols = 32
     vocab = next(v for v in tirx.analysis.undefined_vars(grid[0]) if v.name == "vocab_size")
     for size in (128256, 32000, 1):
         assert int(tvm.arith.Analyzer().simplify(tirx.stmt_functor.substitute(grid[0], {vocab: tirx.IntImm("int64", size)}))) == -(-size // cols)
@@ -399,16 +400,21 @@ def test_staged_tokens_meet_their_values():
 
 
 def test_m1_buckets_by_grid_and_k(cuda):
-    # Measured on the H100 (docs/experiments/q4-gemv.md, session 18): K of one round a row (4096 with
-    # 8 warps x 2 rows, unroll 4) keeps the single-buffered loads; longer rows (down's 14336: 448
-    # pieces, 7 rounds at unroll 2) double-buffer; o_proj's grid (4096 / 16 = 256 blocks, after the
-    # attention's merge) also asks L2 for a quarter of each row first.
+    # Measured on the H100 (docs/experiments/q4-gemv.md, sessions 18 and 22): K of one round a row
+    # (4096) keeps the single-buffered loads; longer rows (down's 14336) double-buffer; o_proj's grid
+    # (4096 / 16 = 256 blocks, after the attention's merge) also asks L2 for a quarter of each row
+    # first; QKV's 384 blocks take the small-grid bucket. fp16 tokens have their own bucket for down
+    # (16 warps, one row a warp).
     from fuselight.rules.gemv import gemv_config
 
-    chosen = {name: gemv_config(analyze_matmul(q4_linear(n, k, m=1), dequant=True).operands, 1, cuda)
-              for name, (n, k) in {"qkv": (6144, 4096), "o_proj": (4096, 4096), "down": (4096, 14336)}.items()}
-    assert [(c.unroll, c.double_buffer, c.prefetch_l2_percent) for c in chosen.values()] == [
-        (4, False, None), (4, False, 25), (2, True, None)]
+    expected = {
+        "float16": [(8, 2, 4, False, None), (8, 2, 4, False, 25), (16, 1, 2, True, None)],
+        "bfloat16": [(8, 2, 4, False, None), (8, 2, 4, False, 25), (8, 2, 2, True, None)],
+    }
+    for dtype, want in expected.items():
+        chosen = [gemv_config(analyze_matmul(q4_linear(n, k, m=1, dtype=dtype), dequant=True).operands, 1, cuda)
+                  for n, k in ((6144, 4096), (4096, 4096), (4096, 14336))]  # qkv, o_proj, down
+        assert [(c.warps, c.rows_per_warp, c.unroll, c.double_buffer, c.prefetch_l2_percent) for c in chosen] == want
 
 
 def _ops_in_order(stmt) -> list[str]:
@@ -808,8 +814,9 @@ def test_half_sums_is_a_row_template_field_for_fp16():
 
 def test_shipped_m1_buckets_take_half_sums_for_fp16_tokens_only():
     # configs/gemm/gemv_q4.json ships half_sums in sm_90's M = 1 buckets (measured: q4-gemv.md). A
-    # bf16 function (q4bf16_1) gets the same bucket with the float32 dot, not no bucket (which would
-    # leave MLC's bf16 decode GEMVs to DLight).
+    # bf16 function (q4bf16_1) in a bucket for any dtype gets it with the float32 dot, not no bucket
+    # (which would leave MLC's bf16 decode GEMVs to DLight): QKV's small-grid bucket serves both.
+    # Where fp16 has a bucket of its own (down), bf16 takes the one for any, also without half sums.
     from fuselight.rules.gemv import gemv_config
     from fuselight.target import resolve, to_tvm
 
@@ -818,4 +825,39 @@ def test_shipped_m1_buckets_take_half_sums_for_fp16_tokens_only():
         f16 = gemv_config(analyze_matmul(q4_linear(n, k), dequant=True).operands, 1, target)
         bf16 = gemv_config(analyze_matmul(q4_linear(n, k, dtype="bfloat16"), dequant=True).operands, 1, target)
         assert f16.half_sums and f16.rows_per_warp is not None
-        assert bf16 == dataclasses.replace(f16, half_sums=False)
+        assert bf16 is not None and not bf16.half_sums and bf16.dtype is None
+        assert (bf16 == dataclasses.replace(f16, half_sums=False)) == (f16.dtype is None)
+
+
+def test_a_bucket_for_one_dtype_serves_those_tokens_and_comes_first():
+    # Two buckets alike in max_m, max_blocks and max_k: the one for fp16 tokens serves fp16, the
+    # other every other dtype; in any order in the file.
+    fp16 = dataclasses.replace(ROWS, max_m=1, max_k=4096, dtype="float16", warps=16)
+    anyd = dataclasses.replace(ROWS, max_m=1, max_k=4096, warps=8)
+    for configs in ([fp16, anyd], [anyd, fp16]):
+        assert gemv.config_for(configs, 1, 1792, 4096, "float16") is fp16
+        assert gemv.config_for(configs, 1, 1792, 4096, "bfloat16") is anyd
+        assert gemv.config_for(configs, 1, 1792, 4096) is anyd  # dtype unknown: buckets for any only
+    assert gemv.config_for([fp16], 1, 1792, 4096, "bfloat16") is None
+
+
+def test_the_bf16_decode_gemvs_keep_their_buckets_where_fp16_has_its_own(cuda):
+    # configs/gemm/gemv_q4.json (sm_90), read by hand: a 28672 x 4096 decode GEMV (1792 blocks, K
+    # 4096) takes m1_k4096_fp16 with fp16 tokens (16 warps, 2 blocks an SM, half sums); with bf16
+    # tokens the bucket for any dtype, m1_k4096 (8 warps, 3 blocks an SM), with the float32 dot.
+    for dtype, warps, min_blocks, dot in (("float16", 16, 2, "fuselight_q4_dot32_fp16_half_sums"),
+                                          ("bfloat16", 8, 3, "fuselight_q4_dot32_bf16")):
+        kern = kernel(apply_rule(Gemv(), q4_linear(28672, 4096, dtype=dtype), cuda))
+        assert kern.threads == 32 * warps
+        assert kern.attrs["tirx.launch_bounds_min_blocks_per_sm"] == min_blocks
+        assert [str(a[0].value) for a in kern.call_args["tirx.cuda.func_call"]] == [dot]
+
+
+def test_a_bad_bucket_dtype_names_the_field():
+    from fuselight.rules.arch_config import from_fields
+
+    with pytest.raises(FuselightError, match="field 'dtype' must be one of"):
+        gemv.check_gemv_config(dataclasses.replace(ROWS, dtype="float8"))
+    fields = {"max_m": 1, "warps": 8, "unroll": 2, "min_blocks_per_sm": 1, "rows_per_warp": 2}
+    with pytest.raises(FuselightError, match="'dtype' must be a string, got 16"):
+        from_fields(gemv_common.GemvConfig, {**fields, "dtype": 16}, "b")
