@@ -14,7 +14,7 @@ Two halves, one file:
   waits for the grid before it, as builds launch them), one library a model (``<model>.so``, AOT
   cubins beside it), ptxas's registers and spills, and ``manifest.json``.
 
-  With ``--quantization q4f16_1`` the models have our 4-bit weights (``fuselight compile
+  With ``--quantization q4f16_1`` (or ``q4bf16_1``) the models have our 4-bit weights (``fuselight compile
   --quantization``): the functions are the dequantize-fused GEMVs (``fused_rms_norm_gemv*``,
   ``fused_dequantize*_NT_matmul*``), the shipped bucket is ``configs/gemm/gemv_q4.json``'s, swept
   beside it with and without half sums and its L2 prefetch, and the sweep is the 4-bit one
@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from fuselight.device import require_device
 from fuselight.quantization import dequantize, scheme
@@ -55,7 +56,7 @@ from q4_common import q4_weights
 
 ARCH = "sm_90"
 MODELS = ("smollm2-135m", "llama-3.2-1b", "llama-3-8b")
-QUANTIZATIONS = ("q4f16_1",)  # 4-bit schemes the build takes (``--quantization``; the row template's NK words)
+QUANTIZATIONS = ("q4f16_1", "q4bf16_1")  # 4-bit schemes the build takes (``--quantization``; the row template's NK words)
 CHAIN = 8  # launches of one kernel on distinct weight copies a timed graph replays
 ROW_BYTES = 512  # a warp's load of one weight row (32 lanes x 16 bytes): the row template's K step
 # The sweep (``GemvConfig`` fields of the row template), pruned by ``variants``: fp16 weights, and
@@ -149,7 +150,8 @@ def variants(out_n: int, k: int, elem_bytes: float, sms: int, reduced: bool = Fa
 
 
 def _round(a: np.ndarray, dtype: str) -> np.ndarray:
-    return a.astype(dtype).astype(np.float64)
+    # NumPy has no bfloat16: ml_dtypes' (TVM ships it).
+    return a.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype).astype(np.float64)
 
 
 def reference(desc: dict[str, Any], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -318,6 +320,8 @@ def build(out: Path, models: list[str], reduced: list[str], quantization: str | 
             quantized = ops.dequant is not None
             sweep = variants(rec["out_n"], rec["k"], ops.dequant.bits / 8 if quantized else 2, sms,
                              reduced=model in reduced, quantized=quantized) + extra_configs(shipped)
+            if quantized and ops.dtype != "float16":  # half sums are fp16's: bf16 keeps the float32 dot
+                sweep = [{**f, "half_sums": False} for f in sweep]
             for fields in sweep:
                 vname = variant_name(fields)
                 if fields == shipped or vname in rec["kernels"]:
@@ -407,8 +411,12 @@ def run(manifest_path: Path, out_json: Path, models: list[str] | None) -> None:
         results["models"][model] = {}
         for fi, (fname, rec) in enumerate(entry["functions"].items()):
             gen = torch.Generator(device="cuda").manual_seed(100 * mi + fi)
-            sets, ref_in = make_inputs(rec, torch, gen, manifest["chain"], seed=1000 * (100 * mi + fi))
-            ref = reference(rec, ref_in)
+            try:
+                sets, ref_in = make_inputs(rec, torch, gen, manifest["chain"], seed=1000 * (100 * mi + fi))
+                ref = reference(rec, ref_in)
+            except Exception as err:  # noqa: BLE001 - a function whose inputs or reference fail: recorded
+                results["models"].setdefault(model, {})[fname] = {"error": f"{type(err).__name__}: {err}"[:300]}
+                continue
             targs = [[tensor_to_tvm(tvm, torch, s[p["role"]]) for p in rec["params"]] for s in sets]
             frec: dict[str, Any] = {k: rec.get(k) for k in ("n", "k", "out_n", "grid_blocks", "bucket", "bucket_max_blocks",
                                                             "weight_bytes", "norm", "paired", "quantization")}
@@ -459,6 +467,7 @@ def suggest(results: dict[str, Any]) -> dict[str, Any]:
     would replace)."""
     out: dict[str, Any] = {}
     for model, funcs in results["models"].items():
+        funcs = {n: f for n, f in funcs.items() if "kernels" in f}  # (not those whose inputs failed)
         for k, bucket in sorted({(f["k"], f["bucket"]) for f in funcs.values()}):
             group = {n: f for n, f in funcs.items() if (f["k"], f["bucket"]) == (k, bucket)}
             scores: dict[str, list[float]] = {}
@@ -488,6 +497,9 @@ def print_table(results: dict[str, Any], rate: float) -> None:
           f"{'best iso':>22} {'best chain':>22} {'ratio':>6} {'%copy':>6}")
     for model, funcs in results["models"].items():
         for fname, f in funcs.items():
+            if "kernels" not in f:
+                print(f"{model:<18} {fname:<28} {f['error']}")
+                continue
             s = f["kernels"]["shipped"]
             vi, ti = _best(f, "isolated_us")
             vc, tc = _best(f, "chained_us")
