@@ -27,7 +27,6 @@ layout ``KN_N``) take the column template (``rules.gemm.gemv_cols``) at M = 1.
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Callable
 from typing import Any
 
