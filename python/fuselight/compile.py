@@ -101,7 +101,8 @@ def pipeline_pass(
 
 
 def lower(
-    mod: Any, tvm_target: Any, pipeline: Any, *, cuda_graph: bool = False, programmatic_launch: bool = False
+    mod: Any, tvm_target: Any, pipeline: Any, *, cuda_graph: bool = False, programmatic_launch: bool = False,
+    parallel: bool = False,
 ) -> tuple[Any, Any]:
     """Run the ``pipeline`` pass over ``mod`` under ``tvm_target`` and compile the result.
 
@@ -110,6 +111,7 @@ def lower(
     host launch each.
     programmatic_launch: every kernel may launch while the one before it finishes
     (``tir_pipeline.NAME_EVERY_KERNEL``; ignored where the target does not support it).
+    parallel: lower over the host's cores and compile the CUDA in several units (``tir_pipeline.register``).
     Returns the lowered IRModule and its ``tvm.relax.VMExecutable``.
     """
     import tvm
@@ -120,7 +122,7 @@ def lower(
     with tvm.transform.PassContext(config={CUDA_GRAPH_CONFIG: cuda_graph}), tvm_target:
         lowered = pipeline(mod)
     return lowered, tvm.compile(
-        lowered, target=tvm_target, relax_pipeline=None, tir_pipeline=tir_pipeline.register(every_kernel)
+        lowered, target=tvm_target, relax_pipeline=None, tir_pipeline=tir_pipeline.register(every_kernel, parallel)
     )
 
 
@@ -295,7 +297,10 @@ def build(
     # As MLC-LLM compiles: the prefill length is bounded by the chunk size, so memory is planned statically.
     seq = pipeline_pass(pipeline, tvm_target, {"seq_len": prefill_chunk_size}, options)
     mod, params = export_module(config, tvm_target)
-    lowered, executable = lower(mod, tvm_target, seq, cuda_graph=cuda_graph, programmatic_launch=pdl)
+    # The baseline lowers as TVM (and MLC-LLM) do: one process, one CUDA unit.
+    lowered, executable = lower(
+        mod, tvm_target, seq, cuda_graph=cuda_graph, programmatic_launch=pdl, parallel=pipeline == "fuselight"
+    )
     return Built(
         config=config,
         target=target,

@@ -32,6 +32,18 @@ TVM_FLAGS = (
     "-U__CUDA_NO_BFLOAT162_CONVERSIONS__",
 )
 FAST_MATH_FLAG = "--use_fast_math"
+JOBS_ENV = "FUSELIGHT_COMPILE_JOBS"
+
+
+def compile_jobs() -> int:
+    """Processes a build may run at once (TIR lowering, nvcc): ``$FUSELIGHT_COMPILE_JOBS``, else the
+    cores this process may run on."""
+    env = os.environ.get(JOBS_ENV)
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise FuselightError(f"{JOBS_ENV} must be a positive integer, not {env!r}")
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def nvcc_path() -> str | None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from . import kv_hooks
-from .cuda_compile import compile_cuda
+from .cuda_compile import compile_cuda, compile_jobs
 from .errors import FuselightError
 from .target import TargetSpec, arch_number
 
@@ -120,15 +120,16 @@ def aot_compile_cuda(sources: list[str], out_dir: Path, arch: str, *, ptx: bool 
         raise FuselightError("the built module holds no CUDA source (was it built for a cuda target?)")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    table: dict[str, str] = {}
-    for code in sources:
-        sha = source_hash(code)
-        if sha in table:
-            continue
+    unique = {source_hash(code): code for code in sources}
+
+    def compile_one(sha: str) -> tuple[str, str]:
         name = sha + FATBIN_SUFFIX
-        (out_dir / name).write_bytes(cached_fatbin(code, arch, ptx=ptx))
-        table[sha] = name
-    return table
+        (out_dir / name).write_bytes(cached_fatbin(unique[sha], arch, ptx=ptx))
+        return sha, name
+
+    # One nvcc process per source (a build's compilation units, ``fuselight.compile_units``), at once.
+    with ThreadPoolExecutor(max_workers=max(1, min(compile_jobs(), len(unique)))) as pool:
+        return dict(pool.map(compile_one, unique))
 
 
 def write_library(

@@ -39,6 +39,7 @@ from typing import Any
 
 NAME = "fuselight"
 NAME_EVERY_KERNEL = "fuselight-every-kernel"
+PARALLEL_SUFFIX = "-parallel"
 PDL_FLAG = "tirx.use_programtic_dependent_launch"
 _LAUNCH_PARAMS = "tirx.kernel_launch_params"
 _DYN_SHARED_FLAG = "tirx.use_dyn_shared_memory"  # must stay the last launch parameter
@@ -129,11 +130,15 @@ def programmatic_launch_supported(kind: str, arch: str | None) -> bool:
     return device is not None and device.has("griddepcontrol")
 
 
-def _s_tir_lowering() -> Any:
+def _s_tir_lowering(entry_function: bool = True) -> Any:
     """TVM 0.26's s_tir lowering (``tvm/s_tir/pipeline.py``, pass for pass; a test compares the two),
     with the passes that decide per statement run one host-side branch at a time
     (``tir_branches.per_branch``): they are superlinear in a function's branches, and our dynamic-M
-    GEMMs carry up to 12. The CUDA they produce is the same."""
+    GEMMs carry up to 12. The CUDA they produce is the same.
+
+    ``entry_function`` False leaves out AnnotateEntryFunc, the one pass that looks at the whole module
+    (a module of one PrimFunc makes it the entry): for lowering a part of a module that was annotated whole.
+    """
     import tvm
     from tvm import s_tir, tirx
 
@@ -178,7 +183,8 @@ def _s_tir_lowering() -> Any:
             *([] if flag(_CSE_CONFIG) else [tirx.transform.CommonSubexprElim()]),
             *([s_tir.transform.InstrumentProfileIntrinsics()] if flag("tirx.instrument_lwp") else []),
             tirx.transform.FP8ComputeLegalize(), s_tir.transform.VerifyVTCMLimit(),
-            s_tir.transform.LowerVtcmAlloc(), tirx.transform.VerifyMemory(), tirx.transform.AnnotateEntryFunc(),
+            s_tir.transform.LowerVtcmAlloc(), tirx.transform.VerifyMemory(),
+            *([tirx.transform.AnnotateEntryFunc()] if entry_function else []),
             s_tir.transform.ThreadSync("shared"), s_tir.transform.ThreadSync("shared.dyn"),
             s_tir.transform.ThreadSync("warp"), s_tir.transform.InferFragment(),
             s_tir.transform.LowerThreadAllreduce(),
@@ -234,12 +240,34 @@ def _cse_guarded(pipeline: Any) -> Any:
     return run
 
 
-def register(every_kernel: bool = False) -> str:
-    """Register ``NAME_EVERY_KERNEL`` if ``every_kernel``, else ``NAME`` (once; idempotent); return its name."""
+def _on_kernels(passes: Any) -> Any:
+    """A module pass running ``passes`` over the device functions of a lowered module (as TVM's build
+    runs the finalization passes over its device modules), the host functions unchanged."""
+    import tvm
+    from tvm.tirx.build import split_host_device_mods
+
+    @tvm.transform.module_pass(opt_level=0, name="fuselight.FinalizeKernels")
+    def run(mod: Any, _ctx: Any) -> Any:
+        host, devices = split_host_device_mods(mod)
+        out = tvm.IRModule(dict(host.functions.items()), attrs=mod.attrs)
+        for device in devices.values():
+            out.update(passes(device))
+        return out
+
+    return run
+
+
+def register(every_kernel: bool = False, parallel: bool = False) -> str:
+    """Register ``NAME_EVERY_KERNEL`` if ``every_kernel``, else ``NAME`` (once; idempotent); return its name.
+
+    ``parallel`` (the name gets ``PARALLEL_SUFFIX``): lower in ``cuda_compile.compile_jobs()``
+    processes, and put the kernels in several CUDA units for nvcc (``compile_units``). The same kernels;
+    the baseline's builds lower as TVM does, in one process and one unit.
+    """
     import tvm
     from tvm.tirx import compilation_pipeline
 
-    name = NAME_EVERY_KERNEL if every_kernel else NAME
+    name = (NAME_EVERY_KERNEL if every_kernel else NAME) + (PARALLEL_SUFFIX if parallel else "")
     if name in compilation_pipeline.PIPELINE_MAP:
         return name
 
@@ -250,7 +278,21 @@ def register(every_kernel: bool = False) -> str:
             waits = [wait_at_kernel_entry()] if every_kernel else []
             return tvm.ir.transform.Sequential([finalize_device(), *waits, mark_programmatic_launch()])
 
-        return _cse_guarded(_s_tir_lowering()), finalize_host, device_passes
+        if not parallel:
+            return _cse_guarded(_s_tir_lowering()), finalize_host, device_passes
+        from .compile_units import assign_compile_units
+        from .cuda_compile import compile_jobs
+        from .forked_passes import in_processes
+
+        # The entry function is chosen over the whole module, the rest per function; the kernels'
+        # finalization is per function too, so it runs in the lowering's processes.
+        per_function = tvm.ir.transform.Sequential(
+            [_cse_guarded(_s_tir_lowering(entry_function=False)), _on_kernels(device_passes())])
+        parallel_lowering = tvm.ir.transform.Sequential([
+            tvm.tirx.transform.AnnotateEntryFunc(), in_processes(per_function, compile_jobs(), name="LowerInProcesses"),
+            assign_compile_units(),
+        ])
+        return parallel_lowering, finalize_host, lambda: tvm.ir.transform.Sequential([])
 
     compilation_pipeline.register_tir_pipeline(name, factory)
     return name

@@ -73,7 +73,12 @@ class GemmCostModel:
 
     def predict_log_us(self, x: np.ndarray) -> np.ndarray:
         """Log microseconds for feature rows ``x``."""
-        return self.booster.inplace_predict(x, base_margin=x[:, ESTIMATE])
+        import xgboost as xgb
+
+        # One thread: a few rows a call, and no OpenMP team, which a forked build process
+        # (``fuselight.forked_passes``) would wait on forever once its parent has started one.
+        with xgb.config_context(nthread=1):
+            return self.booster.inplace_predict(x, base_margin=x[:, ESTIMATE])
 
     def predict_us(self, plan: Any, m: int, n: int, k: int) -> float:
         """Predicted microseconds of ``plan`` on an ``m x n x k`` GEMM."""

@@ -31,7 +31,9 @@ from tvm import relax
 from tvm.s_tir import dlight as dl
 
 from ..baseline.debug_dump import DebugDump
+from ..cuda_compile import compile_jobs
 from ..errors import FuselightError
+from ..forked_passes import in_processes, one, unscheduled
 from .. import rules
 from ..options import Options
 from ..passes import get as get_graph_pass
@@ -159,7 +161,10 @@ def _anchors_replaced(module: types.ModuleType, options: Options, log: ScheduleL
     def schedule_phase(*args: Any, **kwargs: Any) -> tvm.transform.Pass:
         sequence = [log.check_weights(), log.mark(ScheduleLog.BEFORE)]
         for family in options.rule_families:
-            sequence += steps.each([(f"rules-{family}", dl.ApplyDefaultSchedule(rules.get(family).make()))])
+            # Rules schedule each function alone: over the host's cores.
+            apply = in_processes(dl.ApplyDefaultSchedule(rules.get(family).make()), compile_jobs(), unscheduled, one,
+                                 name=f"rules-{family}")
+            sequence += steps.each([(f"rules-{family}", apply)])
             sequence.append(log.mark(family))
         return tvm.transform.Sequential([*sequence, schedule(*args, **kwargs)])
 
