@@ -23,7 +23,6 @@ from .jsonfile import read_json_object
 from .paths import config_dir
 
 TAG_PREFIX = "fuselight-cuda-unit-"
-_HOST_KINDS = ("llvm", "c")
 
 
 def unit_count(statements: int, unit_statements: int, max_units: int) -> int:

@@ -16,12 +16,15 @@ import os
 import signal
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import tvm
 from tvm import tirx
+from tvm.s_tir import dlight as dl
+
+from .cuda_compile import compile_jobs
 
 # How long a child may outlast this process's own share before it counts as stuck, at least (s).
 _PATIENCE_S = 60.0
@@ -59,20 +62,9 @@ def _finished(pid: int, deadline: float) -> bool:
     return False
 
 
-def unscheduled(func: tirx.PrimFunc) -> bool:
-    """Whether DLight's ``ApplyDefaultSchedule`` would try its rules on ``func`` (not marked scheduled):
-    the ``select`` of a schedule pass."""
-    return not (func.attrs is not None and int(func.attrs.get("tirx.is_scheduled", 0)) == 1)
-
-
-def one(_: tirx.PrimFunc) -> int:
-    """The ``cost`` of a schedule pass: a function's size says little of its rule's time (a GEMM
-    template's parse outweighs a larger elementwise function's), so the groups balance counts."""
-    return 1
-
-
 def _submodule(mod: tvm.IRModule, names: list[str]) -> tvm.IRModule:
-    return tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv.name_hint in names}, attrs=mod.attrs)
+    keep = set(names)
+    return tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv.name_hint in keep}, attrs=mod.attrs)
 
 
 def in_processes(
@@ -134,3 +126,15 @@ def in_processes(
         return merged
 
     return run
+
+
+def _unscheduled(func: tirx.PrimFunc) -> bool:
+    """Whether DLight's ``ApplyDefaultSchedule`` tries its rules on ``func`` (not marked scheduled)."""
+    return not (func.attrs is not None and int(func.attrs.get("tirx.is_scheduled", 0)) == 1)
+
+
+def rules_in_processes(rules: Sequence[Any], name: str) -> tvm.transform.Pass:
+    """DLight's ``ApplyDefaultSchedule(*rules)`` over ``compile_jobs()`` processes, children taking only
+    unscheduled functions. The groups balance counts: a function's size says little of its rule's time
+    (a GEMM template's parse outweighs a larger elementwise function's)."""
+    return in_processes(dl.ApplyDefaultSchedule(*rules), compile_jobs(), _unscheduled, lambda _: 1, name=name)

@@ -35,9 +35,8 @@ from tvm.s_tir import dlight as dl
 
 from . import mlc
 from .baseline.debug_dump import DebugDump
-from .cuda_compile import compile_jobs
 from .errors import FuselightError
-from .forked_passes import in_processes, one, unscheduled
+from .forked_passes import rules_in_processes
 from .passes import DEFAULT as DEFAULT_PASSES
 from .passes import get as get_graph_pass
 from .passes import served
@@ -221,8 +220,7 @@ def stages(
         (3, "DeadCodeElimination", rt.DeadCodeElimination()),
         (3, "CleanUpTIRAttrs", equivalent("CleanUpTIRAttrs", ["op_pattern"])),
         # Rules schedule each function alone: over the host's cores.
-        (4, "ApplyFuselightRules", in_processes(dl.ApplyDefaultSchedule(*rules), compile_jobs(), unscheduled,
-                                                one, name="ApplyFuselightRules")) if rules else None,
+        (4, "ApplyFuselightRules", rules_in_processes(rules, "ApplyFuselightRules")) if rules else None,
         (4, "LowBatchGemvSpecialize", equivalent("LowBatchGemvSpecialize")),
         (4, "ApplyDefaultSchedule", dl.ApplyDefaultSchedule(*dlight_defaults(target))),
         (5, "LiftTIRGlobalBufferAlloc", equivalent("LiftTIRGlobalBufferAlloc")) if gpu else None,

@@ -6,7 +6,7 @@ import tvm
 import tvm_ffi
 from fuselight import tir_pipeline
 from fuselight.cuda_compile import JOBS_ENV
-from fuselight.forked_passes import balanced_groups, in_processes
+from fuselight.forked_passes import balanced_groups, in_processes, rules_in_processes
 from fuselight.rules import fuselight_rules
 from fuselight.target import resolve, to_tvm
 from relax_module import single_function
@@ -61,8 +61,9 @@ def test_parallel_lowering_is_the_lowering_in_one_process(jobs, monkeypatch):
             assert func.script() == forked[gv.name_hint].script(), gv.name_hint
 
 
-def test_rules_in_processes_keep_the_calls_bound():
+def test_rules_in_processes_keep_the_calls_bound(monkeypatch):
     """Phase 4 over processes: the Relax function's calls reach the scheduled PrimFuncs."""
+    monkeypatch.setenv(JOBS_ENV, "2")
     x = relax.Var("x", relax.TensorType((4, 4096), "float16"))
     w = relax.Var("w", relax.TensorType((11008, 4096), "float16"))
     v = relax.Var("v", relax.TensorType((4096, 11008), "float16"))
@@ -75,9 +76,8 @@ def test_rules_in_processes_keep_the_calls_bound():
     with CUDA:
         mod = tvm.ir.transform.Sequential([relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
                                            relax.transform.FuseOps(), relax.transform.FuseTIR()])(mod)
-        rules = dl.ApplyDefaultSchedule(*fuselight_rules())
-        alone = rules(mod)
-        forked = in_processes(rules, 2)(mod)
+        alone = dl.ApplyDefaultSchedule(*fuselight_rules())(mod)
+        forked = rules_in_processes(fuselight_rules(), "Rules")(mod)
     assert tvm_ffi.structural_equal(alone, forked)
     called = []
     relax.analysis.post_order_visit(forked["main"], lambda e: called.append(e) if isinstance(e, tvm.ir.GlobalVar) else None)

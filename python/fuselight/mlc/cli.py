@@ -153,7 +153,8 @@ def _library_build(mlc_build: Callable[..., Any], name: str, options: Any, ptx: 
         every_kernel = (options is not None and options.programmatic_launch
                         and tir_pipeline.programmatic_launch_supported(kind, spec.arch))
         executable = relax.build(
-            mod, target=args.target, relax_pipeline=pipeline, tir_pipeline=tir_pipeline.register(every_kernel, parallel=options is not None),
+            mod, target=args.target, relax_pipeline=pipeline,
+            tir_pipeline=tir_pipeline.register(every_kernel, parallel=options is not None),
             system_lib=False,
         )
         extra: dict[str, Any] = {

@@ -28,12 +28,10 @@ from typing import Any
 
 import tvm
 from tvm import relax
-from tvm.s_tir import dlight as dl
 
 from ..baseline.debug_dump import DebugDump
-from ..cuda_compile import compile_jobs
 from ..errors import FuselightError
-from ..forked_passes import in_processes, one, unscheduled
+from ..forked_passes import rules_in_processes
 from .. import rules
 from ..options import Options
 from ..passes import get as get_graph_pass
@@ -162,9 +160,7 @@ def _anchors_replaced(module: types.ModuleType, options: Options, log: ScheduleL
         sequence = [log.check_weights(), log.mark(ScheduleLog.BEFORE)]
         for family in options.rule_families:
             # Rules schedule each function alone: over the host's cores.
-            apply = in_processes(dl.ApplyDefaultSchedule(rules.get(family).make()), compile_jobs(), unscheduled, one,
-                                 name=f"rules-{family}")
-            sequence += steps.each([(f"rules-{family}", apply)])
+            sequence += steps.each([(f"rules-{family}", rules_in_processes([rules.get(family).make()], f"rules-{family}"))])
             sequence.append(log.mark(family))
         return tvm.transform.Sequential([*sequence, schedule(*args, **kwargs)])
 
