@@ -4,7 +4,8 @@
 ``"before_fuse_transpose_matmul"`` for rewrites of ``R.matmul`` itself (MLC's FuseTransposeMatmul
 turns linear layers into TIR kernels), ``"after_graph_passes"`` for the rest, after MLC's graph
 passes; at the start of phase 2, ``"before_legalize"`` for the lowering of the fusion plan (after
-every graph pass, ahead of TVM's LegalizeOps and FuseOps). ``DEFAULT`` names the passes the fuselight
+every graph pass, ahead of TVM's LegalizeOps and FuseOps); at the start of phase 4,
+``"before_rules"`` for what the rules read of the whole module (each rule sees one function). ``DEFAULT`` names the passes the fuselight
 pipeline runs when none are given, in order; ``default()`` returns them as pass objects (for
 ``tvm.transform.Sequential``). ``rules`` names the rule families (``fuselight.rules.RULES``) that
 schedule, in phase 4, what a pass emits unscheduled: a pipeline without them leaves the pass out,
@@ -26,6 +27,7 @@ from ..errors import FuselightError
 from .accumulate_matmul_fp32 import AccumulateMatmulFP32
 from .add_rms_norm_kernels import AddRMSNormKernels
 from .apply_fusion_plan import ApplyFusionPlan
+from .attach_dim_bounds import AttachDimBounds
 from .classify import Classify, classify_module
 from .fold_norm_weight import FoldNormWeight
 from .fuse_attention import FuseAttention
@@ -38,8 +40,8 @@ from .paged_attention import PagedAttentionKernels
 from .property_rewrite import PropertyRewrite
 from .residual_stream_fp32 import ResidualStreamFP32
 
-Slot = Literal["before_fuse_transpose_matmul", "after_graph_passes", "before_legalize"]
-SLOTS: tuple[Slot, ...] = ("before_fuse_transpose_matmul", "after_graph_passes", "before_legalize")
+Slot = Literal["before_fuse_transpose_matmul", "after_graph_passes", "before_legalize", "before_rules"]
+SLOTS: tuple[Slot, ...] = ("before_fuse_transpose_matmul", "after_graph_passes", "before_legalize", "before_rules")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,8 @@ PASSES: dict[str, GraphPass] = {
         GraphPass("fuse_norm_gemv", "after_graph_passes", FuseNormIntoGemv, rules=("gemv",)),
         GraphPass("add_rms_norm_kernels", "after_graph_passes", AddRMSNormKernels, rules=("row_reduction",)),
         GraphPass("fusion_plan", "before_legalize", ApplyFusionPlan),
+        # The matmul rule builds no kernel for an M above its callers' bound.
+        GraphPass("attach_dim_bounds", "before_rules", AttachDimBounds),
     ]
 }
 
@@ -86,7 +90,7 @@ PASSES: dict[str, GraphPass] = {
 DEFAULT: tuple[str, ...] = (
     "fuse_attention", "accumulate_matmul_fp32", "residual_stream_fp32", "fuse_gate_up_silu", "property_rewrite",
     "paged_attention",
-    "fuse_rope_append", "fuse_norm_gemv", "add_rms_norm_kernels", "fusion_plan",
+    "fuse_rope_append", "fuse_norm_gemv", "add_rms_norm_kernels", "fusion_plan", "attach_dim_bounds",
 )  # fmt: skip
 
 
@@ -107,4 +111,4 @@ def served(names: Sequence[str], families: Iterable[str]) -> list[str]:
     return [name for name in names if set(get(name).rules) <= have]
 
 
-__all__ = ["DEFAULT", "PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "CaptureWholeStep", "Classify", "FoldNormWeight", "FuseAttention", "FuseGateUpSiLU", "FuseNormIntoGemv", "FuseRopeAppend", "GraphPass", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "ResidualStreamFP32", "Slot", "classify_module", "default", "get", "served"]
+__all__ = ["DEFAULT", "PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "AttachDimBounds", "CaptureWholeStep", "Classify", "FoldNormWeight", "FuseAttention", "FuseGateUpSiLU", "FuseNormIntoGemv", "FuseRopeAppend", "GraphPass", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "ResidualStreamFP32", "Slot", "classify_module", "default", "get", "served"]

@@ -32,7 +32,7 @@ import tvm_ffi
 from tvm import relax
 from tvm.relax.expr_functor import mutator
 
-from ..relax_rewrite import FunctionRewriter, module_with_unique_binding_names
+from ..relax_rewrite import FunctionRewriter, module_with_unique_binding_names, visit_nodes
 from .fusion_plan import Group, YellowHook, plan_fusion
 
 PRIMITIVE_ATTR = "Primitive"
@@ -291,7 +291,7 @@ class _BuildCheck:
 
     def _check(self, sub: relax.Function) -> str | None:
         prims = {}
-        relax.analysis.post_order_visit(
+        visit_nodes(
             sub.body,
             lambda e: prims.setdefault(e.args[0], self.mod[e.args[0]])
             if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir" else None,

@@ -38,7 +38,7 @@ from tvm.relax.expr_functor import mutator
 
 from ..contracts import ATTENTION_BUILTIN, ATTENTION_FORWARD_FUNC, DECODE_BY_POSITION_ATTR, TENSOR_COPY_FUNC, TOKEN_IDS_PARAM
 from ..contracts import FUSED_ROPE_APPEND_DECODE_ATTR as FUSED_DECODE_ATTR
-from ..relax_rewrite import FunctionRewriter
+from ..relax_rewrite import FunctionRewriter, visit_nodes
 from ..rules.paged_attention import PagedAttention
 
 # A decode function's parameters: the input embedding, the KV cache, then the weights (static).
@@ -57,7 +57,7 @@ def is_attention(expr: relax.Expr) -> bool:
 def attention_calls(func: relax.Function) -> list[relax.Call]:
     """The calls of TVM's attention builtin in ``func``."""
     found: list[relax.Call] = []
-    relax.analysis.post_order_visit(func, lambda e: found.append(e) if is_attention(e) else None)
+    visit_nodes(func, lambda e: found.append(e) if is_attention(e) else None)
     return found
 
 

@@ -30,8 +30,9 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ..relax_rewrite import use_counts
 from .property_rewrite import emit_bindings, matmul_out_dtype
-from .weight_transform import WeightCost, use_counts, weight_vars
+from .weight_transform import WeightCost, weight_vars
 
 FOLDED_ATTR = "fuselight.folded_norm_weights"
 REWRITE = {

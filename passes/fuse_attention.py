@@ -44,7 +44,7 @@ from tvm.relax.expr_functor import mutator
 
 from ..computations import ACCUMULATE_DTYPE, AttentionSpec, attention_prim_func
 from ..contracts import ATTENTION_NAME
-from ..relax_rewrite import FunctionRewriter
+from ..relax_rewrite import FunctionRewriter, visit_nodes
 
 # Additive values at or below this count as "masked out": exp() of them underflows to 0 in float32
 # against any score of moderate size (Hugging Face uses the dtype's lowest value, -65504 in fp16).
@@ -119,8 +119,8 @@ class _Graph:
             for binding in block.bindings:
                 if isinstance(binding, relax.VarBinding):
                     self.bindings[binding.var] = binding.value
-                    relax.analysis.post_order_visit(binding.value, self._count)
-        relax.analysis.post_order_visit(func.body.body, self._count)
+                    visit_nodes(binding.value, self._count)
+        visit_nodes(func.body.body, self._count)
         self.users: dict[relax.Var, list[relax.Var]] = {}
         for var, value in self.bindings.items():
             for used in relax.analysis.free_vars(value):

@@ -45,11 +45,11 @@ from tvm.relax.expr_functor import mutator
 from ..computations import gate_up_silu_prim_func, with_dequantized_weight
 from ..contracts import GATE_UP_SILU_NAME as PRIMFUNC_NAME
 from ..contracts import OP_PATTERN_ATTR, OPAQUE_OP_PATTERN, RULE_ATTR
-from ..relax_rewrite import FunctionRewriter, rewrite_for_target
+from ..relax_rewrite import FunctionRewriter, rewrite_for_target, use_counts
 from ..rules.gemm.analysis import analyze_matmul
 from ..rules.gemv import Gemv
 from ..rules.matmul import Matmul
-from .weight_source import dequantized_weight, loaded_weight, use_counts
+from .weight_source import dequantized_weight, loaded_weight
 
 # The rules that schedule the fused function, in phase 4's order.
 RULES = (Matmul, Gemv)

@@ -46,12 +46,12 @@ from tvm.relax.expr_functor import mutator
 from ..computations import fused_norm_matmul, matmul_prim_func, with_dequantized_weight
 from ..contracts import IS_SCHEDULED_ATTR, OP_PATTERN_ATTR, OPAQUE_OP_PATTERN, RULE_ATTR
 from ..contracts import NORM_GEMV_NAME as PRIMFUNC_NAME
-from ..relax_rewrite import FunctionRewriter, rewrite_for_target
+from ..relax_rewrite import FunctionRewriter, rewrite_for_target, use_counts, visit_nodes
 from ..rules.gemm.analysis import analyze_matmul
 from ..rules.gemv import Gemv
 from .add_rms_norm_kernels import add_rms_norm_eps
 from .residual_stream_fp32 import stream_add_rms_norm_eps
-from .weight_source import dequantized_weight, loaded_weight, use_counts
+from .weight_source import dequantized_weight, loaded_weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +91,7 @@ def _static_shape(expr: Any) -> list[int] | None:
 
 def _vars(expr: Any) -> list[relax.Var]:
     found: list[relax.Var] = []
-    relax.analysis.post_order_visit(expr, lambda n: found.append(n) if isinstance(n, relax.Var) else None)
+    visit_nodes(expr, lambda n: found.append(n) if isinstance(n, relax.Var) else None)
     return found
 
 

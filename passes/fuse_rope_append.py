@@ -45,7 +45,7 @@ from ..contracts import FUSED_ROPE_APPEND_ATTR as FUSED_ATTR
 from ..contracts import FUSED_ROPE_APPEND_DECODE_ATTR as FUSED_DECODE_ATTR
 from ..contracts import FUSED_ROPE_APPEND_NAME as FUSED_NAME
 from ..contracts import ROTARY_DECODE_SYMBOL as ROTARY_SYMBOL
-from ..relax_rewrite import FunctionRewriter
+from ..relax_rewrite import FunctionRewriter, visit_nodes
 from ..rules.flash.rotary import SplitRotary
 from ..rules.flash.rotary import analyze as analyze_split_rotary
 from ..rules.paged_attention import PagedAttention, RotaryDecodeDesc
@@ -86,7 +86,7 @@ def _buffers(func: tirx.PrimFunc) -> list[tirx.Var]:
 def _extern_funcs(args: list[relax.Expr]) -> list[relax.ExternFunc]:
     found: list[relax.ExternFunc] = []
     for arg in args:
-        relax.analysis.post_order_visit(arg, lambda e: found.append(e) if isinstance(e, relax.ExternFunc) else None)
+        visit_nodes(arg, lambda e: found.append(e) if isinstance(e, relax.ExternFunc) else None)
     return found
 
 

@@ -26,8 +26,9 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ..relax_rewrite import use_counts
 from .property_rewrite import emit_bindings, matmul_out_dtype
-from .weight_transform import WeightCost, binding_value, use_counts, weight_vars
+from .weight_transform import WeightCost, binding_value, weight_vars
 
 MERGED_ATTR = "fuselight.merged_siblings"
 REWRITE = {

@@ -23,7 +23,7 @@ from tvm.relax.expr_functor import mutator
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode
 
 from ..contracts import IS_SCHEDULED_ATTR, PAGED_ATTENTION_ATTR, PAGED_ATTENTION_SYMBOLS
-from ..relax_rewrite import FunctionRewriter
+from ..relax_rewrite import FunctionRewriter, visit_nodes
 from ..rules.paged_attention import PagedAttention, analyze
 
 CREATE_FUNC = "vm.builtin.paged_attention_kv_cache_create"
@@ -47,7 +47,7 @@ def create_calls(mod: tvm.IRModule) -> list[relax.Call]:
 
     for func in mod.functions.values():
         if isinstance(func, relax.Function):
-            relax.analysis.post_order_visit(func, visit)
+            visit_nodes(func, visit)
     return calls
 
 
@@ -64,7 +64,7 @@ def global_vars(expr: relax.Expr) -> list[tvm.ir.GlobalVar]:
         if isinstance(e, tvm.ir.GlobalVar) and e not in found:
             found.append(e)
 
-    relax.analysis.post_order_visit(expr, visit)
+    visit_nodes(expr, visit)
     return found
 
 

@@ -44,7 +44,7 @@ from tvm import arith, relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..contracts import REWRITES_REFUSED_ATTR as REFUSED_ATTR
-from ..relax_rewrite import unique_binding_names
+from ..relax_rewrite import unique_binding_names, visit_nodes
 from .classify import classify_binding
 
 APPLIED_ATTR = "fuselight.rewrites_applied"
@@ -103,7 +103,7 @@ class _Graph:
             if isinstance(node, relax.Var):
                 self.users.setdefault(node, []).append(user)
 
-        relax.analysis.post_order_visit(expr, visit)
+        visit_nodes(expr, visit)
 
     def call(self, expr: relax.Expr, *ops: str) -> relax.Call | None:
         value = self.value.get(expr, expr) if isinstance(expr, relax.Var) else expr

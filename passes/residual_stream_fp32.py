@@ -41,10 +41,9 @@ from tvm.relax.expr_functor import mutator
 
 from ..computations import plain_add_rms_norm
 from ..contracts import OP_PATTERN_ATTR, OPAQUE_OP_PATTERN, RULE_ATTR
-from ..relax_rewrite import FunctionRewriter, module_with_unique_binding_names
+from ..relax_rewrite import FunctionRewriter, module_with_unique_binding_names, use_counts
 from ..rules.row_reduction import RowReduction
 from .add_rms_norm_kernels import add_rms_norm_eps
-from .weight_source import use_counts
 
 STREAM_DTYPES = ("bfloat16",)
 WIDE = "float32"

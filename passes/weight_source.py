@@ -50,18 +50,6 @@ def dequantized_weight(expr: relax.Expr, var2val: Mapping[relax.Var, relax.Expr]
     return call if all(loaded_weight(a, var2val) for a in call.args[1].fields) else None
 
 
-def use_counts(func: relax.Function) -> dict[relax.Var, int]:
-    """How often each variable of ``func`` is used."""
-    counts: dict[relax.Var, int] = {}
-
-    def visit(expr: relax.Expr) -> None:
-        if isinstance(expr, relax.Var):
-            counts[expr] = counts.get(expr, 0) + 1
-
-    relax.analysis.post_order_visit(func.body, visit)
-    return counts
-
-
 @dataclasses.dataclass(frozen=True)
 class MaterializedWeight:
     """A kernel call that writes a dequantized weight: the Relax function, the binding, the callee."""

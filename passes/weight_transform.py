@@ -22,6 +22,7 @@ import tvm
 from tvm import relax, tirx
 
 from ..errors import FuselightError
+from ..relax_rewrite import visit_nodes
 from . import cost_model
 from .classify import classify_binding
 from .property_rewrite import no_worse
@@ -108,23 +109,7 @@ def binding_value(func: relax.Function, var: relax.Var) -> relax.Expr:
     raise KeyError(var.name)
 
 
-def use_counts(func: relax.Function) -> dict[relax.Var, int]:
-    counts: dict[relax.Var, int] = {}
-
-    def visit(node):
-        if isinstance(node, relax.Var):
-            counts[node] = counts.get(node, 0) + 1
-
-    for block in func.body.blocks:
-        for b in block.bindings:
-            relax.analysis.post_order_visit(b.value, visit)
-    relax.analysis.post_order_visit(func.body.body, visit)
-    return counts
-
-
 def _tensor_vars(expr: relax.Expr) -> list[relax.Var]:
     found: list[relax.Var] = []
-    relax.analysis.post_order_visit(
-        expr, lambda n: found.append(n) if isinstance(n, relax.Var) and isinstance(n.ty, relax.TensorType) else None
-    )
+    visit_nodes(expr, lambda n: found.append(n) if isinstance(n, relax.Var) and isinstance(n.ty, relax.TensorType) else None)
     return found

@@ -10,7 +10,8 @@ the rule then schedules it in phase 4. ``apply`` (DLight's entry point) chains t
 moves on to the next rule. ``family`` is the rule's name in ``fuselight.rules.RULES``.
 
 Rules that replace a function's body with template kernels build it with ``host_branch`` (a
-host-side choice between kernels on a symbolic size), ``built_once`` (a template written once per
+host-side choice between kernels on a symbolic size; ``branch_on`` for a chain of them, less those
+above the size's bound, ``dim_upper_bound``), ``built_once`` (a template written once per
 config, where one serves several branches) and ``with_kernels`` (the body bound to the function's own
 parameters, marked scheduled).
 """
@@ -20,9 +21,11 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
 
-from tvm import s_tir, tirx
+from tvm import arith, s_tir, tirx
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
+
+from ..contracts import DIM_UPPER_BOUND_ATTR
 
 
 class AnalyzeScheduleRule(GPUScheduleRule):
@@ -72,6 +75,41 @@ def host_branch(cond: Any, then_body: tirx.Stmt, else_body: tirx.Stmt | None = N
     """``if cond`` on the host between kernel launches; thread-invariant, so TVM places the kernels'
     shared-memory syncs inside the branches."""
     return tirx.IfThenElse(tirx.op.tvm_thread_invariant(cond), then_body, else_body)
+
+
+def dim_upper_bound(func: tirx.PrimFunc, size: tirx.PrimExpr) -> int | None:
+    """The largest value ``size`` (an expression of ``func``'s symbolic variables) takes under the
+    bounds the function's Relax callers allow (``passes.attach_dim_bounds``), or None: unbounded."""
+    declared = func.attrs.get(DIM_UPPER_BOUND_ATTR) if func.attrs is not None else None
+    if not declared:
+        return None
+    analyzer = arith.Analyzer()
+    for param in func.params:
+        for dim in param.ty.shape if isinstance(param.ty, tirx.BufferType) else [param]:
+            if isinstance(dim, tirx.Var) and dim.name in declared:
+                analyzer.update(dim, arith.ConstIntBound(0, int(declared[dim.name])), override=True)
+    top = analyzer.const_int_bound(size).max_value
+    return int(top) if top < arith.ConstIntBound.POS_INF else None
+
+
+def branch_on(size: tirx.PrimExpr, branches: list[tuple[int, Callable[[], tirx.Stmt]]],
+              bound: int | None = None) -> tirx.Stmt:
+    """Host-side branches on ``size`` over ``branches``, ``(largest size, body builder)`` in increasing
+    size, the last serving every larger size too. With ``bound`` (``dim_upper_bound``), the branches
+    no size up to it reaches are not built, and the host asserts the bound first (a larger size would
+    otherwise run a kernel built for fewer rows)."""
+    kept = branches if bound is None else [b for i, b in enumerate(branches) if i == 0 or branches[i - 1][0] < bound]
+    body = kept[-1][1]()
+    for upper, build in reversed(kept[:-1]):
+        body = host_branch(size <= upper, build(), body)
+    if len(kept) == len(branches):
+        return body
+    # TVM 0.26's Python AssertStmt names its first two arguments (kind, condition) but passes them on
+    # in order to a constructor taking (condition, kind).
+    check = tirx.AssertStmt(size <= bound, tirx.StringImm("ValueError"), [
+        tirx.StringImm(f"{size} is larger than {bound}, the most this function's callers declare"
+                       " (tir_var_upper_bound) and its kernels were built for")])
+    return tirx.SeqStmt([check, body])
 
 
 def built_once(build: Callable[[Hashable], tirx.Stmt]) -> Callable[[Hashable], tirx.Stmt]:

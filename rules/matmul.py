@@ -26,7 +26,7 @@ from tvm.target import Target
 
 from ..errors import FuselightError
 from ..target import arch_of
-from .base import AnalyzeScheduleRule, built_once, host_branch, with_kernels
+from .base import AnalyzeScheduleRule, branch_on, built_once, dim_upper_bound, host_branch, with_kernels
 from .gemm import gemm_body
 from .gemm.analysis import MatmulDesc, analyze_matmul
 from .gemm.dispatch import plan_ranges, q4_plan_ranges
@@ -77,14 +77,14 @@ class Matmul(AnalyzeScheduleRule):
         gemv = symbolic_m_buckets(ops, target) if desc.m_static is None else []
         if gemv:
             ranges = [r for r in ranges[:-1] if r[0] > gemv[-1][0]] + ranges[-1:]
-        # Host-side branch on M: the last range serves every larger M.
+        # Host-side branches on M: the last range serves every larger M; none above the M the
+        # function's callers allow.
         gemm = built_once(lambda plan: gemm_body(ops, plan))
         gemv_bucket = built_once(lambda cfg: gemv_kernel(ops, cfg, target))
-        body = gemm(ranges[-1][1])
-        for upper, plan in reversed(ranges[:-1]):
-            body = host_branch(ops.m <= upper, gemm(plan), body)
-        for upper, cfg in reversed(gemv):
-            body = host_branch(ops.m <= upper, gemv_bucket(body_config(ops, cfg)), body)
+        body = branch_on(ops.m, [
+            *((upper, lambda cfg=cfg: gemv_bucket(body_config(ops, cfg))) for upper, cfg in gemv),
+            *((upper, lambda plan=plan: gemm(plan)) for upper, plan in ranges),
+        ], None if desc.m_static is not None else dim_upper_bound(func, ops.m))
         if desc.m_static is None:
             body = host_branch(ops.m > 0, body)  # no empty grids
         return with_kernels(func, body)

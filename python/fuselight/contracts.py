@@ -27,6 +27,8 @@ TENSOR_COPY_FUNC = "runtime.TVMTensorCopyFromTo"
 # Which fuselight rule family schedules an unscheduled fused function a pass emitted
 # (``"gemm"``: the Matmul or Gemv rule, by M; ``"gemv"``, ``"row_reduction"``, ``"paged_attention"``).
 RULE_ATTR = "fuselight.rule"
+# PrimFunc attribute: {symbolic variable name: largest value} its Relax callers allow (passes.attach_dim_bounds).
+DIM_UPPER_BOUND_ATTR = "fuselight.dim_upper_bound"
 # FuseAttention's reference attention: the ``AttentionSpec`` as a map (the FlashAttention rule).
 ATTENTION_ATTR = "fuselight.attention"
 # A KV-cache attention kernel of TVM's handed to the PagedAttention rule: its kind

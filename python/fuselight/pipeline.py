@@ -219,6 +219,7 @@ def stages(
         (3, "FuseDequantizeTake", equivalent("FuseDequantizeTake")),
         (3, "DeadCodeElimination", rt.DeadCodeElimination()),
         (3, "CleanUpTIRAttrs", equivalent("CleanUpTIRAttrs", ["op_pattern"])),
+        *slot("before_rules", phase=4),
         # Rules schedule each function alone: over the host's cores.
         (4, "ApplyFuselightRules", rules_in_processes(rules, "ApplyFuselightRules")) if rules else None,
         (4, "LowBatchGemvSpecialize", equivalent("LowBatchGemvSpecialize")),

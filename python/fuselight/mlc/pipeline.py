@@ -157,7 +157,9 @@ def _anchors_replaced(module: types.ModuleType, options: Options, log: ScheduleL
         )
 
     def schedule_phase(*args: Any, **kwargs: Any) -> tvm.transform.Pass:
-        sequence = [log.check_weights(), log.mark(ScheduleLog.BEFORE)]
+        ours = [get_graph_pass(name) for name in options.graph_passes(fuselight_runtime=False)]
+        sequence = [log.check_weights(), log.mark(ScheduleLog.BEFORE),
+                    *steps.each([(p.name, p.make()) for p in ours if p.slot == "before_rules"])]
         for family in options.rule_families:
             # Rules schedule each function alone: over the host's cores.
             sequence += steps.each([(f"rules-{family}", rules_in_processes([rules.get(family).make()], f"rules-{family}"))])

@@ -192,6 +192,47 @@ def test_rule_schedules_dynamic_m_matmuls_for_sm90(n, k, cuda):
     assert got == EXPECTED_KERNELS[(n, k)]
 
 
+@pytest.mark.parametrize("bound,ranges", [(1, 0), (16, 0), (256, 5), (300, 6)])
+def test_rule_builds_no_kernel_above_the_bound_its_callers_declare(bound, ranges, cuda):
+    # passes.attach_dim_bounds' attribute: seq_len <= bound. Kept: the GEMV buckets and GEMM ranges
+    # that some M <= bound reaches (<=48 and <=64 are a kernel and its reduction each).
+    from fuselight.contracts import DIM_UPPER_BOUND_ATTR
+
+    func = matmul_prim_func(4096, 4096, "float16").with_attrs({"target": cuda, DIM_UPPER_BOUND_ATTR: {"seq_len": bound}})
+    scheduled = Matmul().apply(func, cuda, False).mod["main"]
+    gemv = [g for g in _GEMV if g[0] == "rows" or bound > 1]
+    got = [(_kind(kern), kern.launch["threadIdx.x"], kern.allocs["acc"][2][0] if "acc" in kern.allocs else None)
+           for kern in kernels(scheduled)]
+    assert got == gemv + EXPECTED_KERNELS[(4096, 4096)][len(_GEMV):][:ranges]
+    asserts = []
+    tirx.stmt_functor.post_order_visit(scheduled.body, lambda n: asserts.append(n) if isinstance(n, tirx.AssertStmt) else None)
+    assert len(asserts) == 1 and str(asserts[0].condition) == f"seq_len <= T.int64({bound})"
+    assert str(asserts[0].error_kind.value) == "ValueError"
+
+
+def test_the_bound_is_checked_on_the_host(cuda):
+    # A larger M would run a kernel built for fewer rows: the host refuses it with the bound's message.
+    from fuselight.contracts import DIM_UPPER_BOUND_ATTR
+
+    func = matmul_prim_func(4096, 4096, "float16").with_attrs({"target": cuda, DIM_UPPER_BOUND_ATTR: {"seq_len": 1}})
+    lib = tvm.compile(tvm.IRModule({"main": Matmul().apply(func, cuda, False).mod["main"].with_attr("global_symbol", "main")}),
+                      target=cuda)
+    assert "seq_len is larger than 1, the most this function's callers declare" in lib.mod.inspect_source("ll")
+
+
+def test_an_unbounded_or_unreached_bound_keeps_every_kernel(cuda):
+    from fuselight.contracts import DIM_UPPER_BOUND_ATTR
+
+    func = matmul_prim_func(6144, 4096, "float16").with_attrs({"target": cuda, DIM_UPPER_BOUND_ATTR: {"other": 1}})
+    assert len(kernels(Matmul().apply(func, cuda, False).mod["main"])) == len(EXPECTED_KERNELS[(6144, 4096)])
+    func = func.with_attr(DIM_UPPER_BOUND_ATTR, {"seq_len": 100000})
+    scheduled = Matmul().apply(func, cuda, False).mod["main"]
+    assert len(kernels(scheduled)) == len(EXPECTED_KERNELS[(6144, 4096)])
+    asserts = []
+    tirx.stmt_functor.post_order_visit(scheduled.body, lambda n: asserts.append(n) if isinstance(n, tirx.AssertStmt) else None)
+    assert not asserts  # the last range serves every M: nothing to refuse
+
+
 @needs_nvcc
 def test_nvcc_compiles_the_scheduled_matmul(cuda):
     from fuselight.cuda_compile import compile_cuda
