@@ -7,6 +7,7 @@
   ``fuselight.computations``.
 - No import cycles among the package's modules, counting imports inside functions too (those made
   only under ``TYPE_CHECKING`` do not run).
+- A config's ``_doc`` is at most three lines; the lab notes behind it live in ``docs/experiments/``.
 """
 
 from __future__ import annotations
@@ -155,3 +156,24 @@ def test_no_import_cycles() -> None:
     edges = {name: {m for m, _, _ in _imports(name) if m != name} for name in MODULES}
     circles = [sorted(c) for c in _circles(edges)]
     assert not circles, f"import cycles: {circles}"
+
+
+def test_config_docs_are_at_most_three_lines() -> None:
+    """A config's ``_doc`` strings say what it holds in at most three lines (360 characters); the notes
+    and measurements behind its values live in ``docs/experiments/``."""
+    import json
+
+    def docs(node: object, where: str):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key.startswith("_") and "doc" in key:
+                    yield f"{where}{key}", value
+                yield from docs(value, f"{where}{key}.")
+
+    long = []
+    for path in sorted((ROOT / "configs").rglob("*.json")):
+        for key, doc in docs(json.loads(path.read_text()), ""):
+            lines = doc if isinstance(doc, list) else [doc]
+            if len(lines) > 3 or sum(len(line) for line in lines) > 360:
+                long.append(f"{path.relative_to(ROOT)}: {key}")
+    assert not long, "config docs over three lines:\n" + "\n".join(long)
