@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import tvm
 
 from ..device import device_model, require_device
 from ..errors import FuselightError
@@ -34,7 +35,6 @@ def arch_in_scope(arch: str | None) -> str:
     ``REFERENCE_ARCH``."""
     if arch is not None:
         return arch
-    import tvm
 
     target = tvm.target.Target.current(allow_none=True)
     scoped = str(target.attrs.get("arch", "")) if target is not None and target.kind.name == "cuda" else ""

@@ -46,6 +46,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from ..contracts import REWRITES_REFUSED_ATTR as REFUSED_ATTR
 from ..relax_rewrite import unique_binding_names, visit_nodes
 from .classify import classify_binding
+from ..errors import FuselightError
 
 APPLIED_ATTR = "fuselight.rewrites_applied"
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -459,8 +460,6 @@ class PropertyRewrite:
     ``self.refused`` count by name."""
 
     def __init__(self, names: Sequence[str] | None = None) -> None:
-        from ..errors import FuselightError
-
         known = {r.name: r for r in CATALOGUE}
         unknown = [n for n in names or () if n not in known]
         if unknown:

@@ -32,6 +32,9 @@ from typing import Any
 
 from tvm import tirx
 from tvm.target import Target
+from tvm.s_tir import dlight as dl
+import tvm
+import tvm_ffi
 
 from ..device import require_device
 from ..errors import FuselightError
@@ -225,10 +228,6 @@ def _dlight_rest(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
     that rule fails (its tensor-core path asserts on a ``[batch, 1, k]`` token operand with a cast
     epilogue), by its LowBatchGEMV, GEMV or Fallback rule (a symbolic vocabulary too: the batch LM
     head), the first that applies; None where none does."""
-    import tvm
-    import tvm_ffi
-    from tvm.s_tir import dlight as dl
-
     for rule in (dl.gpu.Matmul(), dl.gpu.LowBatchGEMV(4), dl.gpu.GEMV(), dl.gpu.Fallback()):
         try:
             with target:

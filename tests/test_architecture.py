@@ -7,6 +7,7 @@
   ``fuselight.computations``.
 - No import cycles among the package's modules, counting imports inside functions too (those made
   only under ``TYPE_CHECKING`` do not run).
+- Under ``passes/`` and ``rules/`` imports sit at the top of the module (optional packages aside).
 - A config's ``_doc`` is at most three lines; the lab notes behind it live in ``docs/experiments/``.
 """
 
@@ -177,3 +178,29 @@ def test_config_docs_are_at_most_three_lines() -> None:
             if len(lines) > 3 or sum(len(line) for line in lines) > 360:
                 long.append(f"{path.relative_to(ROOT)}: {key}")
     assert not long, "config docs over three lines:\n" + "\n".join(long)
+
+
+# Imported only where used: optional on the build host (the GEMM cost model's learner).
+OPTIONAL_IMPORTS = ("xgboost",)
+
+
+def test_passes_and_rules_import_at_the_top() -> None:
+    """Under ``passes/`` and ``rules/`` (build-host code) every import is at the top of its module, so
+    the imports say what a module depends on; only optional packages are imported where used."""
+    inside = []
+    for root in (ROOT / "passes", ROOT / "rules"):
+        for path in sorted(root.rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            for func in ast.walk(tree):
+                if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for node in ast.walk(func):
+                    if isinstance(node, ast.Import):
+                        modules = [a.name for a in node.names]
+                    elif isinstance(node, ast.ImportFrom):
+                        modules = ["." * node.level + (node.module or "")]
+                    else:
+                        continue
+                    if any(m.split(".")[0] not in OPTIONAL_IMPORTS for m in modules):
+                        inside.append(f"{path.relative_to(ROOT)}:{node.lineno}: {', '.join(modules)}")
+    assert not inside, "imports inside functions:\n" + "\n".join(inside)

@@ -22,6 +22,7 @@ from fuselight.contracts import PAGED_PREFILL_SYMBOL, RAGGED_PREFILL_SYMBOL
 from fuselight.errors import FuselightError
 
 from fuselight.device import least, require_device, warp_size
+from tvm.script import tirx as T
 
 from .. import arch_config
 from ..arch_config import load_arch_config
@@ -136,8 +137,6 @@ def _make_core(
     scaled scores. ``empty_rows_zero``: a query row that sees no key gets output 0 and lse
     ``EMPTY_LSE`` (TVM's KV-cache kernels' convention) instead of NaN.
     """
-    from tvm.script import tirx as T
-
     d = head_dim
     ab = DTYPES[dtype]
     tile_q, tile_kv, threads = cfg.tile_q, cfg.tile_kv, cfg.threads
@@ -390,8 +389,6 @@ def _make_core(
 
 def _alloc_fragments(head_dim: int, dtype: str, cfg: PrefillConfig):
     """Shared tiles and per-thread register fragments of one block (call inside its ``sblock``)."""
-    from tvm.script import tirx as T
-
     return (
         T.sblock_alloc_buffer((cfg.tile_q * head_dim,), dtype, scope="shared"),
         T.sblock_alloc_buffer((cfg.tile_kv * head_dim,), dtype, scope="shared"),
@@ -434,8 +431,6 @@ def _make_kv_cache_blocks(
     ``kv_at(kv_index, first, by)`` the ``k_at``/``v_at`` of ``kv_row`` for KV head ``by``.
     Rows that see no key get output 0 and lse ``EMPTY_LSE``, as in TVM's kernels.
     """
-    from tvm.script import tirx as T
-
     group = _check_args(num_qo_heads, num_kv_heads, head_dim, dtype, cfg)
     attend, store_output = _make_core(head_dim, group, dtype, cfg, kv_row=kv_row, empty_rows_zero=True)
     h_q, h_kv, d = num_qo_heads, num_kv_heads, head_dim
@@ -508,8 +503,6 @@ def flash_prefill_ragged(
     ``j <= i + kv_len_b - q_len_b``. ``lse`` is base 2. RoPE inside attention (``rotary_mode`` 1)
     is not supported: the function asserts ``rotary_mode == 0`` on the host.
     """
-    from tvm.script import tirx as T
-
     h_q, h_kv, d = num_qo_heads, num_kv_heads, head_dim
 
     def kv_of(kv_index, b):
@@ -571,8 +564,6 @@ def flash_prefill_paged(
     ``j <= i + kv_len_b - q_len_b``. ``lse`` is base 2; a row that sees no key gets output 0 and
     lse ``EMPTY_LSE``, as TVM's does. ``rotary_mode`` 1 is not supported (asserted on the host).
     """
-    from tvm.script import tirx as T
-
     if page_size <= 0:
         raise FuselightError(f"paged prefill attention: page_size {page_size} must be positive")
     h_q, h_kv, d = num_qo_heads, num_kv_heads, head_dim
@@ -660,8 +651,6 @@ def flash_attention_dense(
     (``decode.dense_decode``'s macro for the same heads, layout and mask) runs instead where Sq is 1
     at run time: one query row tiled this way leaves most of the GPU idle, the split-KV kernel fills it.
     """
-    from tvm.script import tirx as T
-
     if layout not in LAYOUTS:
         raise FuselightError(
             f"dense attention: layout {layout!r} unsupported (supported: {', '.join(LAYOUTS)})"

@@ -32,6 +32,7 @@ from typing import Any
 import tvm
 from tvm import arith, tirx
 from tvm.tirx import stmt_functor
+from tvm_ffi import structural_equal
 
 from ..reduce.analysis import analyze_row_reduction
 from ..stages import Stage as _Stage
@@ -197,8 +198,6 @@ def _row_indices(row: Any, extents: tuple[Any, ...], dtype: str) -> list[Any]:
 def _norm_prologue(func: tirx.PrimFunc, count: int, allocs: list[tirx.Buffer], a: tirx.Buffer) -> NormPrologue | None:
     """The RMSNorm (with its residual add) the first ``count`` stages of ``func`` compute into the
     intermediate ``a``, exactly as TOPI writes them, or None."""
-    from tvm_ffi import structural_equal
-
 
     if not any(a.same_as(b) for b in allocs):
         return None

@@ -64,6 +64,9 @@ from typing import Any, TypeVar
 from fuselight.device import least, require_device
 from fuselight.errors import FuselightError
 from fuselight.paths import config_dir
+from tvm import tirx
+from tvm.backend.cuda import op as cuda_op
+from tvm.script import tirx as T
 
 from .. import arch_config
 from ..arch_config import arch_entry, from_fields
@@ -248,7 +251,6 @@ def launch_blocks(out_n: Any, cols: int) -> Any:
     expression computed at launch where N is symbolic (the LM head's vocabulary)."""
     if isinstance(out_n, int):
         return -(-out_n // cols)
-    from tvm import tirx
 
     return tirx.Cast("int32", tirx.floordiv(out_n + (cols - 1), cols))
 
@@ -360,9 +362,6 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig, sms: int | None = None) -> Any
 
     FuselightError if the template cannot serve ``ops`` (see ``check_gemv``).
     """
-    from tvm.backend.cuda import op as cuda_op
-    from tvm.script import tirx as T
-
     check_gemv(ops, cfg)
     if cfg.grid_blocks_per_sm is not None and sms is None:
         raise FuselightError("GEMV: a bucket with 'grid_blocks_per_sm' needs the device's SM count")

@@ -36,6 +36,8 @@ from typing import Any
 from fuselight.device import require_device
 from fuselight.errors import FuselightError
 from fuselight.paths import config_dir
+from tvm.backend.cuda import op as cuda_op
+from tvm.script import tirx as T
 
 from .. import arch_config
 from ..arch_config import arch_entry, from_fields
@@ -222,9 +224,6 @@ def row_source(dtype: str, places: tuple[int, ...]) -> str:
 def cols_body(ops: GemmOperands, cfg: ColsConfig) -> Any:
     """The kernel body (a ``tvm.tirx.Stmt``: one launch, two with ``split_k`` > 1) computing ``ops``
     over ``ops``' buffers. FuselightError if the template cannot serve ``ops`` (``check_cols``)."""
-    from tvm.backend.cuda import op as cuda_op
-    from tvm.script import tirx as T
-
     check_cols(ops, cfg)
     n, k, dtype, deq = ops.n, ops.k, ops.dtype, ops.dequant
     norm, pair = ops.prologue, ops.out.pair_offset

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from typing import Any
+from tvm.script import tirx as T
 
 from .operands import GemmOperands
 
@@ -107,8 +108,6 @@ def norm_prologue(ops: GemmOperands, threads: int, blocks: Any, x_stride: int,
     staging: ``(slot, order)`` where the template reads its token row permuted (the row template's
     4-bit dot product): piece ``p`` of 8 tokens goes to piece ``slot(p)``, its element ``e`` being
     token ``order(e)`` of the piece; None: in order."""
-    from tvm.script import tirx as T
-
     norm, k, dtype = ops.prologue, ops.k, ops.dtype
     stream, x_dtype = norm.stream_dtype, str(norm.x.dtype)
     wide, x_wide = stream != dtype, x_dtype != dtype

@@ -42,6 +42,8 @@ from typing import Any
 
 from fuselight.device import least, require_device
 from fuselight.errors import FuselightError
+from tvm.backend.cuda import op as cuda_op
+from tvm.script import tirx as T
 
 from .. import arch_config
 from .gemv import DTYPE_ABBREV, Q4_DTYPES, launch_blocks, read_buckets
@@ -172,9 +174,6 @@ def kn_body(ops: GemmOperands, cfg: KnGemvConfig, vec: int) -> Any:
     """The kernel body (a ``tvm.tirx.Stmt``) computing ``ops`` over its buffers, loading words and
     scales ``vec`` at a time (4, 2 or 1; it must divide the output's N, which a symbolic N's caller
     checks on the host); FuselightError where the template cannot (``check_kn``)."""
-    from tvm.backend.cuda import op as cuda_op
-    from tvm.script import tirx as T
-
     check_kn(ops, cfg)
     n, k, dtype, deq, norm = ops.n, ops.k, ops.dtype, ops.dequant, ops.prologue
     out_n = ops.out_n

@@ -56,6 +56,10 @@ from typing import Any
 from fuselight.device import require_device
 from fuselight.errors import FuselightError
 from fuselight.paths import config_dir
+from tvm import tirx
+from tvm.backend.cuda import op as cuda_op
+from tvm.script import tirx as T
+import tvm
 
 from .. import arch_config
 from ..arch_config import arch_entry, from_fields
@@ -64,6 +68,7 @@ from .gemv_common import GemvConfig
 from .gemv_rows import declared, rows_stage
 from .operands import GemmOperands
 from .plan import WARP
+from ..base import with_kernels
 
 CONFIG_NAME = "gemv_persistent"
 # The config's entries: float weights, 4-bit (q4f16_1) weights.
@@ -202,9 +207,6 @@ def persistent_body(stages: list[tuple[GemmOperands, GemvConfig]], arch: str, na
     a grid barrier between consecutive stages (see the module docstring); ``name``: the kernel's
     global symbol (names its barrier). Bind it to a function whose parameters are the stages'
     buffers (``kernel_func``). FuselightError where ``check_persistent`` refuses the stages."""
-    from tvm.backend.cuda import op as cuda_op
-    from tvm.script import tirx as T
-
     check_persistent(stages, arch)
     grid = grid_blocks(stages, arch)
     first = stages[0][1]
@@ -242,9 +244,6 @@ def _through_written(stmt: Any, written: list[Any]) -> Any:
     own, a second ``__restrict__`` pointer to memory the kernel writes through another: nvcc may then
     read it through the read-only path (``ld.global.nc``), which does not see this launch's writes.
     The buffers' leading dimensions are 1 (M = 1), so a view's flat index is the last dimension's."""
-    import tvm
-    from tvm import tirx
-
     views: list[tuple[Any, Any]] = []
 
     def find(node: Any) -> None:
@@ -279,8 +278,6 @@ def _through_written(stmt: Any, written: list[Any]) -> Any:
 
 def _in_order(stages: list[Any]) -> Any:
     """One macro ``(bx, tid, xs)`` expanding ``stages`` (macros of the same arguments) in order."""
-    from tvm.script import tirx as T
-
     if len(stages) == 1:
         return stages[0]
     head, rest = stages[0], _in_order(stages[1:])
@@ -298,8 +295,6 @@ def link(funcs: list[Any], feeds: dict[tuple[int, str], tuple[int, str]]) -> lis
     (j, q)`` makes parameter ``p`` of function ``i`` the parameter ``q`` of function ``j < i`` (what
     stage i reads is what stage j wrote, or read). FuselightError for a name a function lacks, or
     shapes and dtypes that differ."""
-    from tvm import tirx
-
     swaps: list[dict[Any, Any]] = []
     for i, func in enumerate(funcs):
         swap = {}
@@ -330,10 +325,6 @@ def _param(func: Any, name: str, i: int) -> Any:
 def kernel_func(funcs: list[Any], body: Any, name: str) -> Any:
     """A PrimFunc named ``name`` running ``body``, whose parameters are those of the linked
     ``funcs`` (each once, in order), marked scheduled (as ``rules.base.with_kernels``)."""
-    from tvm import tirx
-
-    from ..base import with_kernels
-
     params: list[Any] = []
     for func in funcs:
         params.extend(p for p in func.params if not any(p.same_as(q) for q in params))

@@ -53,6 +53,9 @@ whole-row streaming (``docs/experiments/config-gemm-gemv.md`` has the numbers).
 from __future__ import annotations
 
 from typing import Any
+from tvm import tirx
+from tvm.backend.cuda import op as cuda_op
+from tvm.script import tirx as T
 
 from .gemv_common import PIECE, PIECE_WORDS, Q4_PIECE, GemvConfig, index_dtype, norm_prologue
 from .operands import GemmOperands
@@ -162,7 +165,6 @@ def rows_grid_blocks(ops: GemmOperands, cfg: GemvConfig) -> Any:
     cols = cfg.warps * cfg.rows_per_warp
     if isinstance(ops.out_n, int):
         return -(-ops.out_n // cols)
-    from tvm import tirx
 
     return tirx.Cast("int32", tirx.floordiv(ops.out_n + (cols - 1), cols))
 
@@ -171,9 +173,6 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig, sms: int | None = None) -> Any
     """The kernel body (a ``tvm.tirx.Stmt``) computing ``ops`` (M = 1) over ``ops``' buffers; call
     it through ``gemv.gemv_body``, which checks first that the template serves ``ops`` (and that
     ``sms``, the device's SM count, is given where ``cfg.grid_blocks_per_sm`` needs it)."""
-    from tvm import tirx
-    from tvm.script import tirx as T
-
     groups_n = rows_grid_blocks(ops, cfg)  # column groups: a block's each, or looped over
     blocks = groups_n
     if cfg.grid_blocks_per_sm is not None:
@@ -206,10 +205,6 @@ def rows_stage(ops: GemmOperands, cfg: GemvConfig, blocks: Any, looping: bool, h
     first round of weight loads and before anything else is read (the token row, the norm's input):
     ``gemv_persistent``'s grid barrier. Returns the macro and the flat views of ``ops``' buffers it
     reads through, for the caller to declare around its kernel (``declared``)."""
-    from tvm import tirx
-    from tvm.backend.cuda import op as cuda_op
-    from tvm.script import tirx as T
-
     n, k, dtype = ops.n, ops.k, ops.dtype
     norm, pair, deq = ops.prologue, ops.out.pair_offset, ops.dequant
     warps, unroll, cols_w = cfg.warps, cfg.unroll, cfg.rows_per_warp
@@ -403,6 +398,4 @@ def rows_stage(ops: GemmOperands, cfg: GemvConfig, blocks: Any, looping: bool, h
 def declared(views: list[tuple[Any, Any]], stmt: Any) -> Any:
     """``stmt`` after the declarations of the buffer views ``views`` (``rows_stage``'s: each a view
     and the data it aliases), in order."""
-    from tvm import tirx
-
     return tirx.SeqStmt([*(tirx.DeclBuffer(view, data=data) for view, data in views), stmt])

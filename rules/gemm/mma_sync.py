@@ -17,6 +17,8 @@ epilogue (``split_k``).
 from __future__ import annotations
 
 from typing import Any
+from tvm.backend.cuda import op as cuda_op
+from tvm.script import tirx as T
 
 from .operands import GemmOperands
 from .plan import (
@@ -127,8 +129,6 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
 
     ``predicated``: rows at or past M are zero-filled when loaded and skipped when stored.
     """
-    from tvm.script import tirx as T
-
     bm, bn, bk, threads = tile.block_m, tile.block_n, tile.block_k, tile.threads
     wm, wn, stages = tile.warp_m, tile.warp_n, tile.stages
     chunks = bk // CHUNK
@@ -146,7 +146,6 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
     n, dtype = ops.n, ops.dtype
     m, wide = rows(ops)
     deq = ops.dequant
-    from tvm.backend.cuda import op as cuda_op
 
     if deq is not None:
         q4 = q4_smem(tile, deq.group)
@@ -407,8 +406,6 @@ def _tile_code(ops: GemmOperands, tile: GemmTile, split_k: int, predicated: bool
 
 def _fragments(tile: GemmTile, dtype: str):
     """Per-thread registers of one tile shape (call inside the block's ``sblock``)."""
-    from tvm.script import tirx as T
-
     mi, nj = tile.warp_m // MMA_M, tile.warp_n // MMA_N
     return (
         T.sblock_alloc_buffer((2 * mi * 8,), dtype, scope="local"),  # A operands of two k steps
@@ -423,8 +420,6 @@ def mma_sync_gemm(ops: GemmOperands, plan: GemmPlan) -> Any:
 
     FuselightError if ``plan`` cannot tile ``ops`` (see ``plan.check_plan``).
     """
-    from tvm.script import tirx as T
-
     check_plan(plan, ops)
     main, rest, split_k = plan.main, plan.rest, plan.split_k
     n, dtype = ops.n, ops.dtype

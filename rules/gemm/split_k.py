@@ -11,6 +11,7 @@ and c + pair_offset for output column c.
 from __future__ import annotations
 
 from typing import Any
+from tvm.script import tirx as T
 
 from .operands import GemmOperands
 
@@ -24,8 +25,6 @@ VEC = 4  # floats a partial-sum load reads (16 bytes)
 def rows(ops: GemmOperands) -> tuple[Any, Any]:
     """M as an int32 expression (tile arithmetic), and a function widening a row or column index to
     M's own dtype (global offsets: M x N reaches 2^31 for lm_head-sized N)."""
-    from tvm.script import tirx as T
-
     if isinstance(ops.m, int):
         return ops.m, lambda i: i
     dtype = str(ops.m.ty.dtype)
@@ -34,8 +33,6 @@ def rows(ops: GemmOperands) -> tuple[Any, Any]:
 
 def reduction(ops: GemmOperands, split_k: int) -> Any:
     """A macro ``reduce_blocks(part)``: the launch writing ``ops.out`` from the ``split_k`` partials."""
-    from tvm.script import tirx as T
-
     n, out_n, pair = ops.n, ops.out_n, ops.out.pair_offset
     out_buf = ops.out.buffer
     m, wide = rows(ops)

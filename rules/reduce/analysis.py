@@ -24,6 +24,7 @@ from typing import Any
 import tvm
 from tvm import arith, tirx
 from tvm.tirx import stmt_functor
+from tvm_ffi import structural_equal
 
 from ..stages import stages as _stages
 
@@ -211,8 +212,6 @@ def _classify(stats: list[RowStat], outputs: list[RowOutput], row_inputs: list[A
 
 
 def _same_expr(a: Any, b: Any) -> bool:
-    from tvm_ffi import structural_equal
-
     return bool(structural_equal(a, b, map_free_vars=False))
 
 

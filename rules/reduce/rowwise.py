@@ -25,6 +25,7 @@ from tvm.tirx import stmt_functor
 
 from fuselight.device import warp_size
 from fuselight.errors import FuselightError
+from tvm.script import tirx as T
 
 from .. import arch_config
 from ..arch_config import load_arch_config
@@ -138,22 +139,16 @@ def _combine(reducer: str, acc: Any, value: Any) -> Any:
 
 def _locals(buffers: Any, size: int) -> list[Any]:
     """Per-thread registers: one ``size``-element buffer per buffer of ``buffers`` (inside an sblock)."""
-    from tvm.script import tirx as T
-
     return [T.sblock_alloc_buffer((size,), str(b.dtype), scope="local") for b in buffers]
 
 
 def _stat_locals(desc: RowReductionDesc) -> list[Any]:
-    from tvm.script import tirx as T
-
     return [T.sblock_alloc_buffer((1,), s.dtype, scope="local") for s in desc.stats]
 
 
 def _macros(desc: RowReductionDesc, vec: int):
     """Macros shared by the kernels: vector loads of a row's columns, one reduction across threads,
     and the outputs at one vector of columns."""
-    from tvm.script import tirx as T
-
     def load(at, col0, regs, cregs, base):
         # regs[k][base + e] = row input k at (row, col0 + e); cregs likewise for column inputs
         for inputs, dest, index in ((desc.row_inputs, regs, at.index), (desc.col_inputs, cregs, at.col)):
@@ -185,8 +180,6 @@ def _macros(desc: RowReductionDesc, vec: int):
 
 def row_kernel(desc: RowReductionDesc, cfg: RowConfig) -> Any:
     """One launch, a warp or a block per row (see the module docstring): a ``tvm.tirx.Stmt``."""
-    from tvm.script import tirx as T
-
     _check(desc)
     vec = vector_width(desc, cfg.load_bytes)
     cols, rows = desc.cols, desc.rows
@@ -268,8 +261,6 @@ def row_kernel(desc: RowReductionDesc, cfg: RowConfig) -> Any:
 
 def split_softmax_kernels(desc: RowReductionDesc, cfg: SplitConfig, load_bytes: int) -> Any:
     """Two launches, each row split over blocks (see the module docstring): a ``tvm.tirx.Stmt``."""
-    from tvm.script import tirx as T
-
     _check(desc)
     if not desc.online_softmax:
         raise FuselightError("row reduction: only softmax-shaped rows (max, then sum of exp) can be split")
