@@ -13,7 +13,9 @@ the top level of a Relax function's bindings, and at every such call its dim is 
 value of the caller's shape expression under the caller's bounds (``arith.Analyzer``), the smallest
 of these where the variable sizes several dims, the largest over the calls. Everything else (a
 PrimFunc handed to a builtin, a call inside an ``If``, an unbounded caller, a shape the caller does
-not know) leaves the variable, or the PrimFunc, without one. Nothing is rewritten.
+not know) leaves the variable, or the PrimFunc, without one. Relax functions are the only callers
+looked at: in the pipelines this runs in, PrimFuncs do not call each other before lowering.
+Nothing is rewritten.
 """
 
 from __future__ import annotations
