@@ -24,6 +24,7 @@ import tvm
 from tvm import tirx
 from tvm.s_tir import dlight as dl
 
+from .contracts import IS_SCHEDULED_ATTR
 from .cuda_compile import compile_jobs
 
 # How long a child may outlast this process's own share before it counts as stuck, at least (s).
@@ -130,7 +131,7 @@ def in_processes(
 
 def _unscheduled(func: tirx.PrimFunc) -> bool:
     """Whether DLight's ``ApplyDefaultSchedule`` tries its rules on ``func`` (not marked scheduled)."""
-    return not (func.attrs is not None and int(func.attrs.get("tirx.is_scheduled", 0)) == 1)
+    return not (func.attrs is not None and int(func.attrs.get(IS_SCHEDULED_ATTR, 0)) == 1)
 
 
 def rules_in_processes(rules: Sequence[Any], name: str) -> tvm.transform.Pass:

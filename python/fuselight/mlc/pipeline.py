@@ -143,13 +143,12 @@ def _wrap(
 def _anchors_replaced(module: types.ModuleType, options: Options, log: ScheduleLog) -> Iterator[None]:
     graph, schedule = getattr(module, GRAPH_ANCHOR), getattr(module, SCHEDULE_ANCHOR)
     steps = _StepCounter(options.dump)
+    ours = [get_graph_pass(name) for name in options.graph_passes(fuselight_runtime=False)]
+
+    def slot(which: str) -> list[tvm.transform.Pass]:
+        return steps.each([(p.name, p.make()) for p in ours if p.slot == which])
 
     def graph_phase(*args: Any, **kwargs: Any) -> tvm.transform.Pass:
-        ours = [get_graph_pass(name) for name in options.graph_passes(fuselight_runtime=False)]
-
-        def slot(which: str) -> list[tvm.transform.Pass]:
-            return steps.each([(p.name, p.make()) for p in ours if p.slot == which])
-
         # MLC's graph phase ends with FuseTransposeMatmul: right after it is before legalization.
         return tvm.transform.Sequential(
             [*slot("before_fuse_transpose_matmul"), graph(*args, **kwargs), *slot("after_graph_passes"),
@@ -157,9 +156,7 @@ def _anchors_replaced(module: types.ModuleType, options: Options, log: ScheduleL
         )
 
     def schedule_phase(*args: Any, **kwargs: Any) -> tvm.transform.Pass:
-        ours = [get_graph_pass(name) for name in options.graph_passes(fuselight_runtime=False)]
-        sequence = [log.check_weights(), log.mark(ScheduleLog.BEFORE),
-                    *steps.each([(p.name, p.make()) for p in ours if p.slot == "before_rules"])]
+        sequence = [log.check_weights(), log.mark(ScheduleLog.BEFORE), *slot("before_rules")]
         for family in options.rule_families:
             # Rules schedule each function alone: over the host's cores.
             sequence += steps.each([(f"rules-{family}", rules_in_processes([rules.get(family).make()], f"rules-{family}"))])
