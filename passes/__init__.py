@@ -37,7 +37,6 @@ from .capture_whole_step import CaptureWholeStep
 from .fuse_rope_append import FuseRopeAppend
 from .merge_sibling_matmuls import MergeSiblingMatmuls
 from .paged_attention import PagedAttentionKernels
-from .prefetch_next_weights import PrefetchNextWeights
 from .property_rewrite import PropertyRewrite
 from .residual_stream_fp32 import ResidualStreamFP32
 
@@ -80,8 +79,6 @@ PASSES: dict[str, GraphPass] = {
         # Before add_rms_norm_kernels, which replaces the norm kernels this pass recognises.
         GraphPass("fuse_norm_gemv", "after_graph_passes", FuseNormIntoGemv, rules=("gemv",)),
         GraphPass("add_rms_norm_kernels", "after_graph_passes", AddRMSNormKernels, rules=("row_reduction",)),
-        # After fuse_norm_gemv, whose QKV GEMV is the usual producer of the attention's input.
-        GraphPass("prefetch_next_weights", "after_graph_passes", PrefetchNextWeights, rules=("gemv",)),
         GraphPass("fusion_plan", "before_legalize", ApplyFusionPlan),
         # The matmul rule builds no kernel for an M above its callers' bound.
         GraphPass("attach_dim_bounds", "before_rules", AttachDimBounds),
@@ -93,8 +90,7 @@ PASSES: dict[str, GraphPass] = {
 DEFAULT: tuple[str, ...] = (
     "fuse_attention", "accumulate_matmul_fp32", "residual_stream_fp32", "fuse_gate_up_silu", "property_rewrite",
     "paged_attention",
-    "fuse_rope_append", "fuse_norm_gemv", "add_rms_norm_kernels", "prefetch_next_weights", "fusion_plan",
-    "attach_dim_bounds",
+    "fuse_rope_append", "fuse_norm_gemv", "add_rms_norm_kernels", "fusion_plan", "attach_dim_bounds",
 )  # fmt: skip
 
 
@@ -115,4 +111,4 @@ def served(names: Sequence[str], families: Iterable[str]) -> list[str]:
     return [name for name in names if set(get(name).rules) <= have]
 
 
-__all__ = ["DEFAULT", "PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "AttachDimBounds", "CaptureWholeStep", "Classify", "FoldNormWeight", "FuseAttention", "FuseGateUpSiLU", "FuseNormIntoGemv", "FuseRopeAppend", "GraphPass", "MergeSiblingMatmuls", "PagedAttentionKernels", "PrefetchNextWeights", "PropertyRewrite", "ResidualStreamFP32", "Slot", "classify_module", "default", "get", "served"]
+__all__ = ["DEFAULT", "PASSES", "SLOTS", "AccumulateMatmulFP32", "AddRMSNormKernels", "ApplyFusionPlan", "AttachDimBounds", "CaptureWholeStep", "Classify", "FoldNormWeight", "FuseAttention", "FuseGateUpSiLU", "FuseNormIntoGemv", "FuseRopeAppend", "GraphPass", "MergeSiblingMatmuls", "PagedAttentionKernels", "PropertyRewrite", "ResidualStreamFP32", "Slot", "classify_module", "default", "get", "served"]

@@ -27,7 +27,7 @@ layout ``KN_N``) take the column template (``rules.gemm.gemv_cols``) at M = 1.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from tvm import tirx
@@ -36,7 +36,6 @@ from tvm.s_tir import dlight as dl
 import tvm
 import tvm_ffi
 
-from ..contracts import IS_SCHEDULED_ATTR, PREFETCH_NEXT_ATTR
 from ..device import require_device
 from ..errors import FuselightError
 from ..target import arch_of
@@ -75,31 +74,10 @@ def gemv_config(ops: GemmOperands, m: int, target: Target) -> GemvConfig | None:
     return cfg
 
 
-def gemv_kernel(ops: GemmOperands, cfg: GemvConfig, target: Target,
-                prefetch: Sequence[tuple[tirx.Var, int]] = ()) -> tirx.Stmt:
+def gemv_kernel(ops: GemmOperands, cfg: GemvConfig, target: Target) -> tirx.Stmt:
     """The GEMV template's kernel for ``ops`` with the bucket ``cfg`` on ``target`` (whose SM count
-    sizes a looping grid, ``grid_blocks_per_sm``); ``prefetch``: buffers and bytes of each the row
-    template asks L2 for after its work (``passes.prefetch_next_weights``), where the device can."""
-    device = require_device(arch_of(target))
-    return gemv_body(ops, cfg, device.sms, tuple(prefetch) if device.has("tma") else ())
-
-
-def prefetch_next(func: tirx.PrimFunc) -> list[tuple[tirx.Var, int]]:
-    """The parameters ``func`` only passes to L2 (``contracts.PREFETCH_NEXT_ATTR``) and their bytes."""
-    if func.attrs is None or PREFETCH_NEXT_ATTR not in func.attrs:
-        return []
-    return [(func.params[int(i)], int(n)) for i, n in func.attrs[PREFETCH_NEXT_ATTR]]
-
-
-def row_template_takes(func: tirx.PrimFunc, target: Target) -> bool:
-    """Whether the Gemv rule schedules ``func`` on ``target`` with the row template (M = 1, NK weights)."""
-    if func.attrs is not None and func.attrs.get(IS_SCHEDULED_ATTR, False):
-        return False
-    desc = Gemv.analyze(func)
-    if desc is None or desc.m_static != 1 or _layout(desc) in _LAYOUT_KERNELS or not Gemv.supports(desc, target):
-        return False
-    cfg = gemv_config(desc.operands, 1, target)
-    return cfg is not None and cfg.rows_per_warp is not None
+    sizes a looping grid, ``grid_blocks_per_sm``)."""
+    return gemv_body(ops, cfg, require_device(arch_of(target)).sms)
 
 
 def kn_gemv_config(ops: GemmOperands, target: Target) -> KnGemvConfig | None:
@@ -185,9 +163,7 @@ class Gemv(AnalyzeScheduleRule):
         if desc.m_static >= min_static_m and desc.operands.dequant is None:
             return None  # the Matmul rule's
         cfg = gemv_config(desc.operands, desc.m_static, target)
-        if cfg is None:
-            return None
-        return with_kernels(func, gemv_kernel(desc.operands, cfg, target, prefetch_next(func)))
+        return None if cfg is None else with_kernels(func, gemv_kernel(desc.operands, cfg, target))
 
 
 def _kn_kernels(ops: GemmOperands, cfg: KnGemvConfig) -> tirx.Stmt:

@@ -38,9 +38,6 @@ PAGED_ATTENTION_ATTR = "fuselight.paged_attention"
 # attention that does RoPE and the append itself.
 FUSED_ROPE_APPEND_ATTR = "fuselight.fused_rope_append"
 FUSED_ROPE_APPEND_DECODE_ATTR = "fuselight.fused_rope_append_decode"
-# Inputs of a PrimFunc its computation never reads: weights of the calls after it, which its kernel
-# asks L2 for (``passes.prefetch_next_weights``): [[parameter index, bytes from the start], ...].
-PREFETCH_NEXT_ATTR = "fuselight.prefetch_next"
 # Kernel launches one call of a PrimFunc makes (more than one: a split-KV decode and its merge).
 KERNEL_LAUNCHES_ATTR = "fuselight.kernel_launches"
 # Rewrites PropertyRewrite considered and refused, on the Relax function.

@@ -355,13 +355,10 @@ def body_config(ops: GemmOperands, cfg: GemvConfig) -> GemvConfig:
     return dataclasses.replace(cfg, max_m=cfg.token_tiles * MMA_N)
 
 
-def gemv_body(ops: GemmOperands, cfg: GemvConfig, sms: int | None = None,
-              prefetch: tuple[tuple[Any, int], ...] = ()) -> Any:
+def gemv_body(ops: GemmOperands, cfg: GemvConfig, sms: int | None = None) -> Any:
     """The kernel body (a ``tvm.tirx.Stmt``) computing ``ops`` (M <= ``cfg.max_m``) in one launch;
     it uses ``ops``' buffers: bind it to the analysed function's parameters. ``sms``: the device's
-    SM count, which sizes the grid of a bucket with ``grid_blocks_per_sm``. ``prefetch``: buffers
-    the row template asks L2 for, bytes of each from the start, after its work (``gemv_rows``);
-    the mma template ignores them.
+    SM count, which sizes the grid of a bucket with ``grid_blocks_per_sm``.
 
     FuselightError if the template cannot serve ``ops`` (see ``check_gemv``).
     """
@@ -369,7 +366,7 @@ def gemv_body(ops: GemmOperands, cfg: GemvConfig, sms: int | None = None,
     if cfg.grid_blocks_per_sm is not None and sms is None:
         raise FuselightError("GEMV: a bucket with 'grid_blocks_per_sm' needs the device's SM count")
     if cfg.rows_per_warp is not None:
-        return rows_body(ops, cfg, sms, prefetch)
+        return rows_body(ops, cfg, sms)
     n, k, dtype = ops.n, ops.k, ops.dtype
     norm, deq = ops.prologue, ops.dequant
     ab = DTYPE_ABBREV[dtype]

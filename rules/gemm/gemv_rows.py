@@ -53,8 +53,6 @@ whole-row streaming (``docs/experiments/config-gemm-gemv.md`` has the numbers).
 from __future__ import annotations
 
 from typing import Any
-
-import tvm
 from tvm import tirx
 from tvm.backend.cuda import op as cuda_op
 from tvm.script import tirx as T
@@ -65,7 +63,6 @@ from .plan import WARP
 
 LOG_WARP = WARP.bit_length() - 1  # butterfly rounds over a warp's lanes
 PREFETCH_L2 = "fuselight_prefetch_l2"
-PREFETCH_LINE = 128  # bytes: runs of whole L2 lines (the bulk prefetch takes multiples of 16)
 PREFETCH_L2_SOURCE = f"""
 __forceinline__ __device__ void {PREFETCH_L2}(const void* p, unsigned int bytes) {{
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
@@ -172,13 +169,10 @@ def rows_grid_blocks(ops: GemmOperands, cfg: GemvConfig) -> Any:
     return tirx.Cast("int32", tirx.floordiv(ops.out_n + (cols - 1), cols))
 
 
-def rows_body(ops: GemmOperands, cfg: GemvConfig, sms: int | None = None,
-              prefetch: tuple[tuple[Any, int], ...] = ()) -> Any:
+def rows_body(ops: GemmOperands, cfg: GemvConfig, sms: int | None = None) -> Any:
     """The kernel body (a ``tvm.tirx.Stmt``) computing ``ops`` (M = 1) over ``ops``' buffers; call
     it through ``gemv.gemv_body``, which checks first that the template serves ``ops`` (and that
-    ``sms``, the device's SM count, is given where ``cfg.grid_blocks_per_sm`` needs it). ``prefetch``:
-    buffers (parameters) and bytes of each from the start that the grid asks L2 for once a block's
-    work is done (``prefetch_ahead``; a static grid only)."""
+    ``sms``, the device's SM count, is given where ``cfg.grid_blocks_per_sm`` needs it)."""
     groups_n = rows_grid_blocks(ops, cfg)  # column groups: a block's each, or looped over
     blocks = groups_n
     if cfg.grid_blocks_per_sm is not None:
@@ -198,60 +192,7 @@ def rows_body(ops: GemmOperands, cfg: GemvConfig, sms: int | None = None,
                     xs = T.sblock_alloc_buffer((ops.k,), ops.dtype, scope="shared")
                     stage(bx, tid, xs)
     # fmt: on
-    if not prefetch or not isinstance(blocks, int):
-        return declared(views, body.body)
-    ahead, ahead_views = prefetch_ahead(prefetch, blocks, cfg.warps)
-    return declared(views + ahead_views, after_block(body.body, "gemv_rows", ahead))
-
-
-def prefetch_ahead(prefetch: tuple[tuple[Any, int], ...], blocks: int, block_warps: int) -> tuple[Any, list]:
-    """``ahead(bx, tid)``, the statement by which a grid of ``blocks`` blocks of ``block_warps`` warps
-    (``bx`` the block, ``tid`` the thread) asks L2 for ``prefetch``'s bytes (each buffer's first ones:
-    a multiple of 128), an equal run of whole 128-byte lines a warp, issued by its first lane; and the
-    buffer views it reads through, for the caller to declare (``declared``)."""
-    warps = blocks * block_warps
-    views = [(tirx.decl_buffer((nbytes // _elem_bytes(param),), param.ty.dtype, f"prefetch{i}", data=param.data),
-              param.data) for i, (param, nbytes) in enumerate(prefetch)]
-
-    def ahead(bx: Any, tid: Any) -> Any:
-        warp = tirx.Cast("int64", bx) * block_warps + tirx.Cast("int64", tid) // WARP
-        first_lane = tirx.Cast("int32", tid) % WARP == 0
-        stmts = []
-        for (view, _), (param, nbytes) in zip(views, prefetch):
-            run = -(-(-(-nbytes // warps)) // PREFETCH_LINE) * PREFETCH_LINE  # bytes a warp
-            # (max: the analyzer does not see the branch, and a uint32 of a negative bound fails)
-            size = tirx.Cast("uint32", tirx.max(tirx.min(tirx.const(run, "int64"), nbytes - warp * run), 0))
-            ptr = view.access_ptr("r", offset=warp * (run // _elem_bytes(param)))
-            call = cuda_op.cuda_func_call(PREFETCH_L2, ptr, size, source_code=PREFETCH_L2_SOURCE)
-            stmts.append(tirx.IfThenElse(tirx.all(first_lane, warp < -(-nbytes // run)), tirx.Evaluate(call), None))
-        return stmts[0] if len(stmts) == 1 else tirx.SeqStmt(stmts)
-
-    return ahead, views
-
-
-def _elem_bytes(param: Any) -> int:
-    return tvm.DataType(param.ty.dtype).bits // 8
-
-
-def after_block(stmt: Any, name: str, tail: Any) -> Any:
-    """``stmt`` with ``tail(bx, tid)`` run at the end of the body of its ``sblock`` ``name``, ``bx`` and
-    ``tid`` the ``blockIdx.x`` and ``threadIdx.x`` variables around it."""
-    axes = {}
-
-    def find(node: Any) -> None:
-        if isinstance(node, tirx.For) and node.thread_binding is not None:
-            axes[node.thread_binding.thread_tag] = node.loop_var
-
-    tirx.stmt_functor.post_order_visit(stmt, find)
-
-    def append(node: Any) -> Any:
-        if isinstance(node, tirx.SBlock) and node.name_hint == name:
-            body = tirx.SeqStmt([node.body, tail(axes["blockIdx.x"], axes["threadIdx.x"])])
-            return tirx.SBlock(node.iter_vars, node.reads, node.writes, node.name_hint, body, node.init,
-                               node.alloc_buffers, node.match_buffers, node.annotations)
-        return None
-
-    return tirx.stmt_functor.ir_transform(stmt, None, append, ["tirx.SBlock"])
+    return declared(views, body.body)
 
 
 def rows_stage(ops: GemmOperands, cfg: GemvConfig, blocks: Any, looping: bool, hook: Any = None) -> Any:
