@@ -53,6 +53,8 @@ whole-row streaming (``docs/experiments/config-gemm-gemv.md`` has the numbers).
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 from tvm import tirx
 from tvm.backend.cuda import op as cuda_op
 from tvm.script import tirx as T
@@ -104,14 +106,24 @@ __forceinline__ __device__ float {name}(unsigned int w0, unsigned int w1, unsign
   const half2* x2 = reinterpret_cast<const half2*>(x);
   unsigned int zb = {bias}u | ({bias}u << 16);
   const half2 z2 = *reinterpret_cast<const half2*>(&zb);
+  unsigned int mb = 0x2C002C00u;  // 1/16 twice
+  const half2 m2 = *reinterpret_cast<const half2*>(&mb);
+  unsigned int cb = {odd_bias}u | ({odd_bias}u << 16);  // -(64 + zero)
+  const half2 c2 = *reinterpret_cast<const half2*>(&cb);
   float a0 = 0.f, a1 = 0.f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {{
     half2 p = __float2half2_rn(0.f);
+    const unsigned int hi = w[i] >> 8;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {{
-      unsigned int b = ((w[i] >> (4 * j)) & 0x000F000Fu) | 0x64006400u;
-      p = __hfma2(__hsub2(*reinterpret_cast<const half2*>(&b), z2), x2[4 * i + j], p);
+      // Even j: the low nibbles, (1024 + e) - (1024 + zero). Odd j: the high nibbles in place,
+      // (1024 + 16 e) / 16 - (64 + zero): no shift (both exact).
+      const unsigned int src = j < 2 ? w[i] : hi;
+      unsigned int b = (src & (j % 2 ? 0x00F000F0u : 0x000F000Fu)) | 0x64006400u;
+      const half2 v = j % 2 ? __hfma2(*reinterpret_cast<const half2*>(&b), m2, c2)
+                            : __hsub2(*reinterpret_cast<const half2*>(&b), z2);
+      p = __hfma2(v, x2[4 * i + j], p);
     }}
     const float2 f = __half22float2(p);
     a0 += f.x;
@@ -124,7 +136,8 @@ __forceinline__ __device__ float {name}(unsigned int w0, unsigned int w1, unsign
 
 def q4_dot_half_source(zero: int) -> str:
     """The CUDA device function ``Q4_DOT_HALF`` (fp16) for a zero point ``zero``."""
-    return _Q4_DOT_HALF_SOURCE.format(name=Q4_DOT_HALF, bias=hex(0x6400 + zero))
+    odd_bias = int(np.float16(-(64 + zero)).view(np.uint16))
+    return _Q4_DOT_HALF_SOURCE.format(name=Q4_DOT_HALF, bias=hex(0x6400 + zero), odd_bias=hex(odd_bias))
 
 
 def q4_dot_source(dtype: str, zero: int) -> str:

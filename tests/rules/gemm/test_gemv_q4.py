@@ -782,6 +782,15 @@ def test_half_sums_constants_and_error():
     src = gemv_rows.q4_dot_half_source(7)
     assert int(re.search(r"\| (0x[0-9a-f]+)u;", src).group(1), 16) == 0x64006400
     assert int(re.search(r"zb = (0x[0-9a-f]+)u", src).group(1), 16) == 0x6400 + 7
+    # The high nibbles are converted in place: (1024 + 16 e) * (1/16) + (-(64 + zero)) by one fp16 fma
+    # (emulated: float32 fma, exact here, rounded to fp16) is e - zero exactly, as the shifted form.
+    scale = np.uint16(int(re.search(r"mb = (0x[0-9A-Fa-f]+)u", src).group(1), 16) & 0xFFFF).view(np.float16)
+    bias = np.uint16(int(re.search(r"cb = (0x[0-9a-f]+)u", src).group(1), 16)).view(np.float16)
+    nibbles = np.arange(16)
+    placed = np.float16(1024) + np.float16(16) * nibbles.astype(np.float16)  # (w & 0x00F0) | 0x6400
+    assert np.array_equal(placed.astype(np.float32), 1024 + 16 * nibbles)
+    converted = (placed.astype(np.float32) * np.float32(scale) + np.float32(bias)).astype(np.float16)
+    assert np.array_equal(converted.astype(np.float32), nibbles - 7)
     rng = np.random.default_rng(1)
     err2 = ref2 = 0.0
     for _ in range(64):
