@@ -104,10 +104,11 @@ def _norm_gemm(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
 
 
 def _add_rmsnorm(case: Case, n: Any, relax: Any) -> tuple[list, Callable]:
-    """``(x + residual, rms_norm(x + residual))``: the residual stream and the next layer's input."""
+    """``(x + residual, rms_norm(x + residual))``: the residual stream and the next layer's input, as a
+    model's ``[1, rows, hidden]`` (MLC-LLM's FuseAddRMSNorm takes three dims: it fails on two)."""
     h = case.dims["hidden"]
-    x = relax.Var("x", relax.TensorType([n, h], case.dtype))
-    r = relax.Var("residual", relax.TensorType([n, h], case.dtype))
+    x = relax.Var("x", relax.TensorType([1, n, h], case.dtype))
+    r = relax.Var("residual", relax.TensorType([1, n, h], case.dtype))
     w = relax.Var("weight", relax.TensorType([h], case.dtype))
 
     def body(bb: Any) -> Any:

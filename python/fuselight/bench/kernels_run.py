@@ -112,8 +112,9 @@ def _q4_scheme(case: Case) -> quantization.QuantScheme:
 
 
 def _add_rmsnorm_inputs(case: Case, m: int, rnd: _Random, fixed: dict) -> list:
+    """x, residual ([1, M, hidden]), the norm weight."""
     x, w = _rmsnorm_inputs(case, m, rnd, fixed)
-    return [x, rnd.normal((m, case.dims["hidden"]), case.dtype), w]
+    return [x.reshape(1, m, -1), rnd.normal((1, m, case.dims["hidden"]), case.dtype), w]
 
 
 def _rmsnorm_inputs(case: Case, m: int, rnd: _Random, fixed: dict) -> list:

@@ -315,6 +315,29 @@ def test_every_case_of_a_suite_builds_its_relax_module(suite):
         assert "main" in [gv.name_hint for gv in mod.functions], case.name
 
 
+@pytest.mark.parametrize("use_mlc", [False, True])
+def test_the_baseline_fuses_the_add_rmsnorm_cases(use_mlc):
+    """The add + RMSNorm cases are a model's ``[1, rows, hidden]``: MLC-LLM's FuseAddRMSNorm (with
+    MLC-LLM present) unpacks three dims and raised on the two-dim form the cases had, and fuselight's
+    equivalent skipped it; both fuse it now, as in a model."""
+    import tvm
+    from fuselight import pipeline
+    from fuselight.target import resolve, to_tvm
+
+    if use_mlc and not pipeline.use_mlc_passes():
+        pytest.skip("MLC-LLM is not available")
+    target = to_tvm(resolve("cuda", "sm_90"))
+    (fuse,) = [st.pass_ for st in pipeline.stages(target, use_mlc=use_mlc) if st.name == "FuseAddRMSNorm"]
+    cases = [c for c in kernels.load_suite("gpu") if c.op == "add_rmsnorm"]
+    assert cases
+    for case in cases:
+        mod = kernels_build.relax_module(case)
+        assert all(len(p.ty.shape.values) == 3 for p in mod["main"].params[:2]), case.name
+        with target:
+            fused = fuse(mod)
+        assert len([gv for gv, f in fused.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]) == 1, case.name
+
+
 @pytest.fixture(scope="module")
 def small_suite(tmp_path_factory):
     """Small cases built for llvm through the same build path as CUDA, and their run."""
