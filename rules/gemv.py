@@ -88,6 +88,8 @@ def kn_gemv_config(ops: GemmOperands, target: Target) -> KnGemvConfig | None:
         cfg = kn_config_for(load_kn_configs(arch), static_m(ops) or 0)
         if cfg is None:
             return None
+        if cfg.half_sums and ops.dtype != "float16":
+            cfg = dataclasses.replace(cfg, half_sums=False)  # fp16 sums only, as the NK buckets'
         # The kernel's shared memory is static: the device's static limit.
         check_kn(ops, cfg, require_device(arch).smem_per_block)
     except FuselightError:

@@ -48,6 +48,7 @@ from tvm.script import tirx as T
 from .. import arch_config
 from .gemv import DTYPE_ABBREV, Q4_DTYPES, launch_blocks, read_buckets
 from .gemv_common import PIECE, PIECE_WORDS, Q4_BITS, index_dtype, norm_prologue, static_m
+from .gemv_rows import Q4_WORD_HALF, q4_order, q4_word_half_source
 from .operands import GemmOperands
 from .plan import WARP
 
@@ -73,6 +74,17 @@ __forceinline__ __device__ float {name}(unsigned int w, {scalar} s, const float*
 """
 
 
+# The same with fp16 tokens summed in fp16 pairs first (``KnGemvConfig.half_sums``; the NK row
+# template's ``Q4_WORD_HALF``): the 8 tokens in the order of the word's value pairs (``q4_order``).
+Q4_DOT8_HALF = "fuselight_q4_dot8_fp16_half_sums"
+_Q4_DOT8_HALF_SOURCE = """
+__forceinline__ __device__ float {name}(unsigned int w, half s, const half* x, float acc) {{
+  const float2 f = {word}(w, reinterpret_cast<const half2*>(x));
+  return fmaf(__half2float(s), f.x + f.y, acc);
+}}
+"""
+
+
 @dataclasses.dataclass(frozen=True)
 class KnGemvConfig:
     """One M bucket of ``configs/gemm/gemv_q4_kn.json``."""
@@ -85,10 +97,17 @@ class KnGemvConfig:
     min_blocks_per_sm: int
     # Word rows a lane loads before using them with a paired epilogue (8 columns a lane); None: unroll.
     paired_unroll: int | None = None
+    # Each word's products summed in fp16 pairs before float32 (fp16 tokens only, ``Q4_DOT8_HALF``).
+    half_sums: bool = False
 
     def rows_in_flight(self, paired: bool) -> int:
         """Word rows a lane loads before using them: ``paired_unroll`` with a paired epilogue."""
         return self.paired_unroll if paired and self.paired_unroll is not None else self.unroll
+
+
+def q4_dot8_half_source(zero: int) -> str:
+    """The CUDA device function ``Q4_DOT8_HALF`` (fp16) for a zero point ``zero``, with ``Q4_WORD_HALF``."""
+    return q4_word_half_source(zero) + _Q4_DOT8_HALF_SOURCE.format(name=Q4_DOT8_HALF, word=Q4_WORD_HALF)
 
 
 def q4_dot8_source(dtype: str, zero: int) -> str:
@@ -149,6 +168,8 @@ def check_kn(ops: GemmOperands, cfg: KnGemvConfig, max_shared_bytes: int | None 
         raise FuselightError(f"KN GEMV: the zero point must be an integer 0..{1 << d.bits}, got {d.zero}")
     if ops.dtype not in DTYPE_ABBREV or d.dtype != ops.dtype:
         raise FuselightError(f"KN GEMV: needs fp16/bf16 tokens and scales alike, got {ops.dtype} and {d.dtype}")
+    if cfg.half_sums and ops.dtype != "float16":
+        raise FuselightError(f"KN GEMV: half_sums needs fp16 tokens, got {ops.dtype}")
     m = static_m(ops)
     if m is None or not 1 <= m <= cfg.max_m:
         raise FuselightError(f"KN GEMV: M must be static, 1..{cfg.max_m} (the config's max_m), got {ops.m}")
@@ -198,7 +219,11 @@ def kn_body(ops: GemmOperands, cfg: KnGemvConfig, vec: int) -> Any:
     outputs = m * cols
     lane_accs = halves * m * PIECE_WORDS  # a lane's accumulators: [half, row, column]
     m_dtype = index_dtype(ops)
-    dot, dot_source = Q4_DOT8[dtype], q4_dot8_source(dtype, int(deq.zero))
+    half_sums = cfg.half_sums
+    if half_sums:
+        dot, dot_source, x_dtype = Q4_DOT8_HALF, q4_dot8_half_source(int(deq.zero)), dtype
+    else:
+        dot, dot_source, x_dtype = Q4_DOT8[dtype], q4_dot8_source(dtype, int(deq.zero)), "float32"
     norm_rows = None if norm is None else norm_prologue(ops, threads, blocks, k // 2)
 
     @T.macro
@@ -230,7 +255,7 @@ def kn_body(ops: GemmOperands, cfg: KnGemvConfig, vec: int) -> Any:
                     w = T.sblock_alloc_buffer((unroll * halves * PIECE_WORDS,), "uint32", scope="local")
                     sc = T.sblock_alloc_buffer((unroll * halves * PIECE_WORDS,), dtype, scope="local")
                     xv = T.sblock_alloc_buffer((unroll * m * PIECE,), dtype, scope="local")
-                    xf = T.sblock_alloc_buffer((m * PIECE,), "float32", scope="local")
+                    xf = T.sblock_alloc_buffer((m * PIECE,), x_dtype, scope="local")
                     acc = T.sblock_alloc_buffer((lane_accs,), "float32", scope="local")
                     red = T.sblock_alloc_buffer((warps * halves * outputs,), "float32", scope="shared")
                     total = T.sblock_alloc_buffer((halves,), "float32", scope="local")
@@ -260,7 +285,10 @@ def kn_body(ops: GemmOperands, cfg: KnGemvConfig, vec: int) -> Any:
                             kw: T.let[T.int32] = (r * unroll + u) * slots + slot
                             if not ragged or kw < k_words:
                                 for i in T.unroll(m * PIECE):
-                                    xf[i] = T.Cast("float32", xv[u * m * PIECE + i])
+                                    if half_sums:  # in the order of a word's value pairs
+                                        xf[i] = xv[u * m * PIECE + i // PIECE * PIECE + q4_order(i % PIECE)]
+                                    else:
+                                        xf[i] = T.Cast("float32", xv[u * m * PIECE + i])
                                 for j in T.unroll(PIECE_WORDS):
                                     for h in T.unroll(halves):
                                         for row in T.unroll(m):

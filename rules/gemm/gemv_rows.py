@@ -96,36 +96,47 @@ _Q4_DOT_BODY = """
 
 
 # The same with fp16 tokens and fp16 partial sums (``GemvConfig.half_sums``): each word's 8 products
-# are summed in a pair of halves (``hfma2``, 4 products a half), and only those pairs are added in
-# float32; the tokens arrive in fp16 (no conversion).
+# are summed in a pair of halves (``hfma2``, 4 products a half; ``Q4_WORD_HALF``), and only those
+# pairs are added in float32; the tokens arrive in fp16 (no conversion).
 Q4_DOT_HALF = "fuselight_q4_dot32_fp16_half_sums"
-_Q4_DOT_HALF_SOURCE = """
-__forceinline__ __device__ float {name}(unsigned int w0, unsigned int w1, unsigned int w2, unsigned int w3,
-                                        half s, const half* x, float acc) {{
-  const unsigned int w[4] = {{w0, w1, w2, w3}};
-  const half2* x2 = reinterpret_cast<const half2*>(x);
+# One word's products with its 8 tokens (as 4 half2 in the order of its value pairs), summed in a
+# pair of halves. The low nibbles of each pair are (1024 + e) - (1024 + zero); the high ones are
+# converted where they sit, (1024 + 16 e) / 16 - (64 + zero): no shift (both exact), as Marlin does.
+# Guarded: every template's dot that uses it carries it in its source.
+Q4_WORD_HALF = "fuselight_q4_word_half_sums"
+_Q4_WORD_HALF_SOURCE = """
+#ifndef FUSELIGHT_Q4_WORD_HALF_SUMS
+#define FUSELIGHT_Q4_WORD_HALF_SUMS
+__forceinline__ __device__ float2 {name}(unsigned int w, const half2* x2) {{
   unsigned int zb = {bias}u | ({bias}u << 16);
   const half2 z2 = *reinterpret_cast<const half2*>(&zb);
   unsigned int mb = 0x2C002C00u;  // 1/16 twice
   const half2 m2 = *reinterpret_cast<const half2*>(&mb);
   unsigned int cb = {odd_bias}u | ({odd_bias}u << 16);  // -(64 + zero)
   const half2 c2 = *reinterpret_cast<const half2*>(&cb);
+  half2 p = __float2half2_rn(0.f);
+  const unsigned int hi = w >> 8;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {{
+    const unsigned int src = j < 2 ? w : hi;
+    unsigned int b = (src & (j % 2 ? 0x00F000F0u : 0x000F000Fu)) | 0x64006400u;
+    const half2 v = j % 2 ? __hfma2(*reinterpret_cast<const half2*>(&b), m2, c2)
+                          : __hsub2(*reinterpret_cast<const half2*>(&b), z2);
+    p = __hfma2(v, x2[j], p);
+  }}
+  return __half22float2(p);
+}}
+#endif
+"""
+_Q4_DOT_HALF_SOURCE = """
+__forceinline__ __device__ float {name}(unsigned int w0, unsigned int w1, unsigned int w2, unsigned int w3,
+                                        half s, const half* x, float acc) {{
+  const unsigned int w[4] = {{w0, w1, w2, w3}};
+  const half2* x2 = reinterpret_cast<const half2*>(x);
   float a0 = 0.f, a1 = 0.f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {{
-    half2 p = __float2half2_rn(0.f);
-    const unsigned int hi = w[i] >> 8;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {{
-      // Even j: the low nibbles, (1024 + e) - (1024 + zero). Odd j: the high nibbles in place,
-      // (1024 + 16 e) / 16 - (64 + zero): no shift (both exact).
-      const unsigned int src = j < 2 ? w[i] : hi;
-      unsigned int b = (src & (j % 2 ? 0x00F000F0u : 0x000F000Fu)) | 0x64006400u;
-      const half2 v = j % 2 ? __hfma2(*reinterpret_cast<const half2*>(&b), m2, c2)
-                            : __hsub2(*reinterpret_cast<const half2*>(&b), z2);
-      p = __hfma2(v, x2[4 * i + j], p);
-    }}
-    const float2 f = __half22float2(p);
+    const float2 f = {word}(w[i], x2 + 4 * i);
     a0 += f.x;
     a1 += f.y;
   }}
@@ -134,10 +145,15 @@ __forceinline__ __device__ float {name}(unsigned int w0, unsigned int w1, unsign
 """
 
 
-def q4_dot_half_source(zero: int) -> str:
-    """The CUDA device function ``Q4_DOT_HALF`` (fp16) for a zero point ``zero``."""
+def q4_word_half_source(zero: int) -> str:
+    """The CUDA device function ``Q4_WORD_HALF`` (fp16) for a zero point ``zero``, guarded."""
     odd_bias = int(np.float16(-(64 + zero)).view(np.uint16))
-    return _Q4_DOT_HALF_SOURCE.format(name=Q4_DOT_HALF, bias=hex(0x6400 + zero), odd_bias=hex(odd_bias))
+    return _Q4_WORD_HALF_SOURCE.format(name=Q4_WORD_HALF, bias=hex(0x6400 + zero), odd_bias=hex(odd_bias))
+
+
+def q4_dot_half_source(zero: int) -> str:
+    """The CUDA device function ``Q4_DOT_HALF`` (fp16) for a zero point ``zero``, with ``Q4_WORD_HALF``."""
+    return q4_word_half_source(zero) + _Q4_DOT_HALF_SOURCE.format(name=Q4_DOT_HALF, word=Q4_WORD_HALF)
 
 
 def q4_dot_source(dtype: str, zero: int) -> str:

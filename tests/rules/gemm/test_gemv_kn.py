@@ -67,7 +67,9 @@ def test_rule_takes_kn_decode_functions(cuda, n, k, kwargs):
     vec = 4 if n % 4 == 0 else 2 if n % 2 == 0 else 1
     assert kern.allocs["w"] == ("local", "uint32", (cfg.unroll * 4,))
     assert kern.vectorized[vec] >= 2 and kern.vectorized[8] >= 1
-    assert [str(a[0].value) for a in kern.call_args["tirx.cuda.func_call"]] == [gemv_kn.Q4_DOT8[kwargs.get("dtype", "float16")]]
+    # sm_90's bucket sums fp16 tokens in halves; bf16 keeps the float32 dot.
+    dot = gemv_kn.Q4_DOT8_HALF if kwargs.get("dtype", "float16") == "float16" else gemv_kn.Q4_DOT8["bfloat16"]
+    assert cfg.half_sums and [str(a[0].value) for a in kern.call_args["tirx.cuda.func_call"]] == [dot]
 
 
 def test_a_symbolic_vocabulary_branches_on_its_alignment(cuda):
@@ -346,6 +348,29 @@ def test_the_bit_trick_gives_each_value_exactly(dtype):
     assert ((lo - z) == e.astype(np.float64) - zero).all()
 
 
+def test_half_sums_pair_the_tokens_as_the_words_pair_their_values(cuda):
+    # With half sums the 8 tokens of a word row are staged for the dot as (j, j + 4) pairs, the order
+    # in which ``Q4_WORD_HALF`` converts a word's values: staged element e holds token q4_order(e).
+    func = q4_linear(4096, 4096, layout="KN")
+    ops = analyze_matmul(func, dequant=True).operands
+    body = with_kernels(func, gemv_kn.kn_body(ops, _cfg(), 4)).body
+    stores = []
+
+    def visit(node):
+        if isinstance(node, tirx.BufferStore) and node.buffer.name == "xf":
+            assert isinstance(node.value, tirx.BufferLoad) and node.value.buffer.name == "xv"
+            stores.append((node.indices[0], node.value.indices[0]))
+
+    tirx.stmt_functor.post_order_visit(body, visit)
+    ((into, source),) = stores
+    staged = {evaluate(into, {"i": i, "u": 0}): evaluate(source, {"i": i, "u": 0}) for i in range(8)}
+    assert staged == dict(enumerate([0, 4, 1, 5, 2, 6, 3, 7]))
+    with pytest.raises(FuselightError, match="half_sums"):
+        bf16 = analyze_matmul(q4_linear(4096, 4096, layout="KN", dtype="bfloat16"), dequant=True).operands
+        gemv_kn.check_kn(bf16, _cfg())
+    assert not kn_gemv_config(bf16, cuda).half_sums  # the rule drops it
+
+
 def test_nvcc_compiles_the_kernels(cuda):
     funcs = {
         "qkv": q4_linear(6144, 4096, layout="KN"),
@@ -355,6 +380,7 @@ def test_nvcc_compiles_the_kernels(cuda):
         "prime": q4_linear(37, 1024, layout="KN", group=128),
         "even": q4_linear(4098, 576, layout="KN"),
         "vocab": q4_linear(None, 4096, layout="KN", epilogue="cast_fp32"),  # two kernels
+        "nk": q4_linear(6144, 4096),  # the NK row template's half sums share the word helper (guarded)
         **{name: make() for name, make in FUSED.items()},  # the norm prologue, the paired epilogue
     }
     kernels = {name: apply_rule(Gemv(), f, cuda).with_attr("global_symbol", name) for name, f in funcs.items()}
@@ -364,6 +390,8 @@ def test_nvcc_compiles_the_kernels(cuda):
     source = tvm.compile(tvm.IRModule(kernels), target=cuda).mod.imports[0].inspect_source("cuda")
     assert kernel_names(source) == {f"{name}_kernel" for name in kernels if name != "vocab"} | {"vocab_kernel", "vocab_kernel_1"}
     assert "fuselight_q4_dot8_bf16(" in kernel_body(source, "bf16_g128_kernel")
+    assert "fuselight_q4_dot8_fp16_half_sums(" in kernel_body(source, "qkv_kernel")
+    assert "fuselight_q4_dot32_fp16_half_sums(" in kernel_body(source, "nk_kernel")
     # The config is the analytic one for every described arch: sm_80 too.
     assert all(compile_cuda_concurrently([(source, "sm_90"), (source, "sm_80")]))
 

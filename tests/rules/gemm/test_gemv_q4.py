@@ -253,7 +253,7 @@ def test_rule_takes_the_lm_head_with_a_symbolic_vocabulary(cuda):
 def test_rule_leaves_what_the_template_does_not_serve(cuda):
     # KN: the KN template's (tests/rules/gemm/test_gemv_kn.py), not these.
     kn = kernel(apply_rule(Gemv(), q4_linear(4096, 4096, layout="KN"), cuda))
-    assert [str(a[0].value) for a in kn.call_args["tirx.cuda.func_call"]] == ["fuselight_q4_dot8_fp16"]
+    assert [str(a[0].value) for a in kn.call_args["tirx.cuda.func_call"]] == ["fuselight_q4_dot8_fp16_half_sums"]
     assert apply_rule(Gemv(), q4_linear(4096, 4096, m=17), cuda) is None  # static M past 16: DLight
     assert apply_rule(Gemv(), q4_linear(4096, 4096, zero=20.0), cuda) is None  # zero point past 16
     # (A symbolic batch is the Matmul rule's: the quantized GEMM, tests/rules/gemm/test_gemm_q4.py.)
