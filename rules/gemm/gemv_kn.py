@@ -10,8 +10,10 @@ over the lanes of a warp (``32 / lanes_n`` word rows side by side: one load inst
 reads ``16 lanes_n`` contiguous bytes of each) and over the block's ``cfg.warps`` warps; each lane
 walks its word rows ``cfg.unroll`` at a time, every load of a round issued before any is used.
 The words are converted in registers by the bit trick of the NK templates (``gemv.Q4_DTYPES``:
-values j and j + 4 of a word as one pair, exact), products and sums in float32; the 8 values of a
-word share a scale (a group is a multiple of 8 K), which multiplies their float32 sum once. The
+values j and j + 4 of a word as one pair, exact), products and sums in float32, or with
+``cfg.half_sums`` (fp16 tokens) summed in a pair of halves first (``gemv_rows.Q4_WORD_HALF``, the
+tokens staged as (j, j + 4) pairs); the 8 values of a word share a scale (a group is a multiple of
+8 K), which multiplies their float32 sum once. The
 partial sums are added over a warp's word rows by butterfly shuffles, then over the warps through
 shared memory, and one thread a output runs the epilogue (``ops.out``).
 
