@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+
 import tvm
 
 from ..device import device_model, require_device

@@ -44,9 +44,9 @@ from tvm import arith, relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..contracts import REWRITES_REFUSED_ATTR as REFUSED_ATTR
+from ..errors import FuselightError
 from ..relax_rewrite import unique_binding_names, visit_nodes
 from .classify import classify_binding
-from ..errors import FuselightError
 
 APPLIED_ATTR = "fuselight.rewrites_applied"
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")

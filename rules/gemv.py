@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-from tvm import tirx
-from tvm.target import Target
-from tvm.s_tir import dlight as dl
 import tvm
 import tvm_ffi
+from tvm import tirx
+from tvm.s_tir import dlight as dl
+from tvm.target import Target
 
 from ..device import require_device
 from ..errors import FuselightError
@@ -56,6 +56,14 @@ from .gemm.gemv_kn import KnGemvConfig, check_kn, kn_body, kn_config_for, kn_vec
 from .gemm.operands import GemmOperands
 
 
+_Bucket = TypeVar("_Bucket", GemvConfig, KnGemvConfig)
+
+
+def _for_tokens(cfg: _Bucket, ops: GemmOperands) -> _Bucket:
+    """``cfg`` without ``half_sums`` where the tokens are not fp16: bf16 keeps the float32 dot."""
+    return dataclasses.replace(cfg, half_sums=False) if cfg.half_sums and ops.dtype != "float16" else cfg
+
+
 def gemv_config(ops: GemmOperands, m: int, target: Target) -> GemvConfig | None:
     """The GEMV bucket that computes ``ops`` for up to ``m`` token rows on ``target`` (``ops.m`` may
     be symbolic), or None: no config for the arch, no bucket for ``m``, or operands the template
@@ -65,8 +73,7 @@ def gemv_config(ops: GemmOperands, m: int, target: Target) -> GemvConfig | None:
         cfg = config_for(load_gemv_configs(arch, ops.dequant is not None), m, grid_blocks(ops), ops.k, ops.dtype)
         if cfg is None:
             return None
-        if cfg.half_sums and ops.dtype != "float16":
-            cfg = dataclasses.replace(cfg, half_sums=False)  # fp16 sums only: bf16 keeps the float32 dot
+        cfg = _for_tokens(cfg, ops)
         # The kernel's shared memory is static: the device's static limit.
         check_gemv(ops, cfg, require_device(arch).smem_per_block)
     except FuselightError:
@@ -88,8 +95,7 @@ def kn_gemv_config(ops: GemmOperands, target: Target) -> KnGemvConfig | None:
         cfg = kn_config_for(load_kn_configs(arch), static_m(ops) or 0)
         if cfg is None:
             return None
-        if cfg.half_sums and ops.dtype != "float16":
-            cfg = dataclasses.replace(cfg, half_sums=False)  # fp16 sums only, as the NK buckets'
+        cfg = _for_tokens(cfg, ops)
         # The kernel's shared memory is static: the device's static limit.
         check_kn(ops, cfg, require_device(arch).smem_per_block)
     except FuselightError:

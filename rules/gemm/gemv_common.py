@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from typing import Any
+
 from tvm.script import tirx as T
 
 from .operands import GemmOperands

@@ -53,22 +53,22 @@ import dataclasses
 import re
 from typing import Any
 
+import tvm
 from fuselight.device import require_device
 from fuselight.errors import FuselightError
 from fuselight.paths import config_dir
 from tvm import tirx
 from tvm.backend.cuda import op as cuda_op
 from tvm.script import tirx as T
-import tvm
 
 from .. import arch_config
 from ..arch_config import arch_entry, from_fields
+from ..base import with_kernels
 from .gemv import CONFIG_FAMILY, check_gemv
 from .gemv_common import GemvConfig
 from .gemv_rows import declared, rows_stage
 from .operands import GemmOperands
 from .plan import WARP
-from ..base import with_kernels
 
 CONFIG_NAME = "gemv_persistent"
 # The config's entries: float weights, 4-bit (q4f16_1) weights.

@@ -17,6 +17,7 @@ epilogue (``split_k``).
 from __future__ import annotations
 
 from typing import Any
+
 from tvm.backend.cuda import op as cuda_op
 from tvm.script import tirx as T
 

@@ -11,6 +11,7 @@ and c + pair_offset for output column c.
 from __future__ import annotations
 
 from typing import Any
+
 from tvm.script import tirx as T
 
 from .operands import GemmOperands
