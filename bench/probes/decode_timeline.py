@@ -38,14 +38,15 @@ TOP = 8
 def timeline_summary(events: list[tuple[str, float, float]]) -> dict[str, Any]:
     """Per step: period, busy and idle µs, the largest gaps by (before -> after) and the largest
     exclusive times, from ``(name, start µs, end µs)`` device events of several steps."""
-    from fuselight.bench.profile import covered, exclusive
+    from fuselight.bench.profile import exclusive
 
     kernels = [e for e in events if not e[0].startswith("Memcpy")]
     marker = max({e[0] for e in kernels}, key=lambda n: max(e[2] - e[1] for e in kernels if e[0] == n))
     ends = sorted(e[2] for e in events if e[0] == marker)
     lo, hi, steps = ends[1], ends[-1], len(ends) - 2  # whole steps only
     inside = [(n, max(s, lo), min(e, hi)) for n, s, e in events if e > lo and s < hi]
-    busy = covered([(s, e) for _, s, e in inside])
+    excl = Counter(exclusive(inside))
+    busy = sum(excl.values())  # the exclusive times add up to the covered time
     gaps: Counter[str] = Counter()
     reach, last = lo, marker
     for name, start, end in sorted(inside, key=lambda r: r[1]):
@@ -53,7 +54,6 @@ def timeline_summary(events: list[tuple[str, float, float]]) -> dict[str, Any]:
             gaps[f"{last} -> {name}"] += start - reach
         if end > reach:
             reach, last = end, name
-    excl = Counter(exclusive(inside))
     return {
         "marker": marker,
         "steps": steps,
@@ -70,6 +70,7 @@ def measure(lib: Path, context: int) -> dict[str, Any]:
     import torch
 
     from fuselight.bench.e2e import _open_tvm, quantize_on_device, random_weights
+    from fuselight.bench.profile import device_runs, profiled
     from fuselight.config import load
     from fuselight.runtime import init_tvm, read_metadata
 
@@ -122,11 +123,7 @@ def measure(lib: Path, context: int) -> dict[str, Any]:
         out["vm_call_us"] = round(float(np.median(calls[SINGLE_WARMUP:])) * 1e6, 1)
 
         def timeline(run: Any) -> list[tuple[str, float, float]]:
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                run()
-                torch.cuda.synchronize()
-            return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
+            return device_runs(profiled(run, torch.cuda.synchronize))
 
         logits = fresh()
         out["generate_timeline"] = timeline_summary(timeline(lambda: engine.greedy(logits, TIMELINE_GENERATE + 1)))

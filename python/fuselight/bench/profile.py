@@ -101,26 +101,37 @@ def summarize(
     }
 
 
-def profile_steps(step: Callable[[], Any], steps: int, sync: Callable[[], None]) -> dict[str, Any]:
-    """Run ``step`` ``steps`` times under the CUDA profiler; ``summarize`` of its kernels."""
+def profiled(run: Callable[[], Any], sync: Callable[[], None]) -> Any:
+    """``run()`` under the CUDA profiler, the device synchronised before and after: the profiler."""
     import torch
 
     sync()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
+        run()
         sync()
+    return prof
+
+
+def device_runs(prof: Any, skip: tuple[str, ...] = ()) -> list[tuple[str, float, float]]:
+    """``(name, start µs, end µs)`` of each device operation ``prof`` recorded, but those whose name
+    starts with one of ``skip``."""
+    return [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and not e.name.startswith(skip)
+    ]
+
+
+def profile_steps(step: Callable[[], Any], steps: int, sync: Callable[[], None]) -> dict[str, Any]:
+    """Run ``step`` ``steps`` times under the CUDA profiler; ``summarize`` of its kernels."""
+    prof = profiled(lambda: [step() for _ in range(steps)], sync)
     skip = ("Memcpy", "Memset", "cudaDeviceSynchronize")
     events = [
         (e.key, e.device_time_total, e.count)
         for e in prof.key_averages()
         if e.device_time_total > 0 and not e.key.startswith(skip)
     ]
-    runs = [
-        (e.name, e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type.name == "CUDA" and not e.name.startswith(skip)
-    ]
+    runs = device_runs(prof, skip)
     api_calls = [e.name for e in prof.events() if e.device_type.name == "CPU"]
     launched = host_launches(api_calls, list(bench_config()["host_launch_apis"]))
     return summarize(events, steps, families(), covered([r[1:] for r in runs]), exclusive(runs), launched)

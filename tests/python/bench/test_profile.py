@@ -1,9 +1,12 @@
 """Decode-step profile summaries (bench/profile.py): kernel families from configs/bench.json, per-step sums."""
 
+from types import SimpleNamespace
+
 import pytest
 from fuselight.bench.profile import (
     OTHER,
     covered,
+    device_runs,
     exclusive,
     families,
     family_of,
@@ -71,3 +74,17 @@ def test_host_launches_count_kernel_and_graph_launches_per_step():
     out = summarize([("NT_matmul_kernel", 30.0, 90)], 3, [("gemv", "matmul")], launched_by_host=9)
     assert out["host_launches"] == 3.0 and out["launches"] == 30.0  # a graph launches many kernels for one
     assert "host_launches" not in summarize([("NT_matmul_kernel", 30.0, 3)], 3, [("gemv", "matmul")])
+
+
+def test_device_runs_keep_the_device_operations_but_the_skipped():
+    def event(name, device, start, end):
+        return SimpleNamespace(name=name, device_type=SimpleNamespace(name=device),
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    prof = SimpleNamespace(events=lambda: [
+        event("cudaGraphLaunch", "CPU", 0.0, 2.0), event("Memcpy DtoD (Device -> Device)", "CUDA", 1.0, 2.0),
+        event("a_kernel", "CUDA", 3.0, 9.0), event("Memset (Device)", "CUDA", 9.0, 9.5),
+    ])
+    assert device_runs(prof) == [("Memcpy DtoD (Device -> Device)", 1.0, 2.0), ("a_kernel", 3.0, 9.0),
+                                 ("Memset (Device)", 9.0, 9.5)]
+    assert device_runs(prof, ("Memcpy", "Memset")) == [("a_kernel", 3.0, 9.0)]
